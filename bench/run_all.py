@@ -1,0 +1,32 @@
+"""Runs every benchmark family and writes their results (see BENCH.md).
+
+    python bench/run_all.py [--quick] [--out DIR]
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+FAMILIES = ["bench_moe.py"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller shape sets")
+    parser.add_argument("--out", default=None, help="directory for the results (default bench/results)")
+    args = parser.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    failed = []
+    for script in FAMILIES:
+        cmd = [sys.executable, os.path.join(here, script)] + (["--quick"] if args.quick else [])
+        cmd += ["--out", args.out] if args.out else []
+        print(f"== {script}", flush=True)
+        if subprocess.call(cmd) != 0:
+            failed.append(script)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+// Small device primitives shared by the CUDA kernels: launch helpers, warp/block scans and
+// 16-bit conversions. Hopper-only instructions live in hopper.cuh.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace kda_dsa_ops {
+
+constexpr int kWarpSize = 32;
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int num_sms(int device) {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+struct SumOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct MaxOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_inclusive_scan(T v, Op op) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int d = 1; d < kWarpSize; d *= 2) {
+    const T other = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v = op(v, other);
+  }
+  return v;
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int d = kWarpSize / 2; d > 0; d /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, d));
+  return v;
+}
+
+// Inclusive scan over the block (blockDim.x a multiple of 32, at most 1024). Returns the
+// thread's prefix; *total receives the block total. warp_totals: 32 entries of shared memory.
+template <typename T, typename Op>
+__device__ T block_inclusive_scan(T v, Op op, T identity, T* warp_totals, T* total) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  v = warp_inclusive_scan(v, op);
+  if (lane == kWarpSize - 1) warp_totals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    T w = lane < warps ? warp_totals[lane] : identity;
+    w = warp_inclusive_scan(w, op);
+    warp_totals[lane] = w;
+  }
+  __syncthreads();
+  if (warp > 0) v = op(warp_totals[warp - 1], v);
+  *total = warp_totals[warps - 1];
+  __syncthreads();
+  return v;
+}
+
+// Exclusive and inclusive prefix sums of n ints over one block, chunk by chunk:
+// store(i, exclusive, inclusive) for every i < n. Every thread of the block must call it.
+template <typename Load, typename Store>
+__device__ void block_scan_sum(int n, Load load, Store store) {
+  __shared__ int warp_totals[kWarpSize];
+  int carry = 0;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const int v = i < n ? load(i) : 0;
+    int total;
+    const int inclusive = block_inclusive_scan(v, SumOp{}, 0, warp_totals, &total);
+    if (i < n) store(i, carry + inclusive - v, carry + inclusive);
+    carry += total;
+  }
+}
+
+}  // namespace kda_dsa_ops

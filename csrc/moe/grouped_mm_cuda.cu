@@ -1,0 +1,421 @@
+// grouped_mm and grouped_mm_wgrad on Hopper (sm_90a): wgmma + TMA, warp-specialised.
+//
+//   forward: out[r, :] = a[r, :] @ b[e]               for the rows r of expert e
+//   wgrad:   out[e]    = a[rows of e]^T @ dy[rows of e]
+// Rows of expert e are [bounds[e], bounds[e+1]), bounds = offs clamped to be non-decreasing
+// and within [0, M] (so bad offs never reach memory out of bounds).
+//
+// Tiling: a persistent grid walks 128 x 256 output tiles (forward: expert by expert, the
+// 128-row tiles of an expert innermost so its weight tile stays in L2; wgrad: expert, K tile,
+// N tile). Each CTA has one producer warpgroup whose single thread issues TMA loads of 64-deep
+// reduction slices into a 4-stage ring of 128B-swizzled shared-memory tiles (48 KB a stage),
+// and two consumer warpgroups, each holding a 64 x 256 fp32 accumulator in registers and
+// issuing wgmma m64n256k16. Stages are handed over through full/empty mbarriers. The epilogue
+// writes 16-bit pairs straight from registers, masked to the expert's rows and to N, while the
+// producer already streams the next tile. In wgrad the last reduction slice of an expert can
+// reach into the next expert's rows: the consumers zero those rows in shared memory first.
+#include "common/checks.h"
+#include "common/device.cuh"
+#include "common/dispatch.h"
+#include "common/hopper.cuh"
+#include "common/tma.h"
+#include "moe/moe.h"
+
+namespace kda_dsa_ops::moe {
+namespace {
+
+using namespace sm90;
+
+enum class GemmMode {
+  kForwardKN,  // b[e] is [K, N] with N contiguous (wgmma B operand N-major)
+  kForwardNK,  // b[e] is the transpose view of an [N, K] matrix, K contiguous (B K-major)
+  kWgrad,      // A = a^T (M-major), B = dy (N-major), reduction over the expert's rows
+};
+
+struct GemmTraits {
+  static constexpr int kBM = 128, kBN = 256, kBK = 64;
+  static constexpr int kStages = 4;
+  static constexpr int kConsumers = 2;                      // warpgroups of 64 output rows
+  static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+  static constexpr int kABytes = kBM * kBK * 2;
+  static constexpr int kBBytes = kBN * kBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kChunkBytes = 64 * 128;               // one 64 x 64 swizzled box
+  static constexpr int kMaxExperts = 4096;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static constexpr int kAlign = 1024;                        // 128B-swizzle atoms repeat every 1 KB
+  static constexpr int kBarrierBytes = 2 * kStages * 8;
+
+  static constexpr size_t smem_bytes(int tile_prefix_entries) {
+    return kAlign + kStages * kStageBytes + kBarrierBytes + static_cast<size_t>(tile_prefix_entries) * 4;
+  }
+};
+
+struct GemmParams {
+  void* out;
+  const int* bounds;       // [E + 1] expert row bounds
+  const int* tile_prefix;  // forward: [E + 1] cumulative 128-row tiles per expert
+  int num_experts, M, N, K;
+  int n_tiles;             // ceil(N / kBN)
+  int k_row_tiles;         // wgrad: ceil(K / kBM)
+};
+
+// One output tile: rows [m0, m_end) of the output (tokens, or K in wgrad), columns from n0,
+// reduction slices [r0, r0 + 64 * k_steps) with valid reduction indices below r_end.
+struct Tile {
+  int expert, m0, m_end, n0, r0, r_end, k_steps;
+};
+
+template <GemmMode kMode>
+__device__ __forceinline__ int total_tiles(const GemmParams& p, const int* tile_prefix) {
+  if constexpr (kMode == GemmMode::kWgrad) {
+    return p.num_experts * p.k_row_tiles * p.n_tiles;
+  } else {
+    return tile_prefix[p.num_experts] * p.n_tiles;
+  }
+}
+
+template <GemmMode kMode>
+__device__ __forceinline__ Tile decode_tile(const GemmParams& p, const int* tile_prefix, int tile) {
+  using Tr = GemmTraits;
+  Tile t;
+  if constexpr (kMode == GemmMode::kWgrad) {
+    const int per_expert = p.k_row_tiles * p.n_tiles;
+    t.expert = tile / per_expert;
+    const int rem = tile - t.expert * per_expert;
+    t.m0 = (rem / p.n_tiles) * Tr::kBM;
+    t.m_end = p.K;
+    t.n0 = (rem % p.n_tiles) * Tr::kBN;
+    t.r0 = __ldg(p.bounds + t.expert);
+    t.r_end = __ldg(p.bounds + t.expert + 1);
+  } else {
+    // The expert owning this tile: the last e with tile_prefix[e] * n_tiles <= tile.
+    int lo = 0, hi = p.num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_prefix[mid] * p.n_tiles <= tile) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    t.expert = lo;
+    const int m_tiles = tile_prefix[lo + 1] - tile_prefix[lo];
+    const int local = tile - tile_prefix[lo] * p.n_tiles;
+    t.m0 = __ldg(p.bounds + lo) + (local % m_tiles) * Tr::kBM;
+    t.m_end = __ldg(p.bounds + lo + 1);
+    t.n0 = (local / m_tiles) * Tr::kBN;
+    t.r0 = 0;
+    t.r_end = p.K;
+  }
+  t.k_steps = static_cast<int>(ceil_div(t.r_end - t.r0, Tr::kBK));
+  return t;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  const T l = from_float<T>(lo), h = from_float<T>(hi);
+  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&l)) |
+         (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&h)) << 16);
+}
+
+// Rows [valid, 64) of every 64-row box of a wgrad stage belong to the next expert (or past M):
+// zero them in both operands so they add nothing, then publish the writes to the async proxy.
+__device__ __forceinline__ void zero_stage_tail(uint8_t* stage, int valid, int consumer_thread) {
+  using Tr = GemmTraits;
+  constexpr int kBoxes = Tr::kStageBytes / Tr::kChunkBytes;  // 2 boxes of a^T, 4 of dy
+  const int rows = 64 - valid;
+  const int per_box = rows * 8;                              // 16-byte pieces per box
+  for (int i = consumer_thread; i < kBoxes * per_box; i += Tr::kConsumers * 128) {
+    const int box = i / per_box, rem = i - box * per_box;
+    uint8_t* p = stage + box * Tr::kChunkBytes + (valid + rem / 8) * 128 + (rem % 8) * 16;
+    *reinterpret_cast<uint4*>(p) = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier_sync(1, Tr::kConsumers * 128);
+}
+
+template <typename T, GemmMode kMode>
+__global__ void __launch_bounds__(GemmTraits::kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b) {
+#ifdef KDA_SM90A_ENABLED
+  using Tr = GemmTraits;
+  constexpr int kTransA = kMode == GemmMode::kWgrad ? 1 : 0;
+  constexpr int kTransB = kMode == GemmMode::kForwardNK ? 0 : 1;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((Tr::kAlign - (smem_addr(smem_raw) & (Tr::kAlign - 1))) & (Tr::kAlign - 1));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Tr::kStages * Tr::kStageBytes);
+  uint64_t* empty = full + Tr::kStages;
+  int* tile_prefix = reinterpret_cast<int*>(empty + Tr::kStages);
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Tr::kStages; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, Tr::kConsumers * 4);  // one arrival per consumer warp
+    }
+    mbar_init_fence();
+  }
+  if constexpr (kMode != GemmMode::kWgrad) {
+    for (int i = threadIdx.x; i <= p.num_experts; i += blockDim.x) tile_prefix[i] = p.tile_prefix[i];
+  }
+  __syncthreads();
+  const int num_tiles = total_tiles<kMode>(p, tile_prefix);
+
+  if (warpgroup == Tr::kConsumers) {
+    // Producer: one thread streams every stage of every tile this CTA owns.
+    warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x != Tr::kConsumers * 128) return;
+    tma_prefetch_descriptor(&map_a);
+    tma_prefetch_descriptor(&map_b);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const Tile t = decode_tile<kMode>(p, tile_prefix, tile);
+      for (int ks = 0; ks < t.k_steps; ++ks) {
+        mbar_wait(empty + stage, phase ^ 1);
+        uint8_t* sa = smem + stage * Tr::kStageBytes;
+        uint8_t* sb = sa + Tr::kABytes;
+        const int r = t.r0 + ks * Tr::kBK;
+        mbar_arrive_expect_tx(full + stage, Tr::kStageBytes);
+        if constexpr (kMode == GemmMode::kWgrad) {
+          for (int c = 0; c < 2; ++c) tma_load_2d(sa + c * Tr::kChunkBytes, &map_a, full + stage, t.m0 + 64 * c, r);
+          for (int c = 0; c < 4; ++c) tma_load_2d(sb + c * Tr::kChunkBytes, &map_b, full + stage, t.n0 + 64 * c, r);
+        } else {
+          tma_load_2d(sa, &map_a, full + stage, r, t.m0);
+          if constexpr (kMode == GemmMode::kForwardNK) {
+            tma_load_3d(sb, &map_b, full + stage, r, t.n0, t.expert);
+          } else {
+            for (int c = 0; c < 4; ++c) {
+              tma_load_3d(sb + c * Tr::kChunkBytes, &map_b, full + stage, t.n0 + 64 * c, r, t.expert);
+            }
+          }
+        }
+        if (++stage == Tr::kStages) stage = 0, phase ^= 1;
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  const int consumer_thread = threadIdx.x;  // 0 .. 255
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  T* out = static_cast<T*>(p.out);
+
+  if constexpr (kMode != GemmMode::kWgrad) {
+    // Rows past the last expert are zero (torch._grouped_mm leaves them undefined).
+    const int tail_start = __ldg(p.bounds + p.num_experts);
+    const int64_t pieces = static_cast<int64_t>(p.M - tail_start) * (p.N / 8);
+    for (int64_t i = blockIdx.x * 256ll + consumer_thread; i < pieces; i += gridDim.x * 256ll) {
+      const int64_t row = tail_start + i / (p.N / 8), col = (i % (p.N / 8)) * 8;
+      *reinterpret_cast<uint4*>(out + row * p.N + col) = make_uint4(0, 0, 0, 0);
+    }
+  }
+
+  float acc[128];
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const Tile t = decode_tile<kMode>(p, tile_prefix, tile);
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    int previous = -1;
+    for (int ks = 0; ks < t.k_steps; ++ks) {
+      mbar_wait(full + stage, phase);
+      uint8_t* sa = smem + stage * Tr::kStageBytes;
+      uint8_t* sb = sa + Tr::kABytes;
+      if constexpr (kMode == GemmMode::kWgrad) {
+        const int valid = t.r_end - (t.r0 + ks * Tr::kBK);
+        if (valid < Tr::kBK) zero_stage_tail(sa, valid, consumer_thread);
+      }
+      const uint32_t a_base = smem_addr(sa) + warpgroup * Tr::kChunkBytes;
+      const uint32_t b_base = smem_addr(sb);
+      fence_accumulators(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int k16 = 0; k16 < Tr::kBK / 16; ++k16) {
+        // K-major operands advance 32 bytes along the swizzled row; M/N-major ones 16 rows.
+        const uint64_t da = kTransA ? sw128_descriptor(a_base + k16 * 2048, Tr::kChunkBytes)
+                                    : sw128_descriptor(a_base + k16 * 32, 16);
+        const uint64_t db = kTransB ? sw128_descriptor(b_base + k16 * 2048, Tr::kChunkBytes)
+                                    : sw128_descriptor(b_base + k16 * 32, 16);
+        wgmma_m64n256k16<T, kTransA, kTransB>(acc, da, db);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous slice's wgmmas are done: its stage can be refilled
+      fence_accumulators(acc);
+      if (previous >= 0 && lane == 0) mbar_arrive(empty + previous);
+      previous = stage;
+      if (++stage == Tr::kStages) stage = 0, phase ^= 1;
+    }
+    wgmma_wait<0>();
+    fence_accumulators(acc);
+    if (previous >= 0 && lane == 0) mbar_arrive(empty + previous);
+
+    // Epilogue: this thread's rows are m0 + 64*warpgroup + 16*warp + lane/4 (+8).
+    const int row0 = t.m0 + warpgroup * 64 + warp * 16 + lane / 4;
+    T* base = kMode == GemmMode::kWgrad ? out + static_cast<int64_t>(t.expert) * p.K * p.N : out;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + half * 8;
+      if (row >= t.m_end) continue;
+      T* out_row = base + static_cast<int64_t>(row) * p.N;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = t.n0 + j * 8 + (lane % 4) * 2;
+        if (col < p.N) {
+          *reinterpret_cast<uint32_t*>(out_row + col) = pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+  }
+#endif
+}
+
+// bounds[e+1] = min(max(offs[0..e], 0), M) (non-decreasing, within [0, M]); tile_prefix[e+1] =
+// sum of ceil(rows / 128) over experts 0..e. One block.
+__global__ void __launch_bounds__(1024) expert_bounds_kernel(const int* __restrict__ offs, int E, int M,
+                                                             int* __restrict__ bounds, int* __restrict__ tile_prefix) {
+  __shared__ int warp_totals[kWarpSize];
+  __shared__ int chunk_ends[1024];
+  int end_carry = 0, tile_carry = 0;
+  if (threadIdx.x == 0) bounds[0] = tile_prefix[0] = 0;
+  for (int base = 0; base < E; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    const int v = e < E ? min(max(offs[e], 0), M) : 0;
+    int total;
+    const int end = max(block_inclusive_scan(v, MaxOp{}, 0, warp_totals, &total), end_carry);
+    chunk_ends[threadIdx.x] = end;
+    __syncthreads();
+    const int start = threadIdx.x == 0 ? end_carry : chunk_ends[threadIdx.x - 1];
+    const int tiles = e < E ? static_cast<int>(ceil_div(end - start, GemmTraits::kBM)) : 0;
+    int tiles_total;
+    const int tiles_incl = block_inclusive_scan(tiles, SumOp{}, 0, warp_totals, &tiles_total);
+    if (e < E) {
+      bounds[e + 1] = end;
+      tile_prefix[e + 1] = tile_carry + tiles_incl;
+    }
+    end_carry = max(end_carry, total);
+    tile_carry += tiles_total;
+    __syncthreads();
+  }
+}
+
+void check_sm90(const at::Tensor& t, const char* op) {
+  int major = 0, minor = 0;
+  const int device = t.get_device();
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  TORCH_CHECK(major == 9 && minor == 0, op, ": the CUDA kernel needs a Hopper GPU (sm_90), got sm_", major, minor);
+  const std::string archs = KDA_DSA_OPS_CUDA_ARCHS;
+  TORCH_CHECK(archs.find("9.0a") != std::string::npos, op, ": this build has no sm_90a code (TORCH_CUDA_ARCH_LIST='",
+              archs, "'); rebuild with TORCH_CUDA_ARCH_LIST=9.0a");
+}
+
+void check_half(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
+              ": the CUDA kernel takes bfloat16 or float16, got ", t.scalar_type());
+}
+
+void check_rows_unit_stride(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, op, ": ", name, " must have unit stride in its last dimension, got ",
+              "strides ", c10::str(t.strides()), "; call .contiguous() first");
+}
+
+// Workspace [2, E + 1]: expert row bounds and forward tile prefix, computed on the device.
+at::Tensor expert_bounds(const at::Tensor& offs, int64_t M, cudaStream_t stream) {
+  const int64_t E = offs.size(0);
+  at::Tensor ws = at::empty({2, E + 1}, offs.options());
+  expert_bounds_kernel<<<1, 1024, 0, stream>>>(offs.contiguous().data_ptr<int>(), static_cast<int>(E),
+                                               static_cast<int>(M), ws[0].data_ptr<int>(), ws[1].data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return ws;
+}
+
+template <typename T, GemmMode kMode>
+void launch_gemm(const GemmParams& p, const CUtensorMap& map_a, const CUtensorMap& map_b, int64_t max_tiles,
+                 int device, cudaStream_t stream) {
+  const auto kernel = grouped_gemm_kernel<T, kMode>;
+  const int prefix_entries = kMode == GemmMode::kWgrad ? 0 : p.num_experts + 1;
+  const size_t smem = GemmTraits::smem_bytes(prefix_entries);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_sms(device), max_tiles)));
+  kernel<<<grid, GemmTraits::kThreads, smem, stream>>>(p, map_a, map_b);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  using Tr = GemmTraits;
+  check_grouped_mm(a, b, offs);
+  check_half(a, "grouped_mm");
+  check_sm90(a, "grouped_mm");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(2), E = b.size(0);
+  TORCH_CHECK(E <= Tr::kMaxExperts, "grouped_mm: the CUDA kernel takes at most ", Tr::kMaxExperts,
+              " experts, got ", E);
+  TORCH_CHECK(N % 8 == 0, "grouped_mm: the CUDA kernel needs N % 8 == 0 (16-byte output rows), got N = ", N);
+  check_rows_unit_stride(a, "a", "grouped_mm");
+  const bool n_contiguous = b.stride(2) == 1 || N == 1;
+  TORCH_CHECK(n_contiguous || b.stride(1) == 1, "grouped_mm: b must be [E, K, N] with N contiguous, or the transpose ",
+              "view of an [E, N, K] tensor (K contiguous), got strides ", c10::str(b.strides()));
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor out = at::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor ws = expert_bounds(offs, M, stream);
+  GemmParams p{out.data_ptr(), ws[0].data_ptr<int>(), ws[1].data_ptr<int>(), static_cast<int>(E),
+               static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(ceil_div(N, Tr::kBN)), 0};
+  const CUtensorMap map_a = make_tensor_map_sw128<2>(a, {uint64_t(K), uint64_t(M)}, {uint64_t(a.stride(0))},
+                                                     {64, Tr::kBM}, "a");
+  const int64_t max_tiles = (ceil_div(M, Tr::kBM) + E) * p.n_tiles;
+  KDA_DISPATCH_CUDA_HALF(a.scalar_type(), "grouped_mm", [&] {
+    if (n_contiguous) {
+      const uint64_t expert_stride = E == 1 ? uint64_t(K) * b.stride(1) : uint64_t(b.stride(0));
+      const CUtensorMap map_b = make_tensor_map_sw128<3>(b, {uint64_t(N), uint64_t(K), uint64_t(E)},
+                                                         {uint64_t(b.stride(1)), expert_stride}, {64, 64, 1}, "b");
+      launch_gemm<scalar_t, GemmMode::kForwardKN>(p, map_a, map_b, max_tiles, a.get_device(), stream);
+    } else {
+      const uint64_t expert_stride = E == 1 ? uint64_t(N) * b.stride(2) : uint64_t(b.stride(0));
+      const CUtensorMap map_b = make_tensor_map_sw128<3>(b, {uint64_t(K), uint64_t(N), uint64_t(E)},
+                                                         {uint64_t(b.stride(2)), expert_stride}, {64, Tr::kBN, 1}, "b");
+      launch_gemm<scalar_t, GemmMode::kForwardNK>(p, map_a, map_b, max_tiles, a.get_device(), stream);
+    }
+  });
+  return out;
+}
+
+at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& offs) {
+  using Tr = GemmTraits;
+  check_grouped_mm_wgrad(a, dy, offs);
+  check_half(a, "grouped_mm_wgrad");
+  check_sm90(a, "grouped_mm_wgrad");
+  const int64_t M = a.size(0), K = a.size(1), N = dy.size(1), E = offs.size(0);
+  TORCH_CHECK(K % 8 == 0 && N % 8 == 0, "grouped_mm_wgrad: the CUDA kernel needs K % 8 == 0 and N % 8 == 0 ",
+              "(16-byte rows), got K = ", K, ", N = ", N);
+  check_rows_unit_stride(a, "a", "grouped_mm_wgrad");
+  check_rows_unit_stride(dy, "dy", "grouped_mm_wgrad");
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor out = at::empty({E, K, N}, a.options());
+  if (K == 0 || N == 0 || E == 0) return out;
+  if (M == 0) return out.zero_();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor ws = expert_bounds(offs, M, stream);
+  GemmParams p{out.data_ptr(), ws[0].data_ptr<int>(), nullptr, static_cast<int>(E), static_cast<int>(M),
+               static_cast<int>(N), static_cast<int>(K), static_cast<int>(ceil_div(N, Tr::kBN)),
+               static_cast<int>(ceil_div(K, Tr::kBM))};
+  const CUtensorMap map_a = make_tensor_map_sw128<2>(a, {uint64_t(K), uint64_t(M)}, {uint64_t(a.stride(0))},
+                                                     {64, 64}, "a");
+  const CUtensorMap map_dy = make_tensor_map_sw128<2>(dy, {uint64_t(N), uint64_t(M)}, {uint64_t(dy.stride(0))},
+                                                      {64, 64}, "dy");
+  const int64_t tiles = E * p.k_row_tiles * p.n_tiles;
+  KDA_DISPATCH_CUDA_HALF(a.scalar_type(), "grouped_mm_wgrad", [&] {
+    launch_gemm<scalar_t, GemmMode::kWgrad>(p, map_a, map_dy, tiles, a.get_device(), stream);
+  });
+  return out;
+}
+
+}  // namespace kda_dsa_ops::moe

@@ -1,0 +1,47 @@
+"""kda_dsa_ops: CUDA kernels for hybrid KDA / gated-DSA sparse-attention MoE models.
+
+The ops live in torch.ops.kda_dsa_ops; the functions here are their typed wrappers.
+"""
+
+import torch  # noqa: F401  (the native library needs torch loaded first)
+
+from . import _C
+from .ops import grouped_mm, grouped_mm_wgrad, moe_permute, moe_route, moe_unpermute
+
+__version__ = _C.build_info()["version"]
+
+
+def build_info() -> dict:
+    """What this build holds: {"version", "backends": ["cpu", "cuda"?], "cuda_archs": [...]}."""
+    info = _C.build_info()
+    return {
+        "version": info["version"],
+        "backends": info["backends"].split(","),
+        "cuda_archs": [a for a in info["cuda_archs"].replace(";", " ").split() if a],
+    }
+
+
+def cuda_available() -> bool:
+    """True when the CUDA kernels were built and a CUDA device is present."""
+    return "cuda" in build_info()["backends"] and torch.cuda.is_available()
+
+
+def value_checks_enabled() -> bool:
+    """Whether value checks (index ranges, monotone offsets) run on CUDA tensors.
+
+    They always run on CPU tensors. On CUDA they cost a host synchronisation, so they are off
+    unless KDA_DSA_OPS_CHECK_VALUES=1 is set or set_value_checks(True) is called; when off, the
+    CUDA kernels still never read or write out of bounds on bad values.
+    """
+    return _C.value_checks()
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn value checks on CUDA tensors on or off (see value_checks_enabled)."""
+    _C.set_value_checks(bool(enabled))
+
+
+__all__ = [
+    "build_info", "cuda_available", "grouped_mm", "grouped_mm_wgrad", "moe_permute", "moe_route", "moe_unpermute",
+    "set_value_checks", "value_checks_enabled",
+]

@@ -1,0 +1,167 @@
+"""Pure-PyTorch DSA: the lightning indexer (LI), sparse attention (SFA) and its gradient (SFAG),
+and the indexer's KL training loss.
+
+Causality within a packed sequence of Lq queries and Lk keys is bottom-right aligned: query i
+(0-based in its sequence) sees keys j <= i + Lk - Lq.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MAX_TOPK = 2048
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s]) for every pair: [T, Tk], accumulation dtype."""
+    acc = _acc_dtype(q)
+    qk = torch.einsum("thd,sd->ths", q.to(acc), k.to(acc))
+    return torch.einsum("ths,th->ts", qk.relu(), w.to(acc))
+
+
+def lightning_indexer(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k visible keys per query by indexer score.
+
+    q [T,Hi,Di], k [Tk,Di], w [T,Hi]. Returns indices [T,topk] int32 (absolute rows of k, sorted
+    by score descending, ties to the lower index, -1 past the visible keys) and scores
+    [T,topk] (fp32, fp64 for fp64 inputs; -inf where the index is -1).
+    """
+    if not 0 < topk <= MAX_TOPK:
+        raise ValueError(f"topk must be in [1, {MAX_TOPK}], got {topk}")
+    T = q.shape[0]
+    acc = _acc_dtype(q)
+    indices = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    scores = torch.full((T, topk), -math.inf, dtype=acc, device=q.device)
+    for (qs, qe), (ks, ke) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
+        Lq, Lk = qe - qs, ke - ks
+        if Lq == 0 or Lk == 0:
+            continue
+        s = indexer_scores(q[qs:qe], k[ks:ke], w[qs:qe])
+        visible = torch.arange(Lk, device=q.device)[None, :] <= torch.arange(Lq, device=q.device)[:, None] + (Lk - Lq)
+        s = s.masked_fill(~visible, -math.inf)
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :topk]
+        top = s.gather(-1, order)
+        n = order.shape[1]
+        indices[qs:qe, :n] = torch.where(torch.isfinite(top), order + ks, -1).to(torch.int32)
+        scores[qs:qe, :n] = top
+    return indices, scores
+
+
+def lightning_indexer_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor,
+                          grad_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dw) of sum(grad_scores * I[t, indices[t]]), -1 entries ignored."""
+    acc = _acc_dtype(q)
+    qa, ka, wa, ga = q.to(acc), k.to(acc), w.to(acc), grad_scores.to(acc)
+    valid = indices >= 0
+    rows = indices.clamp(min=0).long()
+    ga = torch.where(valid, ga, torch.zeros_like(ga))
+    ks = ka[rows]                                            # [T, topk, Di]
+    qk = torch.einsum("thd,tsd->ths", qa, ks)                # [T, Hi, topk]
+    active = (qk > 0).to(acc)
+    dw = torch.einsum("ts,ths->th", ga, qk.relu())
+    coeff = ga[:, None, :] * wa[:, :, None] * active        # d I / d qk, [T, Hi, topk]
+    dq = torch.einsum("ths,tsd->thd", coeff, ks)
+    dk_sel = torch.einsum("ths,thd->tsd", coeff, qa)
+    dk = torch.zeros_like(ka).index_add_(0, rows.reshape(-1), dk_sel.reshape(-1, ka.shape[1]))
+    return dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)
+
+
+def indexer_kl_loss(attn_p: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of KL(p || softmax(scores)) on each query's selected keys.
+
+    attn_p [T,topk] is the main attention's probability mass on the selected keys (summed over
+    heads); it is renormalised over the valid (index >= 0) entries here. Queries with no valid
+    entry contribute zero.
+    """
+    acc = _acc_dtype(scores)
+    valid = indices >= 0
+    p = torch.where(valid, attn_p.to(acc), torch.zeros((), dtype=acc, device=scores.device))
+    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+    logq = torch.log_softmax(scores.to(acc).masked_fill(~valid, -math.inf), dim=-1)
+    terms = torch.where(p > 0, p * (torch.log(p) - logq), torch.zeros((), dtype=acc, device=scores.device))
+    return terms.sum(-1).mean()
+
+
+def _gather_kv(kv: torch.Tensor, indices: torch.Tensor, dv: int):
+    """Selected keys [T,Hkv,topk,Dqk] and values [T,Hkv,topk,dv]: the values are kv[..., :dv]."""
+    rows = indices.clamp(min=0).long()                         # [T, Hkv, topk]
+    heads = torch.arange(kv.shape[1], device=kv.device)[None, :, None]
+    k_sel = kv[rows, heads]
+    return k_sel, k_sel[..., :dv]
+
+
+def sparse_attn_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, dv: int,
+                    gate: torch.Tensor | None = None, return_p: bool = False):
+    """Attention of each query over its selected keys.
+
+    q [T,H,Dqk], kv [Tk,Hkv,Dqk], indices [T,Hkv,topk] (-1: no key). Query head h reads kv head
+    h // (H // Hkv). o = sigmoid(gate) * softmax(scale * q.k_sel) v_sel with v_sel = kv[..., :dv].
+    Returns (o [T,H,dv] in q's dtype, lse [T,H] natural log (-inf for a row with no key),
+    p [T,Hkv,topk] probabilities summed over the heads of each kv head, or None).
+    """
+    T, H, _ = q.shape
+    Hkv = kv.shape[1]
+    G = H // Hkv
+    acc = _acc_dtype(q)
+    k_sel, v_sel = _gather_kv(kv.to(acc), indices, dv)
+    qg = q.to(acc).reshape(T, Hkv, G, -1)
+    logits = torch.einsum("tagd,tasd->tags", qg, k_sel) * scale
+    logits = logits.masked_fill((indices < 0)[:, :, None, :], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)                                   # [T, Hkv, G]
+    probs = torch.where(torch.isfinite(lse)[..., None], torch.exp(logits - lse[..., None]),
+                        torch.zeros((), dtype=acc, device=q.device))
+    attn = torch.einsum("tags,tasd->tagd", probs, v_sel).reshape(T, H, dv)
+    o = attn * torch.sigmoid(gate.to(acc)) if gate is not None else attn
+    p = probs.sum(2) if return_p else None
+    return o.to(q.dtype), lse.reshape(T, H).to(torch.float32 if acc == torch.float32 else acc), p
+
+
+def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                    lse: torch.Tensor, scale: float, dv: int, gate: torch.Tensor | None = None):
+    """(dq, dkv, dgate) of sparse_attn_fwd, written out explicitly. dkv [Tk,Hkv,Dqk] collects the
+    key gradient and, in its first dv channels, the value gradient; dgate is None without a gate."""
+    T, H, _ = q.shape
+    Hkv = kv.shape[1]
+    G = H // Hkv
+    acc = _acc_dtype(q)
+    k_sel, v_sel = _gather_kv(kv.to(acc), indices, dv)
+    qg = q.to(acc).reshape(T, Hkv, G, -1)
+    lse_g = lse.to(acc).reshape(T, Hkv, G)
+    logits = torch.einsum("tagd,tasd->tags", qg, k_sel) * scale
+    live = (indices >= 0)[:, :, None, :] & torch.isfinite(lse_g)[..., None]
+    probs = torch.where(live, torch.exp(logits - lse_g[..., None]), torch.zeros((), dtype=acc, device=q.device))
+    attn = torch.einsum("tags,tasd->tagd", probs, v_sel)                    # ungated output
+    d_attn = do.to(acc).reshape(T, Hkv, G, dv)
+    dgate = None
+    if gate is not None:
+        sg = torch.sigmoid(gate.to(acc)).reshape(T, Hkv, G, dv)
+        dgate = (d_attn * attn * sg * (1 - sg)).reshape(T, H, dv).to(gate.dtype)
+        d_attn = d_attn * sg
+    delta = (d_attn * attn).sum(-1, keepdim=True)                            # [T, Hkv, G, 1]
+    dprobs = torch.einsum("tagd,tasd->tags", d_attn, v_sel)
+    dlogits = probs * (dprobs - delta) * scale
+    dq = torch.einsum("tags,tasd->tagd", dlogits, k_sel).reshape(T, H, -1)
+    dk_sel = torch.einsum("tags,tagd->tasd", dlogits, qg)                    # [T, Hkv, topk, Dqk]
+    dv_sel = torch.einsum("tags,tagd->tasd", probs, d_attn)                  # [T, Hkv, topk, dv]
+    rows = indices.clamp(min=0).long()
+    heads = torch.arange(Hkv, device=q.device)[None, :, None].expand_as(rows)
+    keep = (indices >= 0)[..., None].to(acc)
+    flat = (rows * Hkv + heads).reshape(-1)
+    dkv = torch.zeros(kv.shape[0] * Hkv, kv.shape[2], dtype=acc, device=q.device)
+    dkv.index_add_(0, flat, (dk_sel * keep).reshape(-1, kv.shape[2]))
+    dv_rows = torch.zeros(kv.shape[0] * Hkv, dv, dtype=acc, device=q.device)
+    dv_rows.index_add_(0, flat, (dv_sel * keep).reshape(-1, dv))
+    dkv[:, :dv] += dv_rows
+    return dq.to(q.dtype), dkv.reshape(kv.shape).to(kv.dtype), dgate

@@ -1,0 +1,76 @@
+"""Build of kda_dsa_ops._C: the one place that lists sources and compiler flags.
+
+CMakeLists.txt drives this file (it runs `setup.py build_ext --inplace`); nothing else
+keeps a list of sources or flags.
+
+Environment:
+  KDA_DSA_OPS_CUDA=0        build the CPU kernels only (quick iterations)
+  TORCH_CUDA_ARCH_LIST      CUDA targets, default "9.0a" (wgmma/TMA kernels need 9.0a)
+  CUDA_HOME                 CUDA toolkit with nvcc (e.g. /usr/local/cuda)
+  MAX_JOBS                  parallel compile jobs (ninja)
+"""
+
+import glob
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
+
+
+def _cuda_requested() -> bool:
+    if os.environ.get("KDA_DSA_OPS_CUDA", "1") == "0":
+        return False
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def _sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "**", pattern), recursive=True))
+
+
+def _extension():
+    with_cuda = _cuda_requested()
+    arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a") if with_cuda else ""
+    defines = [
+        ("Py_LIMITED_API", "0x03090000"),
+        ("KDA_DSA_OPS_VERSION", f'"{VERSION}"'),
+        ("KDA_DSA_OPS_CUDA_ARCHS", f'"{arch_list}"'),
+    ]
+    cxx_flags = ["-O3", "-std=c++20", "-fdiagnostics-color=always"]
+    sources = _sources("*.cpp")
+    if not with_cuda:
+        return cpp_extension.CppExtension(
+            "kda_dsa_ops._C", sources, include_dirs=[os.path.join(ROOT, "csrc")], define_macros=defines,
+            extra_compile_args={"cxx": cxx_flags}, py_limited_api=True)
+    nvcc_flags = [
+        "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+        "-lineinfo", "-Xptxas=-warn-spills",
+        # torch's defaults undefine the half operators; our kernels use cuda_bf16/cuda_fp16 directly.
+        "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+    ]
+    if os.environ.get("KDA_DSA_OPS_PTXAS_VERBOSE") == "1":
+        nvcc_flags.append("-Xptxas=-v")
+    return cpp_extension.CUDAExtension(
+        "kda_dsa_ops._C", sources + _sources("*.cu"), include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=defines + [("KDA_DSA_OPS_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        py_limited_api=True)
+
+
+setup(
+    name="kda_dsa_ops",
+    version=VERSION,
+    description="CUDA kernels for hybrid KDA / DSA sparse-attention MoE models: KDA, LI, SFA, SFAG, grouped expert GEMM",
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11"],
+    extras_require={"test": ["pytest", "hypothesis", "numpy"], "bench": ["matplotlib"]},
+)

@@ -1,0 +1,27 @@
+"""Test helpers: memory poisoning, opcheck wrapper, input builders shared by the test files."""
+
+import torch
+
+POISON_BYTE = 0xFE  # fp16 NaN, bf16/fp32 -1.7e38, int32 -16843010: unwritten outputs cannot pass
+
+
+def poison(device) -> None:
+    """Fill memory the CUDA caching allocator will hand out next, so outputs a kernel fails to
+    write show up as garbage instead of stale correct values (no-op on CPU)."""
+    if torch.device(device).type != "cuda":
+        return
+    blocks = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1 << 26, 1 << 22, 1 << 20, 1 << 16, 1 << 12)]
+    for b in blocks:
+        b.fill_(POISON_BYTE)
+    del blocks
+
+
+def opcheck(op, args, kwargs=None):
+    """torch.library.opcheck with every test utility; raises on failure."""
+    result = torch.library.opcheck(op, args, kwargs or {})
+    failed = {k: v for k, v in result.items() if v != "SUCCESS"}
+    assert not failed, failed
+
+
+def offsets_from_counts(counts, device) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)

@@ -1,0 +1,380 @@
+"""MoE ops (routing, permutation, grouped GEMM) against the float64 reference, on CPU and CUDA:
+outputs and every gradient, opcheck, torch.compile(fullgraph=True), no host synchronisation,
+determinism, and bad inputs."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kda_dsa_ops as K
+from kda_dsa_ops import reference as R
+
+from conftest import DEVICES, IS_HOPPER
+from helpers import offsets_from_counts, opcheck, poison
+from strategies import expert_counts, gemm_dims, routing_case
+from tolerances import assert_close
+
+F64 = torch.float64
+HALF_TYPES = [torch.bfloat16, torch.float16]
+
+
+def device_dtypes(device):
+    return HALF_TYPES if device == "cuda" else [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def spaced_logits(T, E, dtype, device):
+    """Distinct logits 0.0625 apart: the fp32 kernel and the fp64 reference rank them alike."""
+    rows = torch.stack([torch.randperm(E) for _ in range(T)]).to(F64) * 0.0625 - 0.03125 * E
+    return rows.to(dtype).to(device)
+
+
+def integer_bias(E, device):
+    """Integer-valued bias: it reorders experts without creating near-ties with the scores."""
+    return torch.randint(-2, 3, (E,)).to(torch.float32).to(device)
+
+
+# ---- moe_route -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(case=routing_case(max_tokens=33, max_experts=300), score_fn=st.sampled_from(["sigmoid", "softmax"]),
+       renorm=st.booleans(), with_bias=st.booleans(), data=st.data())
+def test_route_matches_reference(device, case, score_fn, renorm, with_bias, data):
+    T, E, k = case
+    dtype = data.draw(st.sampled_from([torch.float32] + HALF_TYPES))
+    logits = spaced_logits(T, E, dtype, device).requires_grad_()
+    bias = integer_bias(E, device) if with_bias else None
+    poison(device)
+    w, ids = K.moe_route(logits, k, bias, score_fn, renorm, 1.5)
+    ref_logits = logits.detach().cpu().to(F64).requires_grad_()
+    w_ref, ids_ref = R.moe_route(ref_logits, None if bias is None else bias.cpu(), k, score_fn, renorm, 1.5)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids.cpu(), ids_ref)
+    assert_close(w, w_ref, torch.float32, "weights")
+    g = torch.randn(T, k, dtype=torch.float32)
+    (grad,) = torch.autograd.grad(w, logits, g.to(device))
+    (grad_ref,) = torch.autograd.grad(w_ref, ref_logits, g.to(F64))
+    # Renormalisation cancels most of the gradient (all of it for k = 1): measure the error
+    # against the gradient before renormalisation.
+    (unnormalised,) = torch.autograd.grad(R.moe_route(ref_logits, None, k, score_fn, False, 1.5)[0], ref_logits,
+                                          g.to(F64))
+    assert_close(grad, grad_ref, dtype, "grad_logits", scale=unnormalised)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_ties_and_nan(device):
+    logits = torch.zeros(3, 6, device=device)
+    logits[1, 4] = float("nan")
+    w, ids = K.moe_route(logits, 3)
+    assert ids[0].tolist() == [0, 1, 2]
+    assert ids[1].tolist() == [0, 1, 2]  # NaN ranks last
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0], device=device)
+    w, ids = K.moe_route(logits, 2, bias, renorm=False)
+    assert ids[0].tolist() == [5, 0]
+    assert torch.allclose(w[0], torch.full((2,), 0.5, device=device))  # the bias never weights
+
+
+# ---- moe_permute / moe_unpermute --------------------------------------------------------------
+
+def routed_case(T, E, k, device):
+    """ids, weights (distinct) and fallback ids from a routing of random logits."""
+    logits = torch.randn(T, E, dtype=F64)
+    w, ids = R.moe_route(logits, None, k)
+    ranked = torch.sort(logits, dim=-1, descending=True, stable=True).indices.to(torch.int32)
+    fallback = ranked[:, k:] if E > k else torch.full((T, 1), -1, dtype=torch.int32)
+    return ids.to(device), w.to(torch.float32).to(device), fallback.contiguous().to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(case=routing_case(max_tokens=40, max_experts=24),
+       policy=st.sampled_from(["drop_probs", "drop_position", "reroute"]),
+       capacity=st.one_of(st.none(), st.integers(0, 9)), D=st.sampled_from([1, 8, 24, 40]), data=st.data())
+def test_permute_matches_reference(device, case, policy, capacity, D, data):
+    T, E, k = case
+    dtype = data.draw(st.sampled_from(device_dtypes(device)))
+    ids, w, fallback = routed_case(T, E, k, device)
+    x = torch.randn(T, D, device=device).to(dtype).requires_grad_()
+    poison(device)
+    xs, row_map, offs = K.moe_permute(x, ids, E, w, capacity, policy=policy, fallback_ids=fallback)
+    xs_ref, row_map_ref, offs_ref = R.moe_permute(x.detach().cpu(), ids.cpu(), E, w.cpu(), capacity, policy,
+                                                   fallback.cpu())
+    assert torch.equal(row_map.cpu(), row_map_ref)
+    assert torch.equal(offs.cpu(), offs_ref)
+    assert torch.equal(xs.detach().cpu(), xs_ref)
+    g = torch.randn_like(xs)
+    (dx,) = torch.autograd.grad(xs, x, g)
+    x_ref = x.detach().cpu().to(F64).requires_grad_()
+    (dx_ref,) = torch.autograd.grad(R.moe_permute(x_ref, ids.cpu(), E, w.cpu(), capacity, policy, fallback.cpu())[0],
+                                    x_ref, g.cpu().to(F64))
+    assert_close(dx, dx_ref, dtype, "dx")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(case=routing_case(max_tokens=40, max_experts=24), capacity=st.one_of(st.none(), st.integers(0, 9)),
+       D=st.sampled_from([1, 8, 24, 64]), data=st.data())
+def test_unpermute_matches_reference(device, case, capacity, D, data):
+    T, E, k = case
+    dtype = data.draw(st.sampled_from(device_dtypes(device)))
+    ids, w, _ = routed_case(T, E, k, device)
+    _, row_map, _ = R.moe_permute(torch.zeros(T, 1), ids.cpu(), E, w.cpu(), capacity, "drop_probs")
+    row_map = row_map.to(device)
+    ys = torch.randn(row_map.shape[0], D, device=device).to(dtype).requires_grad_()
+    w = w.clone().requires_grad_()
+    poison(device)
+    y = K.moe_unpermute(ys, row_map, w, T)
+    ys_ref = ys.detach().cpu().to(F64).requires_grad_()
+    w_ref = w.detach().cpu().to(F64).requires_grad_()
+    y_ref = R.moe_unpermute(ys_ref, row_map.cpu(), w_ref, T)
+    assert_close(y, y_ref, dtype, "y")
+    g = torch.randn(T, D).to(dtype)
+    d_ys, d_w = torch.autograd.grad(y, (ys, w), g.to(device))
+    d_ys_ref, d_w_ref = torch.autograd.grad(y_ref, (ys_ref, w_ref), g.to(F64))
+    assert_close(d_ys, d_ys_ref, dtype, "grad_y_sorted")
+    assert_close(d_w, d_w_ref, torch.float32, "grad_weights")  # weights, and so their gradient, are fp32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_permute_is_deterministic(device):
+    ids, w, fallback = routed_case(300, 16, 4, device)
+    x = torch.randn(300, 64, device=device, dtype=torch.bfloat16)
+    first = K.moe_permute(x, ids, 16, w, capacity_factor=0.8, policy="reroute", fallback_ids=fallback)
+    y0 = K.moe_unpermute(first[0], first[1], w, 300)
+    for _ in range(3):
+        again = K.moe_permute(x, ids, 16, w, capacity_factor=0.8, policy="reroute", fallback_ids=fallback)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        assert torch.equal(K.moe_unpermute(again[0], again[1], w, 300), y0)
+
+
+# ---- grouped_mm / grouped_mm_wgrad ------------------------------------------------------------
+
+def gemm_case(counts, K_, N, dtype, device, tail=0, transposed_b=False):
+    E = len(counts)
+    M = sum(counts) + tail
+    a = torch.randn(M, K_, device=device).to(dtype)
+    if transposed_b:
+        b = torch.randn(E, N, K_, device=device).to(dtype).transpose(1, 2)
+    else:
+        b = torch.randn(E, K_, N, device=device).to(dtype)
+    return a, b, offsets_from_counts(counts, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(counts=expert_counts(max_count=300), dims=gemm_dims(multiple_of=8, max_dim=320), tail=st.integers(0, 20),
+       transposed_b=st.booleans(), data=st.data())
+def test_grouped_mm_matches_reference(device, counts, dims, tail, transposed_b, data):
+    if device == "cuda" and not IS_HOPPER:
+        pytest.skip("the CUDA grouped GEMM needs sm_90")
+    K_, N = dims
+    dtype = data.draw(st.sampled_from(device_dtypes(device)))
+    a, b, offs = gemm_case(counts, K_, N, dtype, device, tail, transposed_b)
+    a.requires_grad_()
+    b.requires_grad_()
+    poison(device)
+    out = K.grouped_mm(a, b, offs)
+    a_ref = a.detach().cpu().to(F64).requires_grad_()
+    b_ref = b.detach().cpu().to(F64).requires_grad_()
+    out_ref = R.grouped_mm(a_ref, b_ref, offs.cpu())
+    assert_close(out, out_ref, dtype, "out")
+    g = torch.randn(out.shape).to(dtype)
+    poison(device)
+    da, db = torch.autograd.grad(out, (a, b), g.to(device))
+    da_ref, db_ref = torch.autograd.grad(out_ref, (a_ref, b_ref), g.to(F64))
+    assert_close(da, da_ref, dtype, "grad_a")
+    assert_close(db, db_ref, dtype, "grad_b")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(counts=expert_counts(max_count=300), dims=gemm_dims(multiple_of=8, max_dim=320), data=st.data())
+def test_grouped_mm_wgrad_matches_reference(device, counts, dims, data):
+    if device == "cuda" and not IS_HOPPER:
+        pytest.skip("the CUDA grouped GEMM needs sm_90")
+    K_, N = dims
+    dtype = data.draw(st.sampled_from(device_dtypes(device)))
+    a, _, offs = gemm_case(counts, K_, N, dtype, device)
+    dy = torch.randn(a.shape[0], N, device=device).to(dtype)
+    poison(device)
+    out = K.grouped_mm_wgrad(a, dy, offs)
+    assert_close(out, R.grouped_mm_wgrad(a.cpu().to(F64), dy.cpu().to(F64), offs.cpu()), dtype, "wgrad")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not IS_HOPPER, reason="the CUDA grouped GEMM needs sm_90")
+@pytest.mark.parametrize("transposed_b", [False, True])
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_grouped_mm_matches_torch_grouped_mm(dtype, transposed_b):
+    counts = [0, 1, 127, 128, 129, 300, 513, 7, 0]
+    a, b, offs = gemm_case(counts, 512, 768, dtype, "cuda", tail=5, transposed_b=transposed_b)
+    out = K.grouped_mm(a, b, offs)
+    expected = torch._grouped_mm(a, b, offs=offs)
+    rows = int(offs[-1])
+    assert_close(out[:rows], expected[:rows], dtype, "out vs torch._grouped_mm")
+    assert (out[rows:] == 0).all()
+    dy = torch.randn(a.shape[0], 768, device="cuda", dtype=dtype)
+    wgrad = K.grouped_mm_wgrad(a, dy, offs)
+    assert_close(wgrad, torch._grouped_mm(a.t(), dy, offs=offs), dtype, "wgrad vs torch._grouped_mm")
+
+
+# ---- no host synchronisation, opcheck, torch.compile -------------------------------------------
+
+@pytest.mark.cuda
+def test_cuda_ops_do_not_synchronise():
+    ids, w, fallback = routed_case(64, 12, 3, "cuda")
+    logits = torch.randn(64, 12, device="cuda")
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(12, 64, 128, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        K.moe_route(logits, 3)
+        xs, row_map, offs = K.moe_permute(x, ids, 12, w, capacity_factor=1.0, policy="reroute", fallback_ids=fallback)
+        K.moe_unpermute(xs, row_map, w, 64)
+        if IS_HOPPER:
+            y = K.grouped_mm(xs, b, offs)
+            K.grouped_mm_wgrad(xs, y, offs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def opcheck_cases(device):
+    ids, w, fallback = routed_case(10, 6, 2, device)
+    logits = torch.randn(10, 6, device=device)
+    x = torch.randn(10, 16, device=device, dtype=torch.bfloat16)
+    xs, row_map, offs = R.moe_permute(x.cpu(), ids.cpu(), 6, w.cpu(), 3, "drop_probs")
+    xs, row_map, offs = xs.to(device), row_map.to(device), offs.to(device)
+    ys = torch.randn(xs.shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ops = torch.ops.kda_dsa_ops
+    cases = [
+        (ops.moe_route.default, (logits.requires_grad_(), None, 2, "softmax", True, 1.0)),
+        (ops.moe_permute.default, (x.requires_grad_(), ids, w, 6, 3, "reroute", fallback)),
+        (ops.moe_unpermute.default, (ys, row_map, w.clone().requires_grad_(), 10)),
+    ]
+    if device == "cpu" or IS_HOPPER:
+        b = torch.randn(6, 16, 24, device=device, dtype=torch.bfloat16, requires_grad=True)
+        cases.append((ops.grouped_mm.default, (xs.clone().requires_grad_(), b, offs)))
+        cases.append((ops.grouped_mm_wgrad.default, (xs, torch.randn(xs.shape[0], 24, device=device,
+                                                                      dtype=torch.bfloat16), offs)))
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for op, args in opcheck_cases(device):
+        opcheck(op, args)
+
+
+def moe_block(x, logits, w_up, E, k, capacity):
+    weights, ids = K.moe_route(logits, k)
+    xs, row_map, offs = K.moe_permute(x, ids, E, weights, capacity)
+    ys = K.grouped_mm(xs, w_up, offs)
+    return K.moe_unpermute(ys, row_map, weights, x.shape[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    if device == "cuda" and not IS_HOPPER:
+        pytest.skip("the CUDA grouped GEMM needs sm_90")
+    torch._dynamo.reset()
+    x = torch.randn(32, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    logits = torch.randn(32, 8, device=device, requires_grad=True)
+    w_up = torch.randn(8, 16, 24, device=device, dtype=torch.bfloat16, requires_grad=True)
+    eager = moe_block(x, logits, w_up, 8, 2, 6)
+    compiled = torch.compile(moe_block, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out = compiled(x, logits, w_up, 8, 2, 6)
+    assert torch.equal(out, eager)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, logits, w_up), g)
+    grads_eager = torch.autograd.grad(eager, (x, logits, w_up), g)
+    for a, b in zip(grads, grads_eager):
+        assert torch.equal(a, b)
+
+
+# ---- bad inputs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_raise(device, value_checks):
+    dt = torch.bfloat16
+    a = torch.randn(10, 16, device=device, dtype=dt)
+    b = torch.randn(3, 16, 8, device=device, dtype=dt)
+    offs = torch.tensor([3, 6, 10], device=device, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="b dtype"):
+        K.grouped_mm(a, b.float(), offs)
+    with pytest.raises(RuntimeError, match="offs must have dtype"):
+        K.grouped_mm(a, b, offs.long())
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        K.grouped_mm(a, b, torch.tensor([3, 2, 10], device=device, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="past the 10 rows"):
+        K.grouped_mm(a, b, torch.tensor([3, 6, 11], device=device, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="one entry per expert"):
+        K.grouped_mm(a, b, offs[:2])
+    with pytest.raises(RuntimeError, match="K = a.size"):
+        K.grouped_mm(a, torch.randn(3, 15, 8, device=device, dtype=dt), offs)
+    with pytest.raises(RuntimeError, match="must be 2-D"):
+        K.grouped_mm(a[0], b, offs)
+    with pytest.raises(RuntimeError, match="M = 10 rows of a"):
+        K.grouped_mm_wgrad(a, torch.randn(9, 8, device=device, dtype=dt), offs)
+
+    logits = torch.randn(4, 5, device=device)
+    with pytest.raises(RuntimeError, match=r"k must be in \[1, E\]"):
+        K.moe_route(logits, 6)
+    with pytest.raises(RuntimeError, match=r"k must be in \[1, E\]"):
+        K.moe_route(logits, 0)
+    with pytest.raises(RuntimeError, match="score_fn"):
+        K.moe_route(logits, 2, score_fn="relu")
+    with pytest.raises(RuntimeError, match="bias must have E = 5"):
+        K.moe_route(logits, 2, torch.zeros(4, device=device))
+
+    x = torch.randn(4, 8, device=device, dtype=dt)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4]], device=device, dtype=torch.int32)
+    w = torch.rand(4, 2, device=device)
+    with pytest.raises(RuntimeError, match=r"ids values must lie in \[0, 4\)"):
+        K.moe_permute(x, ids, 4)
+    with pytest.raises(RuntimeError, match="ids must have dtype"):
+        K.moe_permute(x, ids.long(), 5)
+    with pytest.raises(RuntimeError, match="pass weights"):
+        K.moe_permute(x, ids, 5, capacity=1)
+    with pytest.raises(RuntimeError, match="needs fallback_ids"):
+        K.moe_permute(x, ids, 5, w, capacity=1, policy="reroute")
+    with pytest.raises(RuntimeError, match="policy must be"):
+        K.moe_permute(x, ids, 5, w, capacity=1, policy="random")
+    with pytest.raises(RuntimeError, match="fallback_ids values"):
+        K.moe_permute(x, ids, 5, w, capacity=1, policy="reroute", fallback_ids=torch.full((4, 2), 7, device=device,
+                                                                                            dtype=torch.int32))
+    rows = torch.tensor([0, 1, 9, -1], device=device, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="row_map values"):
+        K.moe_unpermute(torch.randn(4, 8, device=device, dtype=dt), rows, w, 4)
+    with pytest.raises(RuntimeError, match="at most once"):
+        K.moe_unpermute(torch.randn(4, 8, device=device, dtype=dt), torch.tensor([0, 1, 1, -1], device=device,
+                                                                                  dtype=torch.int32), w, 4)
+    with pytest.raises(RuntimeError, match="num_tokens = 3"):
+        K.moe_unpermute(torch.randn(4, 8, device=device, dtype=dt), torch.zeros(4, device=device,
+                                                                                dtype=torch.int32), w, 3)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_device_raises():
+    a = torch.randn(10, 16, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(3, 16, 8, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="same device"):
+        K.grouped_mm(a, b, torch.tensor([3, 6, 10], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="same device"):
+        K.moe_route(torch.randn(4, 5, device="cuda"), 2, torch.zeros(5))
+
+
+@pytest.mark.cuda
+def test_cuda_bad_values_without_checks_harm_nothing():
+    """With value checks off, out-of-contract values are clamped or dropped, never read or written
+    out of bounds; the device stays usable."""
+    assert not K.value_checks_enabled()
+    x = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 9], [1, -3], [2, 3], [3, 4]], device="cuda", dtype=torch.int32)
+    xs, row_map, offs = K.moe_permute(x, ids, 5)
+    assert offs[-1].item() == 6  # the two out-of-range copies are dropped
+    assert (row_map[6:] == -1).all()
+    if IS_HOPPER:
+        a = torch.randn(10, 16, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(3, 16, 8, device="cuda", dtype=torch.bfloat16)
+        bad = torch.tensor([3, 2, 99], device="cuda", dtype=torch.int32)  # clamped to [3, 3, 10]
+        out = K.grouped_mm(a, b, bad)
+        expected = R.grouped_mm(a.cpu().double(), b.cpu().double(), torch.tensor([3, 3, 10], dtype=torch.int32))
+        assert_close(out, expected, torch.bfloat16, "clamped offs")
+    torch.cuda.synchronize()

@@ -1,0 +1,39 @@
+"""The one table of tolerances: relative RMS error, ||actual - expected|| / ||expected||, against
+the float64 reference evaluated on the same (already rounded) inputs. Keyed by the dtype the op
+computes its output in; never loosened to make a test pass."""
+
+import torch
+
+REL_RMS = {
+    torch.float64: 1e-12,
+    torch.float32: 2e-6,   # fp32 accumulation
+    torch.float16: 1e-3,   # output rounding (2^-11) plus fp32 accumulation
+    torch.bfloat16: 8e-3,  # output rounding (2^-8) plus fp32 accumulation
+}
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    denom = e.norm().item()
+    if scale is not None:
+        denom = max(denom, scale.detach().to(torch.float64).norm().item())
+    diff = (a - e).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "output",
+                 scale: torch.Tensor | None = None) -> None:
+    """Shapes equal, no NaN/inf where the reference is finite, relative RMS within REL_RMS[dtype].
+
+    scale: for outputs that cancel to (near) zero, the size of the terms that cancel; the error
+    is then measured against max(||expected||, ||scale||).
+    """
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    bad = ~torch.isfinite(a) & torch.isfinite(e)
+    assert not bad.any(), f"{name}: {int(bad.sum())} non-finite values where the reference is finite"
+    err = rel_rms(a, e, scale)
+    tol = REL_RMS[dtype]
+    assert err <= tol, f"{name}: relative RMS error {err:.3e} > {tol:.1e} ({dtype})"

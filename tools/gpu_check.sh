@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the extension, run the CUDA tests, run compute-sanitizer on
+# every kernel, run the benchmarks; logs and results go to $OUT (default ./gpu_out), a short
+# table is printed last.
+#
+#   tools/gpu_check.sh [build] [test] [sanitize] [bench|bench-quick] ...   (default: all, full bench)
+#
+# Environment: KDA_DSA_OPS_COMMIT (commit id recorded in the results when .git is absent),
+# TEST_ARGS (extra pytest arguments), MAX_JOBS (default 16).
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT/results"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize bench)
+summary="$OUT/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+note "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader)"
+note "== python $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)')"
+
+run_step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  note "$(printf '%-10s rc=%-4s %4ss' "$name" "$rc" "$((SECONDS - start))")"
+  return $rc
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+    build)
+      KDA_DSA_OPS_PTXAS_VERBOSE=1 run_step build 400 python3 setup.py build_ext --inplace || {
+        tail -40 "$OUT/build.log"; exit 1; }
+      python3 -c 'import kda_dsa_ops; print(kda_dsa_ops.build_info())' | tee -a "$summary"
+      # registers / spills of the kernels, for the record
+      grep -A2 "Compiling entry function" "$OUT/build.log" | grep -E "Used|spill" | sort | uniq -c | sort -rn \
+        | head -20 >>"$summary"
+      ;;
+    test)
+      HYPOTHESIS_PROFILE=gpu run_step tests 300 python3 -m pytest tests -q -p no:cacheprovider -x \
+        ${TEST_ARGS:-}
+      tail -15 "$OUT/tests.log" | tee -a "$summary"
+      ;;
+    sanitize)
+      run_step sanitize 300 bash -c 'for tool in memcheck racecheck; do
+          echo "== $tool"; compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize_moe.py || exit $?
+        done'
+      grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|sanitize_moe" "$OUT/sanitize.log" | tee -a "$summary"
+      ;;
+    bench | bench-quick)
+      quick=()
+      [ "$step" = bench-quick ] && quick=(--quick)
+      run_step bench 420 python3 bench/run_all.py "${quick[@]}" --out "$OUT/results"
+      ;;
+    *)
+      echo "unknown step: $step" >&2
+      exit 2
+      ;;
+  esac
+done
+
+for md in "$OUT"/results/*.md; do
+  [ -f "$md" ] && cat "$md"
+done
+echo
+cat "$summary"
