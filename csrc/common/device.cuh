@@ -36,6 +36,23 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// Float -> uint32 whose unsigned order is the descending order of the float (NaN ranks last,
+// -0 equals +0).
+__device__ __forceinline__ uint32_t descending_bits(float v) {
+  if (isnan(v)) v = -INFINITY;
+  v += 0.f;
+  const uint32_t b = __float_as_uint(v);
+  const uint32_t ascending = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return ~ascending;
+}
+
+// d sigmoid(x) / dx = e / (1 + e)^2 with e = exp(-|x|): no cancellation near saturation.
+__device__ __forceinline__ float sigmoid_grad(float x) {
+  const float e = expf(-fabsf(x));
+  const float d = 1.f + e;
+  return e / (d * d);
+}
+
 struct SumOp {
   template <typename T>
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }

@@ -1,19 +1,22 @@
-// grouped_mm and grouped_mm_wgrad on Hopper (sm_90a): wgmma + TMA, warp-specialised.
+// grouped_mm and grouped_mm_wgrad on Hopper (sm_90a): wgmma + TMA, warp-specialised, 2-CTA clusters.
 //
 //   forward: out[r, :] = a[r, :] @ b[e]               for the rows r of expert e
 //   wgrad:   out[e]    = a[rows of e]^T @ dy[rows of e]
 // Rows of expert e are [bounds[e], bounds[e+1]), bounds = offs clamped to be non-decreasing
 // and within [0, M] (so bad offs never reach memory out of bounds).
 //
-// Tiling: a persistent grid walks 128 x 256 output tiles (forward: expert by expert, the
-// 128-row tiles of an expert innermost so its weight tile stays in L2; wgrad: expert, K tile,
-// N tile). Each CTA has one producer warpgroup whose single thread issues TMA loads of 64-deep
-// reduction slices into a 4-stage ring of 128B-swizzled shared-memory tiles (48 KB a stage),
-// and two consumer warpgroups, each holding a 64 x 256 fp32 accumulator in registers and
-// issuing wgmma m64n256k16. Stages are handed over through full/empty mbarriers. The epilogue
-// writes 16-bit pairs straight from registers, masked to the expert's rows and to N, while the
-// producer already streams the next tile. In wgrad the last reduction slice of an expert can
-// reach into the next expert's rows: the consumers zero those rows in shared memory first.
+// Tiling: a persistent grid of 2-CTA clusters walks 128 x 256 output tiles two at a time
+// (forward: expert by expert, the 128-row tiles of an expert innermost so its weight tile stays
+// in L2; wgrad: expert, K tile, N tile). The two tiles of a pair usually share an operand (the
+// same weight columns, or the same rows of a): each CTA then loads half of it and multicasts it
+// to both, halving that operand's L2 traffic. Each CTA has one producer warpgroup whose single
+// thread issues the TMA loads of 64-deep reduction slices into a 4-stage ring of 128B-swizzled
+// shared-memory tiles (48 KB a stage), and two consumer warpgroups, each holding a 64 x 256 fp32
+// accumulator in registers and issuing wgmma m64n256k16. A stage is refilled once the consumers
+// of both CTAs have released it (full/empty mbarriers, the empty ones cluster-wide). The
+// epilogue writes 16-bit pairs straight from registers, masked to the expert's rows and to N,
+// while the producer already streams the next tile. In wgrad the last reduction slice of an
+// expert can reach into the next expert's rows: the consumers zero those rows first.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
@@ -37,6 +40,7 @@ struct GemmTraits {
   static constexpr int kStages = 4;
   static constexpr int kConsumers = 2;                      // warpgroups of 64 output rows
   static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+  static constexpr int kClusterSize = 2;
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = kBN * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
@@ -66,12 +70,26 @@ struct Tile {
   int expert, m0, m_end, n0, r0, r_end, k_steps;
 };
 
+// Tiles are numbered in walk order and handed out in pairs, one pair per cluster at a time.
+// A wgrad pair never spans two experts (both tiles then have the same reduction length); when
+// a pair has only one tile, its second CTA computes the same tile again.
 template <GemmMode kMode>
-__device__ __forceinline__ int total_tiles(const GemmParams& p, const int* tile_prefix) {
+__device__ __forceinline__ int num_pairs(const GemmParams& p, const int* tile_prefix) {
   if constexpr (kMode == GemmMode::kWgrad) {
-    return p.num_experts * p.k_row_tiles * p.n_tiles;
+    return p.num_experts * ((p.k_row_tiles * p.n_tiles + 1) / 2);
   } else {
-    return tile_prefix[p.num_experts] * p.n_tiles;
+    return (tile_prefix[p.num_experts] * p.n_tiles + 1) / 2;
+  }
+}
+
+template <GemmMode kMode>
+__device__ __forceinline__ int pair_slot(const GemmParams& p, const int* tile_prefix, int pair, int rank) {
+  if constexpr (kMode == GemmMode::kWgrad) {
+    const int per_expert = p.k_row_tiles * p.n_tiles, pairs_per_expert = (per_expert + 1) / 2;
+    const int expert = pair / pairs_per_expert;
+    return expert * per_expert + min(2 * (pair - expert * pairs_per_expert) + rank, per_expert - 1);
+  } else {
+    return min(2 * pair + rank, tile_prefix[p.num_experts] * p.n_tiles - 1);
   }
 }
 
@@ -112,6 +130,21 @@ __device__ __forceinline__ Tile decode_tile(const GemmParams& p, const int* tile
   return t;
 }
 
+// Loads one reduction slice of an operand made of `kChunks` equal boxes into `dst`. A shared
+// operand is split between the two CTAs of the cluster, each multicasting its half to both.
+template <int kChunks, int kChunkBytes, typename Load, typename Multicast>
+__device__ __forceinline__ void load_operand(uint8_t* dst, bool shared, uint32_t rank, Load load,
+                                             Multicast multicast) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (!shared) {
+      load(dst + c * kChunkBytes, c);
+    } else if (c % GemmTraits::kClusterSize == static_cast<int>(rank)) {
+      multicast(dst + c * kChunkBytes, c);
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   const T l = from_float<T>(lo), h = from_float<T>(hi);
@@ -143,6 +176,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   using Tr = GemmTraits;
   constexpr int kTransA = kMode == GemmMode::kWgrad ? 1 : 0;
   constexpr int kTransB = kMode == GemmMode::kForwardNK ? 0 : 1;
+  constexpr uint16_t kBothCtas = 0b11;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((Tr::kAlign - (smem_addr(smem_raw) & (Tr::kAlign - 1))) & (Tr::kAlign - 1));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Tr::kStages * Tr::kStageBytes);
@@ -150,51 +184,74 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   int* tile_prefix = reinterpret_cast<int*>(empty + Tr::kStages);
 
   const int warpgroup = threadIdx.x / 128;
+  const uint32_t rank = cluster_cta_rank();
+  const int cluster = blockIdx.x / Tr::kClusterSize, clusters = gridDim.x / Tr::kClusterSize;
   if (threadIdx.x == 0) {
     for (int s = 0; s < Tr::kStages; ++s) {
       mbar_init(full + s, 1);
-      mbar_init(empty + s, Tr::kConsumers * 4);  // one arrival per consumer warp
+      mbar_init(empty + s, Tr::kClusterSize * Tr::kConsumers * 4);  // every consumer warp of the cluster
     }
     mbar_init_fence();
   }
   if constexpr (kMode != GemmMode::kWgrad) {
     for (int i = threadIdx.x; i <= p.num_experts; i += blockDim.x) tile_prefix[i] = p.tile_prefix[i];
   }
-  __syncthreads();
-  const int num_tiles = total_tiles<kMode>(p, tile_prefix);
+  cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrival
+  const int pairs = num_pairs<kMode>(p, tile_prefix);
 
   if (warpgroup == Tr::kConsumers) {
     // Producer: one thread streams every stage of every tile this CTA owns.
     warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (threadIdx.x != Tr::kConsumers * 128) return;
-    tma_prefetch_descriptor(&map_a);
-    tma_prefetch_descriptor(&map_b);
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const Tile t = decode_tile<kMode>(p, tile_prefix, tile);
-      for (int ks = 0; ks < t.k_steps; ++ks) {
-        mbar_wait(empty + stage, phase ^ 1);
-        uint8_t* sa = smem + stage * Tr::kStageBytes;
-        uint8_t* sb = sa + Tr::kABytes;
-        const int r = t.r0 + ks * Tr::kBK;
-        mbar_arrive_expect_tx(full + stage, Tr::kStageBytes);
-        if constexpr (kMode == GemmMode::kWgrad) {
-          for (int c = 0; c < 2; ++c) tma_load_2d(sa + c * Tr::kChunkBytes, &map_a, full + stage, t.m0 + 64 * c, r);
-          for (int c = 0; c < 4; ++c) tma_load_2d(sb + c * Tr::kChunkBytes, &map_b, full + stage, t.n0 + 64 * c, r);
-        } else {
-          tma_load_2d(sa, &map_a, full + stage, r, t.m0);
-          if constexpr (kMode == GemmMode::kForwardNK) {
-            tma_load_3d(sb, &map_b, full + stage, r, t.n0, t.expert);
+    if (threadIdx.x == Tr::kConsumers * 128) {
+      tma_prefetch_descriptor(&map_a);
+      tma_prefetch_descriptor(&map_b);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int pair = cluster; pair < pairs; pair += clusters) {
+        const Tile t = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank));
+        const Tile peer = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank ^ 1));
+        const bool same_expert = t.expert == peer.expert;
+        const bool share_a = t.m0 == peer.m0 && (kMode != GemmMode::kWgrad || same_expert);
+        const bool share_b = same_expert && t.n0 == peer.n0;
+        for (int ks = 0; ks < t.k_steps; ++ks) {
+          mbar_wait(empty + stage, phase ^ 1);
+          uint8_t* sa = smem + stage * Tr::kStageBytes;
+          uint8_t* sb = sa + Tr::kABytes;
+          uint64_t* bar = full + stage;
+          const int r = t.r0 + ks * Tr::kBK;
+          mbar_arrive_expect_tx(bar, Tr::kStageBytes);
+          if constexpr (kMode == GemmMode::kWgrad) {
+            load_operand<2, Tr::kChunkBytes>(
+                sa, share_a, rank, [&](uint8_t* d, int c) { tma_load_2d(d, &map_a, bar, t.m0 + 64 * c, r); },
+                [&](uint8_t* d, int c) { tma_load_2d_multicast(d, &map_a, bar, t.m0 + 64 * c, r, kBothCtas); });
+            load_operand<4, Tr::kChunkBytes>(
+                sb, share_b, rank, [&](uint8_t* d, int c) { tma_load_2d(d, &map_b, bar, t.n0 + 64 * c, r); },
+                [&](uint8_t* d, int c) { tma_load_2d_multicast(d, &map_b, bar, t.n0 + 64 * c, r, kBothCtas); });
           } else {
-            for (int c = 0; c < 4; ++c) {
-              tma_load_3d(sb + c * Tr::kChunkBytes, &map_b, full + stage, t.n0 + 64 * c, r, t.expert);
+            load_operand<2, Tr::kChunkBytes>(
+                sa, share_a, rank, [&](uint8_t* d, int c) { tma_load_2d(d, &map_a, bar, r, t.m0 + 64 * c); },
+                [&](uint8_t* d, int c) { tma_load_2d_multicast(d, &map_a, bar, r, t.m0 + 64 * c, kBothCtas); });
+            if constexpr (kMode == GemmMode::kForwardNK) {
+              load_operand<2, 2 * Tr::kChunkBytes>(
+                  sb, share_b, rank,
+                  [&](uint8_t* d, int c) { tma_load_3d(d, &map_b, bar, r, t.n0 + 128 * c, t.expert); },
+                  [&](uint8_t* d, int c) {
+                    tma_load_3d_multicast(d, &map_b, bar, r, t.n0 + 128 * c, t.expert, kBothCtas);
+                  });
+            } else {
+              load_operand<4, Tr::kChunkBytes>(
+                  sb, share_b, rank,
+                  [&](uint8_t* d, int c) { tma_load_3d(d, &map_b, bar, t.n0 + 64 * c, r, t.expert); },
+                  [&](uint8_t* d, int c) {
+                    tma_load_3d_multicast(d, &map_b, bar, t.n0 + 64 * c, r, t.expert, kBothCtas);
+                  });
             }
           }
+          if (++stage == Tr::kStages) stage = 0, phase ^= 1;
         }
-        if (++stage == Tr::kStages) stage = 0, phase ^= 1;
       }
     }
+    cluster_sync();  // no CTA leaves while its peer may still write into it
     return;
   }
 
@@ -217,8 +274,8 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   float acc[128];
   int stage = 0;
   uint32_t phase = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const Tile t = decode_tile<kMode>(p, tile_prefix, tile);
+  for (int pair = cluster; pair < pairs; pair += clusters) {
+    const Tile t = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank));
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     int previous = -1;
@@ -244,15 +301,19 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
         wgmma_m64n256k16<T, kTransA, kTransB>(acc, da, db);
       }
       wgmma_commit();
-      wgmma_wait<1>();  // the previous slice's wgmmas are done: its stage can be refilled
+      wgmma_wait<1>();  // the previous slice's wgmmas are done: release its stage in both CTAs
       fence_accumulators(acc);
-      if (previous >= 0 && lane == 0) mbar_arrive(empty + previous);
+      if (previous >= 0 && lane == 0) {
+        for (uint32_t cta = 0; cta < Tr::kClusterSize; ++cta) mbar_arrive_cluster(empty + previous, cta);
+      }
       previous = stage;
       if (++stage == Tr::kStages) stage = 0, phase ^= 1;
     }
     wgmma_wait<0>();
     fence_accumulators(acc);
-    if (previous >= 0 && lane == 0) mbar_arrive(empty + previous);
+    if (previous >= 0 && lane == 0) {
+      for (uint32_t cta = 0; cta < Tr::kClusterSize; ++cta) mbar_arrive_cluster(empty + previous, cta);
+    }
 
     // Epilogue: this thread's rows are m0 + 64*warpgroup + 16*warp + lane/4 (+8).
     const int row0 = t.m0 + warpgroup * 64 + warp * 16 + lane / 4;
@@ -271,6 +332,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
       }
     }
   }
+  cluster_sync();
 #endif
 }
 
@@ -337,13 +399,26 @@ at::Tensor expert_bounds(const at::Tensor& offs, int64_t M, cudaStream_t stream)
 template <typename T, GemmMode kMode>
 void launch_gemm(const GemmParams& p, const CUtensorMap& map_a, const CUtensorMap& map_b, int64_t max_tiles,
                  int device, cudaStream_t stream) {
+  using Tr = GemmTraits;
   const auto kernel = grouped_gemm_kernel<T, kMode>;
   const int prefix_entries = kMode == GemmMode::kWgrad ? 0 : p.num_experts + 1;
-  const size_t smem = GemmTraits::smem_bytes(prefix_entries);
+  const size_t smem = Tr::smem_bytes(prefix_entries);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_sms(device), max_tiles)));
-  kernel<<<grid, GemmTraits::kThreads, smem, stream>>>(p, map_a, map_b);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t clusters = std::max<int64_t>(
+      1, std::min<int64_t>(num_sms(device) / Tr::kClusterSize, ceil_div(max_tiles, Tr::kClusterSize)));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(clusters * Tr::kClusterSize));
+  config.blockDim = dim3(Tr::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = Tr::kClusterSize;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, map_a, map_b));
 }
 
 }  // namespace
@@ -370,7 +445,7 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::T
   GemmParams p{out.data_ptr(), ws[0].data_ptr<int>(), ws[1].data_ptr<int>(), static_cast<int>(E),
                static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(ceil_div(N, Tr::kBN)), 0};
   const CUtensorMap map_a = make_tensor_map_sw128<2>(a, {uint64_t(K), uint64_t(M)}, {uint64_t(a.stride(0))},
-                                                     {64, Tr::kBM}, "a");
+                                                     {64, 64}, "a");
   const int64_t max_tiles = (ceil_div(M, Tr::kBM) + E) * p.n_tiles;
   KDA_DISPATCH_CUDA_HALF(a.scalar_type(), "grouped_mm", [&] {
     if (n_contiguous) {
@@ -381,7 +456,7 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::T
     } else {
       const uint64_t expert_stride = E == 1 ? uint64_t(N) * b.stride(2) : uint64_t(b.stride(0));
       const CUtensorMap map_b = make_tensor_map_sw128<3>(b, {uint64_t(K), uint64_t(N), uint64_t(E)},
-                                                         {uint64_t(b.stride(2)), expert_stride}, {64, Tr::kBN, 1}, "b");
+                                                         {uint64_t(b.stride(2)), expert_stride}, {64, 128, 1}, "b");
       launch_gemm<scalar_t, GemmMode::kForwardNK>(p, map_a, map_b, max_tiles, a.get_device(), stream);
     }
   });

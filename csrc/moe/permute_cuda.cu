@@ -25,16 +25,6 @@ constexpr int kRowThreads = 128;
 constexpr int kMaxFallback = 32;          // fallback experts per token read by the reroute pass
 constexpr int kRerouteWindow = 1024;      // overflowing copies staged in shared memory at once
 
-// Float -> uint32 whose unsigned order is the descending order of the float (NaN ranks last,
-// -0 equals +0).
-__device__ __forceinline__ uint32_t descending_bits(float w) {
-  if (isnan(w)) w = -INFINITY;
-  w += 0.f;
-  const uint32_t b = __float_as_uint(w);
-  const uint32_t ascending = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  return ~ascending;
-}
-
 __global__ void permute_keys_kernel(const int* __restrict__ ids, const float* __restrict__ weights, int64_t n, int E,
                                     bool by_weight, uint64_t* __restrict__ keys, int* __restrict__ copies,
                                     int* __restrict__ counts) {

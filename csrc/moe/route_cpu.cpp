@@ -113,7 +113,11 @@ at::Tensor route_bwd_cpu(const at::Tensor& grad_weights_in, const at::Tensor& lo
           dscores[id[j]] += renorm ? acc_t(scale) * (g[j] / denom - gsum / (denom * denom)) : acc_t(scale) * g[j];
         }
         if (fn == ScoreFn::kSigmoid) {
-          for (int64_t e = 0; e < E; ++e) op[t * E + e] = static_cast<scalar_t>(dscores[e] * scores[e] * (1 - scores[e]));
+          // d sigmoid / dx = q / (1 + q)^2 with q = exp(-|x|): no cancellation near saturation.
+          for (int64_t e = 0; e < E; ++e) {
+            const acc_t q = std::exp(-std::abs(static_cast<acc_t>(lp[t * E + e])));
+            op[t * E + e] = static_cast<scalar_t>(dscores[e] * q / ((1 + q) * (1 + q)));
+          }
         } else {
           acc_t dot = 0;
           for (int64_t e = 0; e < E; ++e) dot += dscores[e] * scores[e];

@@ -1,7 +1,10 @@
 // moe_route on CUDA. One warp per token: lane l holds the scores of experts l, l+32, ...
-// (kPerLane of them) in registers; k rounds of a warp arg-max pick the experts (ties to the
-// lower index, NaN keys last); the chosen ids and scores go straight to memory, then the
-// weights are renormalised in place. The backward recomputes the scores the same way.
+// (kPerLane of them) in registers. Selection (ties to the lower index, NaN keys last): the
+// k-th largest of the 32 lane maxima bounds the k-th largest key from below, so only keys at or
+// above it can be chosen; those few candidates are sorted as (key, index) pairs by one warp
+// bitonic sort. When k > 32 or too many keys tie at the bound, k rounds of a warp arg-max
+// select instead. The chosen scores are recomputed from their logits, renormalised and scaled.
+// The backward recomputes the scores the same way.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
@@ -14,10 +17,21 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxExperts = 2048;
+constexpr int kCandidates = 64;  // per warp: keys at or above the bound, sorted 2 per lane
+
+struct SoftmaxStats {
+  float max = 0.f, sum = 1.f;
+};
+
+// The score of one logit, computed exactly as warp_scores computes it.
+__device__ __forceinline__ float score_of(float x, ScoreFn fn, SoftmaxStats st) {
+  return fn == ScoreFn::kSigmoid ? 1.f / (1.f + expf(-x)) : expf(x - st.max) / st.sum;
+}
 
 template <typename T, int kPerLane>
-__device__ __forceinline__ void warp_scores(const T* logits, int E, ScoreFn fn, float (&s)[kPerLane]) {
+__device__ __forceinline__ SoftmaxStats warp_scores(const T* logits, int E, ScoreFn fn, float (&s)[kPerLane]) {
   const int lane = threadIdx.x % kWarpSize;
+  SoftmaxStats st;
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
@@ -25,75 +39,160 @@ __device__ __forceinline__ void warp_scores(const T* logits, int E, ScoreFn fn, 
     s[i] = e < E ? to_float(logits[e]) : -INFINITY;
     mx = fmaxf(mx, s[i]);
   }
-  if (fn == ScoreFn::kSigmoid) {
+  if (fn == ScoreFn::kSoftmax) {
+    st.max = warp_reduce(mx, MaxOp{});
+    float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) s[i] = 1.f / (1.f + expf(-s[i]));
-    return;
+    for (int i = 0; i < kPerLane; ++i) sum += i * kWarpSize + lane < E ? expf(s[i] - st.max) : 0.f;
+    st.sum = warp_reduce(sum, SumOp{});
   }
-  mx = warp_reduce(mx, MaxOp{});
-  float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    s[i] = i * kWarpSize + lane < E ? expf(s[i] - mx) : 0.f;
-    sum += s[i];
-  }
-  sum = warp_reduce(sum, SumOp{});
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) s[i] /= sum;
+  for (int i = 0; i < kPerLane; ++i) s[i] = i * kWarpSize + lane < E ? score_of(s[i], fn, st) : 0.f;
+  return st;
 }
 
-template <typename T, int kPerLane>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_kernel(
-    const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, ScoreFn fn, bool renorm,
-    float scale, float* __restrict__ weights, int* __restrict__ ids) {
-  const int t = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+// Bitonic sort across the warp, one value per lane, descending.
+__device__ __forceinline__ float warp_sort_descending(float v) {
   const int lane = threadIdx.x % kWarpSize;
-  if (t >= T_) return;
-  float s[kPerLane], key[kPerLane];
-  warp_scores<T, kPerLane>(logits + static_cast<int64_t>(t) * E, E, fn, s);
+#pragma unroll
+  for (int size = 2; size <= kWarpSize; size *= 2) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      const float other = __shfl_xor_sync(0xffffffffu, v, stride);
+      const bool descending = (lane & size) == 0, lower = (lane & stride) == 0;
+      v = lower == descending ? fmaxf(v, other) : fminf(v, other);
+    }
+  }
+  return v;
+}
+
+// Bitonic sort of 64 values across the warp, ascending: element `lane` in lo, `lane + 32` in hi.
+__device__ __forceinline__ void warp_sort64_ascending(uint64_t& lo, uint64_t& hi) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int size = 2; size <= 2 * kWarpSize; size *= 2) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      if (stride == kWarpSize) {  // elements lane and lane + 32 meet in the same lane
+        const uint64_t a = lo < hi ? lo : hi, b = lo < hi ? hi : lo;
+        lo = a;
+        hi = b;
+        continue;
+      }
+      const bool lower = (lane & stride) == 0;
+      const uint64_t other_lo = __shfl_xor_sync(0xffffffffu, lo, stride);
+      const uint64_t other_hi = __shfl_xor_sync(0xffffffffu, hi, stride);
+      const bool asc_lo = (lane & size) == 0, asc_hi = ((lane + kWarpSize) & size) == 0;
+      lo = (lower == asc_lo) == (lo < other_lo) ? lo : other_lo;
+      hi = (lower == asc_hi) == (hi < other_hi) ? hi : other_hi;
+    }
+  }
+}
+
+// k rounds of a warp arg-max; ids[j] receives the j-th pick (any k <= E).
+template <int kPerLane>
+__device__ void select_by_rounds(const float (&key)[kPerLane], int E, int k, int* __restrict__ ids) {
+  const int lane = threadIdx.x % kWarpSize;
   uint64_t taken = 0;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
-    const int e = i * kWarpSize + lane;
-    const float v = e < E ? s[i] + (bias ? bias[e] : 0.f) : -INFINITY;
-    key[i] = isnan(v) ? -INFINITY : v;
-    if (e >= E) taken |= 1ull << i;
+    if (i * kWarpSize + lane >= E) taken |= 1ull << i;
   }
-  float* w_out = weights + static_cast<int64_t>(t) * k;
-  int* id_out = ids + static_cast<int64_t>(t) * k;
-  float sum = 0.f;
   for (int j = 0; j < k; ++j) {
-    float best = -INFINITY, best_score = 0.f;
-    int best_e = INT_MAX, best_i = -1;
+    float best = -INFINITY;
+    int best_e = INT_MAX;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-      if (!((taken >> i) & 1) && (best_i < 0 || key[i] > best)) {
+      if (!((taken >> i) & 1) && (best_e == INT_MAX || key[i] > best)) {
         best = key[i];
         best_e = i * kWarpSize + lane;
-        best_i = i;
-        best_score = s[i];
       }
     }
 #pragma unroll
     for (int d = kWarpSize / 2; d > 0; d /= 2) {
       const float o_key = __shfl_xor_sync(0xffffffffu, best, d);
       const int o_e = __shfl_xor_sync(0xffffffffu, best_e, d);
-      const float o_score = __shfl_xor_sync(0xffffffffu, best_score, d);
       if (o_e != INT_MAX && (best_e == INT_MAX || o_key > best || (o_key == best && o_e < best_e))) {
         best = o_key;
         best_e = o_e;
-        best_score = o_score;
       }
     }
     if (best_e % kWarpSize == lane) {
       taken |= 1ull << (best_e / kWarpSize);
-      id_out[j] = best_e;
-      w_out[j] = best_score;
+      ids[j] = best_e;
     }
-    sum += best_score;
   }
-  const float norm = renorm ? scale / (sum + static_cast<float>(kRenormEps)) : scale;
+}
+
+template <typename T, int kPerLane>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_kernel(
+    const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, ScoreFn fn, bool renorm,
+    float scale, float* __restrict__ weights, int* __restrict__ ids) {
+  __shared__ uint64_t candidates[kWarpsPerBlock][kCandidates];
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int t = blockIdx.x * kWarpsPerBlock + warp;
+  if (t >= T_) return;
+  const T* row = logits + static_cast<int64_t>(t) * E;
+  float key[kPerLane];
+  const SoftmaxStats st = warp_scores<T, kPerLane>(row, E, fn, key);
+  float lane_max = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = i * kWarpSize + lane;
+    const float v = e < E ? key[i] + (bias ? bias[e] : 0.f) : -INFINITY;
+    key[i] = isnan(v) ? -INFINITY : v;
+    lane_max = fmaxf(lane_max, key[i]);
+  }
+  int* id_out = ids + static_cast<int64_t>(t) * k;
+  float* w_out = weights + static_cast<int64_t>(t) * k;
+
+  bool selected = false;
+  int chosen = 0;  // lane j < k: the j-th pick
+  if (k <= kWarpSize) {
+    const float bound = __shfl_sync(0xffffffffu, warp_sort_descending(lane_max), k - 1);
+    int count = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) count += i * kWarpSize + lane < E && key[i] >= bound;
+    const int inclusive = warp_inclusive_scan(count, SumOp{});
+    const int total = __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
+    if (total <= kCandidates) {
+      uint64_t* cand = candidates[warp];
+      int pos = inclusive - count;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int e = i * kWarpSize + lane;
+        if (e < E && key[i] >= bound) {
+          cand[pos++] = (static_cast<uint64_t>(descending_bits(key[i])) << 32) | static_cast<uint32_t>(e);
+        }
+      }
+      __syncwarp();
+      uint64_t lo = lane < total ? cand[lane] : ~0ull;
+      uint64_t hi = lane + kWarpSize < total ? cand[lane + kWarpSize] : ~0ull;
+      warp_sort64_ascending(lo, hi);
+      chosen = static_cast<int>(lo & 0xffffffffu);
+      selected = true;
+    }
+  }
+  if (selected) {
+    const float w = lane < k ? score_of(to_float(row[chosen]), fn, st) : 0.f;
+    const float sum = warp_reduce(w, SumOp{});
+    const float norm = renorm ? scale / (sum + static_cast<float>(kRenormEps)) : scale;
+    if (lane < k) {
+      id_out[lane] = chosen;
+      w_out[lane] = w * norm;
+    }
+    return;
+  }
+  select_by_rounds<kPerLane>(key, E, k, id_out);
   __syncwarp();
+  float sum = 0.f;
+  for (int j = lane; j < k; j += kWarpSize) {
+    const float w = score_of(to_float(row[id_out[j]]), fn, st);
+    w_out[j] = w;
+    sum += w;
+  }
+  sum = warp_reduce(sum, SumOp{});
+  const float norm = renorm ? scale / (sum + static_cast<float>(kRenormEps)) : scale;
   for (int j = lane; j < k; j += kWarpSize) w_out[j] *= norm;
 }
 
@@ -109,8 +208,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_bwd_kernel(
   if (t >= T_) return;
   float* scores = shared + static_cast<int64_t>(warp) * 2 * E;
   float* dscores = scores + E;
+  const T* row = logits + static_cast<int64_t>(t) * E;
   float s[kPerLane];
-  warp_scores<T, kPerLane>(logits + static_cast<int64_t>(t) * E, E, fn, s);
+  warp_scores<T, kPerLane>(row, E, fn, s);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = i * kWarpSize + lane;
@@ -151,7 +251,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_bwd_kernel(
     const int e = i * kWarpSize + lane;
     if (e >= E) continue;
     const float ds = dscores[e];
-    out[e] = from_float<T>(fn == ScoreFn::kSigmoid ? ds * s[i] * (1.f - s[i]) : s[i] * (ds - dot));
+    out[e] = from_float<T>(fn == ScoreFn::kSigmoid ? ds * sigmoid_grad(to_float(row[e])) : s[i] * (ds - dot));
   }
 }
 
