@@ -13,10 +13,13 @@
 // thread issues the TMA loads of 64-deep reduction slices into a 4-stage ring of 128B-swizzled
 // shared-memory tiles (48 KB a stage), and two consumer warpgroups, each holding a 64 x 256 fp32
 // accumulator in registers and issuing wgmma m64n256k16. A stage is refilled once the consumers
-// of both CTAs have released it (full/empty mbarriers, the empty ones cluster-wide). The
-// epilogue writes 16-bit pairs straight from registers, masked to the expert's rows and to N,
-// while the producer already streams the next tile. In wgrad the last reduction slice of an
-// expert can reach into the next expert's rows: the consumers zero those rows first.
+// of both CTAs have released it (full/empty mbarriers, the empty ones cluster-wide). The forward
+// epilogue writes 16-bit pairs straight from registers, masked to the expert's rows and to N;
+// the wgrad epilogue (whose output, E x K x N, can outweigh its inputs) goes through a swizzled
+// shared-memory tile and TMA stores, so it costs the consumers only the shared-memory writes
+// (wgrad runs 3 stages to make room). Either way the producer already streams the next tile.
+// In wgrad the last reduction slice of an expert can reach into the next expert's rows: the
+// consumers zero those rows first.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
@@ -37,7 +40,7 @@ enum class GemmMode {
 
 struct GemmTraits {
   static constexpr int kBM = 128, kBN = 256, kBK = 64;
-  static constexpr int kStages = 4;
+  static constexpr int kMaxStages = 4;
   static constexpr int kConsumers = 2;                      // warpgroups of 64 output rows
   static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
   static constexpr int kClusterSize = 2;
@@ -48,10 +51,14 @@ struct GemmTraits {
   static constexpr int kMaxExperts = 4096;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static constexpr int kAlign = 1024;                        // 128B-swizzle atoms repeat every 1 KB
-  static constexpr int kBarrierBytes = 2 * kStages * 8;
+  static constexpr int kBarrierBytes = 2 * kMaxStages * 8;
 
-  static constexpr size_t smem_bytes(int tile_prefix_entries) {
-    return kAlign + kStages * kStageBytes + kBarrierBytes + static_cast<size_t>(tile_prefix_entries) * 4;
+  // wgrad gives up a stage for the 64 KB output tile its TMA-store epilogue stages.
+  static constexpr int stages(GemmMode mode) { return mode == GemmMode::kWgrad ? 3 : 4; }
+  static constexpr int epilogue_bytes(GemmMode mode) { return mode == GemmMode::kWgrad ? kBM * kBN * 2 : 0; }
+  static constexpr size_t smem_bytes(GemmMode mode, int tile_prefix_entries) {
+    return kAlign + stages(mode) * kStageBytes + epilogue_bytes(mode) + kBarrierBytes +
+           static_cast<size_t>(tile_prefix_entries) * 4;
   }
 };
 
@@ -171,23 +178,25 @@ __device__ __forceinline__ void zero_stage_tail(uint8_t* stage, int valid, int c
 template <typename T, GemmMode kMode>
 __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ CUtensorMap map_a,
-                        const __grid_constant__ CUtensorMap map_b) {
+                        const __grid_constant__ CUtensorMap map_b, const __grid_constant__ CUtensorMap map_out) {
 #ifdef KDA_SM90A_ENABLED
   using Tr = GemmTraits;
+  constexpr int kStages = Tr::stages(kMode);
   constexpr int kTransA = kMode == GemmMode::kWgrad ? 1 : 0;
   constexpr int kTransB = kMode == GemmMode::kForwardNK ? 0 : 1;
   constexpr uint16_t kBothCtas = 0b11;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((Tr::kAlign - (smem_addr(smem_raw) & (Tr::kAlign - 1))) & (Tr::kAlign - 1));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Tr::kStages * Tr::kStageBytes);
-  uint64_t* empty = full + Tr::kStages;
-  int* tile_prefix = reinterpret_cast<int*>(empty + Tr::kStages);
+  uint8_t* staging = smem + kStages * Tr::kStageBytes;  // wgrad epilogue: [2 warpgroups][4 boxes][64][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tr::epilogue_bytes(kMode));
+  uint64_t* empty = full + kStages;
+  int* tile_prefix = reinterpret_cast<int*>(full + Tr::kMaxStages * 2);
 
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = cluster_cta_rank();
   const int cluster = blockIdx.x / Tr::kClusterSize, clusters = gridDim.x / Tr::kClusterSize;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < Tr::kStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbar_init(full + s, 1);
       mbar_init(empty + s, Tr::kClusterSize * Tr::kConsumers * 4);  // every consumer warp of the cluster
     }
@@ -247,7 +256,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
                   });
             }
           }
-          if (++stage == Tr::kStages) stage = 0, phase ^= 1;
+          if (++stage == kStages) stage = 0, phase ^= 1;
         }
       }
     }
@@ -307,7 +316,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
         for (uint32_t cta = 0; cta < Tr::kClusterSize; ++cta) mbar_arrive_cluster(empty + previous, cta);
       }
       previous = stage;
-      if (++stage == Tr::kStages) stage = 0, phase ^= 1;
+      if (++stage == kStages) stage = 0, phase ^= 1;
     }
     wgmma_wait<0>();
     fence_accumulators(acc);
@@ -316,21 +325,50 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
     }
 
     // Epilogue: this thread's rows are m0 + 64*warpgroup + 16*warp + lane/4 (+8).
-    const int row0 = t.m0 + warpgroup * 64 + warp * 16 + lane / 4;
-    T* base = kMode == GemmMode::kWgrad ? out + static_cast<int64_t>(t.expert) * p.K * p.N : out;
+    if constexpr (kMode == GemmMode::kWgrad) {
+      // Into this warpgroup's four 64 x 64 boxes, 128B-swizzled as the TMA store expects them.
+      const bool leader = threadIdx.x % 128 == 0;
+      uint8_t* boxes = staging + warpgroup * 4 * Tr::kChunkBytes;
+      if (leader) tma_store_wait_read();  // the previous tile's stores are done reading
+      named_barrier_sync(2 + warpgroup, 128);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row0 + half * 8;
-      if (row >= t.m_end) continue;
-      T* out_row = base + static_cast<int64_t>(row) * p.N;
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp * 16 + lane / 4 + half * 8;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = t.n0 + j * 8 + (lane % 4) * 2;
-        if (col < p.N) {
-          *reinterpret_cast<uint32_t*>(out_row + col) = pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        for (int j = 0; j < 32; ++j) {
+          const int byte = (j % 8) * 16 + (lane % 4) * 4;  // within the box's 128-byte row
+          uint8_t* dst = boxes + (j / 8) * Tr::kChunkBytes + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
+          *reinterpret_cast<uint32_t*>(dst) = pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
+      }
+      fence_proxy_async();
+      named_barrier_sync(2 + warpgroup, 128);
+      if (leader) {
+        for (int c = 0; c < 4; ++c) {
+          tma_store_3d(&map_out, boxes + c * Tr::kChunkBytes, t.n0 + 64 * c, t.m0 + 64 * warpgroup, t.expert);
+        }
+        tma_store_commit();
+      }
+    } else {
+      const int row0 = t.m0 + warpgroup * 64 + warp * 16 + lane / 4;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + half * 8;
+        if (row >= t.m_end) continue;
+        T* out_row = out + static_cast<int64_t>(row) * p.N;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const int col = t.n0 + j * 8 + (lane % 4) * 2;
+          if (col < p.N) {
+            *reinterpret_cast<uint32_t*>(out_row + col) =
+                pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
         }
       }
     }
+  }
+  if constexpr (kMode == GemmMode::kWgrad) {
+    if (threadIdx.x % 128 == 0) tma_store_wait();
   }
   cluster_sync();
 #endif
@@ -397,12 +435,12 @@ at::Tensor expert_bounds(const at::Tensor& offs, int64_t M, cudaStream_t stream)
 }
 
 template <typename T, GemmMode kMode>
-void launch_gemm(const GemmParams& p, const CUtensorMap& map_a, const CUtensorMap& map_b, int64_t max_tiles,
-                 int device, cudaStream_t stream) {
+void launch_gemm(const GemmParams& p, const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_out,
+                 int64_t max_tiles, int device, cudaStream_t stream) {
   using Tr = GemmTraits;
   const auto kernel = grouped_gemm_kernel<T, kMode>;
   const int prefix_entries = kMode == GemmMode::kWgrad ? 0 : p.num_experts + 1;
-  const size_t smem = Tr::smem_bytes(prefix_entries);
+  const size_t smem = Tr::smem_bytes(kMode, prefix_entries);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t clusters = std::max<int64_t>(
       1, std::min<int64_t>(num_sms(device) / Tr::kClusterSize, ceil_div(max_tiles, Tr::kClusterSize)));
@@ -418,7 +456,7 @@ void launch_gemm(const GemmParams& p, const CUtensorMap& map_a, const CUtensorMa
   attribute.val.clusterDim.z = 1;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, map_a, map_b));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, map_a, map_b, map_out));
 }
 
 }  // namespace
@@ -452,12 +490,12 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::T
       const uint64_t expert_stride = E == 1 ? uint64_t(K) * b.stride(1) : uint64_t(b.stride(0));
       const CUtensorMap map_b = make_tensor_map_sw128<3>(b, {uint64_t(N), uint64_t(K), uint64_t(E)},
                                                          {uint64_t(b.stride(1)), expert_stride}, {64, 64, 1}, "b");
-      launch_gemm<scalar_t, GemmMode::kForwardKN>(p, map_a, map_b, max_tiles, a.get_device(), stream);
+      launch_gemm<scalar_t, GemmMode::kForwardKN>(p, map_a, map_b, map_b, max_tiles, a.get_device(), stream);
     } else {
       const uint64_t expert_stride = E == 1 ? uint64_t(N) * b.stride(2) : uint64_t(b.stride(0));
       const CUtensorMap map_b = make_tensor_map_sw128<3>(b, {uint64_t(K), uint64_t(N), uint64_t(E)},
                                                          {uint64_t(b.stride(2)), expert_stride}, {64, 128, 1}, "b");
-      launch_gemm<scalar_t, GemmMode::kForwardNK>(p, map_a, map_b, max_tiles, a.get_device(), stream);
+      launch_gemm<scalar_t, GemmMode::kForwardNK>(p, map_a, map_b, map_b, max_tiles, a.get_device(), stream);
     }
   });
   return out;
@@ -486,9 +524,11 @@ at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& dy, cons
                                                      {64, 64}, "a");
   const CUtensorMap map_dy = make_tensor_map_sw128<2>(dy, {uint64_t(N), uint64_t(M)}, {uint64_t(dy.stride(0))},
                                                       {64, 64}, "dy");
+  const CUtensorMap map_out = make_tensor_map_sw128<3>(out, {uint64_t(N), uint64_t(K), uint64_t(E)},
+                                                       {uint64_t(N), uint64_t(K * N)}, {64, 64, 1}, "out");
   const int64_t tiles = E * p.k_row_tiles * p.n_tiles;
   KDA_DISPATCH_CUDA_HALF(a.scalar_type(), "grouped_mm_wgrad", [&] {
-    launch_gemm<scalar_t, GemmMode::kWgrad>(p, map_a, map_dy, tiles, a.get_device(), stream);
+    launch_gemm<scalar_t, GemmMode::kWgrad>(p, map_a, map_dy, map_out, tiles, a.get_device(), stream);
   });
   return out;
 }

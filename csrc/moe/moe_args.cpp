@@ -2,7 +2,9 @@
 #include "common/checks.h"
 #include "moe/moe.h"
 
+#include <algorithm>
 #include <limits>
+#include <vector>
 
 namespace kda_dsa_ops::moe {
 
@@ -24,13 +26,19 @@ namespace {
 
 constexpr auto kFloatingTypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
 
+// A host copy of an int32 tensor's values (value checks only: a synchronisation on CUDA).
+std::vector<int32_t> host_values(const at::Tensor& t) {
+  const at::Tensor h = t.to(at::kCPU).contiguous();
+  return std::vector<int32_t>(h.data_ptr<int32_t>(), h.data_ptr<int32_t>() + h.numel());
+}
+
 // Every entry of an int32 index tensor lies in [lo, hi).
 void check_index_range(const at::Tensor& idx, int64_t lo, int64_t hi, const char* op, const char* name) {
   if (idx.numel() == 0 || !run_value_checks(idx)) return;
-  const auto [mn, mx] = at::aminmax(idx);
-  const int64_t lo_seen = mn.item<int64_t>(), hi_seen = mx.item<int64_t>();
-  TORCH_CHECK(lo_seen >= lo && hi_seen < hi, op, ": ", name, " values must lie in [", lo, ", ", hi,
-              "), got values in [", lo_seen, ", ", hi_seen, "]");
+  const auto values = host_values(idx);
+  const auto [mn, mx] = std::minmax_element(values.begin(), values.end());
+  TORCH_CHECK(*mn >= lo && *mx < hi, op, ": ", name, " values must lie in [", lo, ", ", hi, "), got values in [", *mn,
+              ", ", *mx, "]");
 }
 
 // offs: int32 [E], non-decreasing, within [0, rows].
@@ -42,12 +50,14 @@ void check_offs(const at::Tensor& offs, int64_t num_experts, int64_t rows, const
               "), got ", offs.size(0));
   TORCH_CHECK(num_experts > 0, op, ": needs at least one expert");
   if (!run_value_checks(offs)) return;
-  const at::Tensor prev = at::cat({at::zeros({1}, offs.options()), offs.slice(0, 0, -1)});
-  TORCH_CHECK(at::all(offs >= prev).item<bool>() && offs.min().item<int64_t>() >= 0, op,
-              ": offs must be non-decreasing and start at >= 0 (cumulative row counts), got ",
-              offs.cpu().slice(0, 0, std::min<int64_t>(num_experts, 16)), num_experts > 16 ? " ..." : "");
-  const int64_t last = offs[-1].item<int64_t>();
-  TORCH_CHECK(last <= rows, op, ": offs[-1] = ", last, " is past the ", rows, " rows of a");
+  const auto values = host_values(offs);
+  int64_t prev = 0;
+  for (size_t e = 0; e < values.size(); ++e) {
+    TORCH_CHECK(values[e] >= prev, op, ": offs must be non-decreasing and start at >= 0 (cumulative row counts), ",
+                "got offs[", e, "] = ", values[e], " after ", prev);
+    prev = values[e];
+  }
+  TORCH_CHECK(prev <= rows, op, ": offs[-1] = ", prev, " is past the ", rows, " rows of a");
 }
 
 }  // namespace
@@ -138,10 +148,14 @@ void check_unpermute(const at::Tensor& y_sorted, const at::Tensor& row_map, cons
   TORCH_CHECK(weights.size(0) == num_tokens, "moe_unpermute: weights must have num_tokens = ", num_tokens,
               " rows, got ", weights.size(0));
   check_index_range(row_map, -1, weights.numel(), "moe_unpermute", "row_map");
-  if (row_map.numel() == 0 || weights.numel() == 0 || !run_value_checks(row_map)) return;
-  const at::Tensor used = row_map.masked_select(row_map >= 0).to(at::kLong);
-  TORCH_CHECK(used.numel() == 0 || at::bincount(used, {}, weights.numel()).max().item<int64_t>() <= 1,
-              "moe_unpermute: row_map must name each copy at most once (it is moe_permute's row_map)");
+  if (row_map.numel() == 0 || !run_value_checks(row_map)) return;
+  std::vector<char> seen(weights.numel(), 0);
+  for (const int32_t c : host_values(row_map)) {
+    if (c < 0) continue;
+    TORCH_CHECK(!seen[c], "moe_unpermute: row_map must name each copy at most once (it is moe_permute's row_map), ",
+                "copy ", c, " appears twice");
+    seen[c] = 1;
+  }
 }
 
 void check_unpermute_bwd(const at::Tensor& grad_y, const at::Tensor& y_sorted, const at::Tensor& row_map,
