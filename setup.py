@@ -34,19 +34,20 @@ def _sources(pattern: str) -> list[str]:
 def _extension():
     with_cuda = _cuda_requested()
     arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a") if with_cuda else ""
-    defines = [
-        ("Py_LIMITED_API", "0x03090000"),
+    defines = [  # py_limited_api=True below makes torch define Py_LIMITED_API
         ("KDA_DSA_OPS_VERSION", f'"{VERSION}"'),
         ("KDA_DSA_OPS_CUDA_ARCHS", f'"{arch_list}"'),
     ]
-    cxx_flags = ["-O3", "-std=c++20", "-fdiagnostics-color=always"]
+    # No -std flag: torch's BuildExtension picks the standard its headers were built with
+    # (C++17 for torch 2.11, C++20 for 2.14); mixing standards across c10's inline code breaks.
+    cxx_flags = ["-O3", "-fdiagnostics-color=always"]
     sources = _sources("*.cpp")
     if not with_cuda:
         return cpp_extension.CppExtension(
             "kda_dsa_ops._C", sources, include_dirs=[os.path.join(ROOT, "csrc")], define_macros=defines,
             extra_compile_args={"cxx": cxx_flags}, py_limited_api=True)
     nvcc_flags = [
-        "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+        "-O3", "--expt-relaxed-constexpr",
         "-lineinfo", "-Xptxas=-warn-spills",
         # torch's defaults undefine the half operators; our kernels use cuda_bf16/cuda_fp16 directly.
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",

@@ -11,6 +11,7 @@
 #include <cub/device/device_select.cuh>
 
 #include <limits>
+#include <type_traits>
 
 #include "common/checks.h"
 #include "common/device.cuh"
@@ -175,9 +176,9 @@ void launch_gather(int64_t row_bytes, const void* a, const void* b, F&& f) {
   const bool vec16 = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(b) % 16 == 0;
   if (vec16) {
-    f.template operator()<16>();
+    f(std::integral_constant<int, 16>{});
   } else {
-    f.template operator()<2>();
+    f(std::integral_constant<int, 2>{});
   }
 }
 
@@ -285,7 +286,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_cuda(const at::Tensor& x_
   }
   if (M > 0 && D > 0) {
     const int64_t row_bytes = D * x.element_size();
-    launch_gather(row_bytes, x.data_ptr(), x_sorted.data_ptr(), [&]<int kVec>() {
+    launch_gather(row_bytes, x.data_ptr(), x_sorted.data_ptr(), [&](auto vec) {
+      constexpr int kVec = decltype(vec)::value;
       gather_rows_kernel<kVec><<<M, kRowThreads, 0, stream>>>(static_cast<const char*>(x.data_ptr()),
                                                              static_cast<char*>(x_sorted.data_ptr()), row_bytes,
                                                              row_map.data_ptr<int>(), static_cast<int>(k));
@@ -393,16 +395,17 @@ at::Tensor unpermute_cuda(const at::Tensor& y_sorted_in, const at::Tensor& row_m
   }
   KDA_DISPATCH_CUDA_FLOATING(ys.scalar_type(), "moe_unpermute", [&] {
     const bool vec = D % 8 == 0 && sizeof(scalar_t) == 2 && reinterpret_cast<uintptr_t>(ys.data_ptr()) % 16 == 0;
-    auto launch = [&]<int kVec>() {
+    auto launch = [&](auto vec_width) {
+      constexpr int kVec = decltype(vec_width)::value;
       combine_kernel<scalar_t, kVec><<<num_tokens, kRowThreads, 0, stream>>>(
           static_cast<const scalar_t*>(ys.data_ptr()), copy_row.data_ptr<int>(), w.data_ptr<float>(), D,
           static_cast<int>(k), static_cast<scalar_t*>(y.data_ptr()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (vec) {
-      launch.template operator()<8>();
+      launch(std::integral_constant<int, 8>{});
     } else {
-      launch.template operator()<1>();
+      launch(std::integral_constant<int, 1>{});
     }
   });
   return y;

@@ -11,6 +11,7 @@
 #include "moe/moe.h"
 
 #include <limits>
+#include <type_traits>
 
 namespace kda_dsa_ops::moe {
 namespace {
@@ -271,17 +272,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_bwd_kernel(
   }
 }
 
-// Calls f.template operator()<kPerLane>() with the smallest power of two >= ceil(E / 32).
+// Calls f(std::integral_constant<int, P>) with P the smallest power of two >= ceil(E / 32).
 template <typename F>
 void dispatch_per_lane(int64_t E, F&& f) {
   const int64_t per_lane = ceil_div(E, kWarpSize);
-  if (per_lane <= 1) return f.template operator()<1>();
-  if (per_lane <= 2) return f.template operator()<2>();
-  if (per_lane <= 4) return f.template operator()<4>();
-  if (per_lane <= 8) return f.template operator()<8>();
-  if (per_lane <= 16) return f.template operator()<16>();
-  if (per_lane <= 32) return f.template operator()<32>();
-  return f.template operator()<64>();
+  if (per_lane <= 1) return f(std::integral_constant<int, 1>{});
+  if (per_lane <= 2) return f(std::integral_constant<int, 2>{});
+  if (per_lane <= 4) return f(std::integral_constant<int, 4>{});
+  if (per_lane <= 8) return f(std::integral_constant<int, 8>{});
+  if (per_lane <= 16) return f(std::integral_constant<int, 16>{});
+  if (per_lane <= 32) return f(std::integral_constant<int, 32>{});
+  return f(std::integral_constant<int, 64>{});
 }
 
 void check_cuda_route(const at::Tensor& logits) {
@@ -308,7 +309,8 @@ std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits_in, const
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(ceil_div(T, kWarpsPerBlock));
   KDA_DISPATCH_CUDA_FLOATING(logits.scalar_type(), "moe_route", [&] {
-    dispatch_per_lane(E, [&]<int kPerLane>() {
+    dispatch_per_lane(E, [&](auto per_lane) {
+      constexpr int kPerLane = decltype(per_lane)::value;
       route_kernel<scalar_t, kPerLane><<<grid, kWarpsPerBlock * kWarpSize, 0, stream>>>(
           static_cast<const scalar_t*>(logits.data_ptr()), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
           k, fn, renorm, static_cast<float>(scale), weights.data_ptr<float>(), ids.data_ptr<int>());
@@ -334,7 +336,8 @@ at::Tensor route_bwd_cuda(const at::Tensor& grad_weights_in, const at::Tensor& l
   const dim3 grid(ceil_div(T, kWarpsPerBlock));
   const size_t smem = static_cast<size_t>(kWarpsPerBlock) * 2 * E * sizeof(float);
   KDA_DISPATCH_CUDA_FLOATING(logits.scalar_type(), "moe_route_bwd", [&] {
-    dispatch_per_lane(E, [&]<int kPerLane>() {
+    dispatch_per_lane(E, [&](auto per_lane) {
+      constexpr int kPerLane = decltype(per_lane)::value;
       const auto kernel = route_bwd_kernel<scalar_t, kPerLane>;
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       kernel<<<grid, kWarpsPerBlock * kWarpSize, smem, stream>>>(
