@@ -41,11 +41,14 @@ def _extension():
     # No -std flag: torch's BuildExtension picks the standard its headers were built with
     # (C++17 for torch 2.11, C++20 for 2.14); mixing standards across c10's inline code breaks.
     cxx_flags = ["-O3", "-fdiagnostics-color=always"]
+    # Share torch's C++ runtime: a toolchain that links libstdc++ statically would give the
+    # extension its own locale tables, and formatting a number in an error message then crashes.
+    link_flags = ["-l:libstdc++.so.6"]
     sources = _sources("*.cpp")
     if not with_cuda:
         return cpp_extension.CppExtension(
             "kda_dsa_ops._C", sources, include_dirs=[os.path.join(ROOT, "csrc")], define_macros=defines,
-            extra_compile_args={"cxx": cxx_flags}, py_limited_api=True)
+            extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags, py_limited_api=True)
     nvcc_flags = [
         "-O3", "--expt-relaxed-constexpr",
         "-lineinfo", "-Xptxas=-warn-spills",
@@ -58,7 +61,7 @@ def _extension():
     return cpp_extension.CUDAExtension(
         "kda_dsa_ops._C", sources + _sources("*.cu"), include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=defines + [("KDA_DSA_OPS_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=link_flags,
         py_limited_api=True)
 
 

@@ -3,6 +3,10 @@ experts, counts not a multiple of 8, one-token batches, all-dropped experts)."""
 
 from hypothesis import strategies as st
 
+# Every test that draws tensors from torch's generator takes a seed from hypothesis, so that a
+# failing example replays with the same tensors.
+SEEDS = st.integers(0, 2**32 - 1)
+
 
 @st.composite
 def expert_counts(draw, max_experts=9, max_count=70):

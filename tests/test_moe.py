@@ -12,7 +12,7 @@ from kda_dsa_ops import reference as R
 
 from conftest import DEVICES, IS_HOPPER
 from helpers import offsets_from_counts, opcheck, poison
-from strategies import expert_counts, gemm_dims, routing_case
+from strategies import SEEDS, expert_counts, gemm_dims, routing_case
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -37,9 +37,10 @@ def integer_bias(E, device):
 # ---- moe_route -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
-@given(case=routing_case(max_tokens=33, max_experts=300), score_fn=st.sampled_from(["sigmoid", "softmax"]),
+@given(seed=SEEDS, case=routing_case(max_tokens=33, max_experts=300), score_fn=st.sampled_from(["sigmoid", "softmax"]),
        renorm=st.booleans(), with_bias=st.booleans(), data=st.data())
-def test_route_matches_reference(device, case, score_fn, renorm, with_bias, data):
+def test_route_matches_reference(seed, device, case, score_fn, renorm, with_bias, data):
+    torch.manual_seed(seed)
     T, E, k = case
     dtype = data.draw(st.sampled_from([torch.float32] + HALF_TYPES))
     logits = spaced_logits(T, E, dtype, device).requires_grad_()
@@ -86,10 +87,11 @@ def routed_case(T, E, k, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@given(case=routing_case(max_tokens=40, max_experts=24),
+@given(seed=SEEDS, case=routing_case(max_tokens=40, max_experts=24),
        policy=st.sampled_from(["drop_probs", "drop_position", "reroute"]),
        capacity=st.one_of(st.none(), st.integers(0, 9)), D=st.sampled_from([1, 8, 24, 40]), data=st.data())
-def test_permute_matches_reference(device, case, policy, capacity, D, data):
+def test_permute_matches_reference(seed, device, case, policy, capacity, D, data):
+    torch.manual_seed(seed)
     T, E, k = case
     dtype = data.draw(st.sampled_from(device_dtypes(device)))
     ids, w, fallback = routed_case(T, E, k, device)
@@ -110,9 +112,10 @@ def test_permute_matches_reference(device, case, policy, capacity, D, data):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@given(case=routing_case(max_tokens=40, max_experts=24), capacity=st.one_of(st.none(), st.integers(0, 9)),
+@given(seed=SEEDS, case=routing_case(max_tokens=40, max_experts=24), capacity=st.one_of(st.none(), st.integers(0, 9)),
        D=st.sampled_from([1, 8, 24, 64]), data=st.data())
-def test_unpermute_matches_reference(device, case, capacity, D, data):
+def test_unpermute_matches_reference(seed, device, case, capacity, D, data):
+    torch.manual_seed(seed)
     T, E, k = case
     dtype = data.draw(st.sampled_from(device_dtypes(device)))
     ids, w, _ = routed_case(T, E, k, device)
@@ -130,7 +133,11 @@ def test_unpermute_matches_reference(device, case, capacity, D, data):
     d_ys, d_w = torch.autograd.grad(y, (ys, w), g.to(device))
     d_ys_ref, d_w_ref = torch.autograd.grad(y_ref, (ys_ref, w_ref), g.to(F64))
     assert_close(d_ys, d_ys_ref, dtype, "grad_y_sorted")
-    assert_close(d_w, d_w_ref, torch.float32, "grad_weights")  # weights, and so their gradient, are fp32
+    # Each weight's gradient is one fp32 dot product over D: its rounding scales with the sum of
+    # the |terms|, not with their (possibly cancelling) total.
+    (d_w_terms,) = torch.autograd.grad(R.moe_unpermute(ys_ref.detach().abs(), row_map.cpu(), w_ref, T), w_ref,
+                                       g.to(F64).abs())
+    assert_close(d_w, d_w_ref, torch.float32, "grad_weights", scale=d_w_terms)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -159,9 +166,10 @@ def gemm_case(counts, K_, N, dtype, device, tail=0, transposed_b=False):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@given(counts=expert_counts(max_count=300), dims=gemm_dims(multiple_of=8, max_dim=320), tail=st.integers(0, 20),
+@given(seed=SEEDS, counts=expert_counts(max_count=300), dims=gemm_dims(multiple_of=8, max_dim=320), tail=st.integers(0, 20),
        transposed_b=st.booleans(), data=st.data())
-def test_grouped_mm_matches_reference(device, counts, dims, tail, transposed_b, data):
+def test_grouped_mm_matches_reference(seed, device, counts, dims, tail, transposed_b, data):
+    torch.manual_seed(seed)
     if device == "cuda" and not IS_HOPPER:
         pytest.skip("the CUDA grouped GEMM needs sm_90")
     K_, N = dims
@@ -184,8 +192,9 @@ def test_grouped_mm_matches_reference(device, counts, dims, tail, transposed_b, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@given(counts=expert_counts(max_count=300), dims=gemm_dims(multiple_of=8, max_dim=320), data=st.data())
-def test_grouped_mm_wgrad_matches_reference(device, counts, dims, data):
+@given(seed=SEEDS, counts=expert_counts(max_count=300), dims=gemm_dims(multiple_of=8, max_dim=320), data=st.data())
+def test_grouped_mm_wgrad_matches_reference(seed, device, counts, dims, data):
+    torch.manual_seed(seed)
     if device == "cuda" and not IS_HOPPER:
         pytest.skip("the CUDA grouped GEMM needs sm_90")
     K_, N = dims

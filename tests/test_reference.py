@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kda_dsa_ops import reference as R
 
-from strategies import expert_counts, routing_case, seqlens
+from strategies import SEEDS, expert_counts, routing_case, seqlens
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -61,9 +61,10 @@ def kda_inputs(B, T, H, G, K, V):
     return q, k, v, g, beta
 
 
-@given(B=st.integers(1, 2), T=st.integers(1, 9), H=st.integers(1, 2), G=st.integers(1, 2),
+@given(seed=SEEDS, B=st.integers(1, 2), T=st.integers(1, 9), H=st.integers(1, 2), G=st.integers(1, 2),
        K=st.sampled_from([2, 4, 8]), V=st.sampled_from([2, 4, 8]), l2=st.booleans(), with_state=st.booleans())
-def test_kda_recurrent_matches_householder_form(B, T, H, G, K, V, l2, with_state):
+def test_kda_recurrent_matches_householder_form(seed, B, T, H, G, K, V, l2, with_state):
+    torch.manual_seed(seed)
     q, k, v, g, beta = kda_inputs(B, T, H, G, K, V)
     h0 = torch.randn(B, H * G, K, V, dtype=F64) if with_state else None
     o, final = R.kda_recurrent(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True,
@@ -73,8 +74,9 @@ def test_kda_recurrent_matches_householder_form(B, T, H, G, K, V, l2, with_state
     assert_close(final, final_ref, F64, "final_state")
 
 
-@given(lens=seqlens(max_len=7), l2=st.booleans())
-def test_kda_recurrent_varlen_matches_householder_form(lens, l2):
+@given(seed=SEEDS, lens=seqlens(max_len=7), l2=st.booleans())
+def test_kda_recurrent_varlen_matches_householder_form(seed, lens, l2):
+    torch.manual_seed(seed)
     T = sum(lens)
     q, k, v, g, beta = kda_inputs(1, T, 2, 2, 4, 4)
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
@@ -125,9 +127,10 @@ def brute_force_indexer(q, k, w, cu_q, cu_k, topk):
     return indices, scores
 
 
-@given(lens=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 4)), min_size=1, max_size=3),
+@given(seed=SEEDS, lens=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 4)), min_size=1, max_size=3),
        topk=st.integers(1, 12), Hi=st.integers(1, 3))
-def test_lightning_indexer_matches_brute_force(lens, topk, Hi):
+def test_lightning_indexer_matches_brute_force(seed, lens, topk, Hi):
+    torch.manual_seed(seed)
     q_lens = [a for a, _ in lens]
     k_lens = [a + extra for a, extra in lens]  # keys may include a prefix before the queries
     cu_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
@@ -151,8 +154,9 @@ def test_lightning_indexer_ties_go_to_the_lower_index():
     assert idx.tolist() == [[0, 1, 2]]
 
 
-@given(T=st.integers(1, 6), Tk=st.integers(1, 8), topk=st.integers(1, 6))
-def test_lightning_indexer_bwd_matches_autograd(T, Tk, topk):
+@given(seed=SEEDS, T=st.integers(1, 6), Tk=st.integers(1, 8), topk=st.integers(1, 6))
+def test_lightning_indexer_bwd_matches_autograd(seed, T, Tk, topk):
+    torch.manual_seed(seed)
     q = torch.randn(T, 2, 4, dtype=F64, requires_grad=True)
     k = torch.randn(Tk, 4, dtype=F64, requires_grad=True)
     w = torch.randn(T, 2, dtype=F64, requires_grad=True)
@@ -222,9 +226,10 @@ def dense_masked_attention(q, kv, idx, scale, dv, gate):
     return o, lse, p
 
 
-@given(T=st.integers(1, 5), Tk=st.integers(2, 9), Hkv=st.integers(1, 2), G=st.integers(1, 3),
+@given(seed=SEEDS, T=st.integers(1, 5), Tk=st.integers(2, 9), Hkv=st.integers(1, 2), G=st.integers(1, 3),
        gated=st.booleans(), data=st.data())
-def test_sparse_attn_fwd_matches_dense_masked_attention(T, Tk, Hkv, G, gated, data):
+def test_sparse_attn_fwd_matches_dense_masked_attention(seed, T, Tk, Hkv, G, gated, data):
+    torch.manual_seed(seed)
     topk = data.draw(st.integers(1, Tk))
     q, kv, idx, gate = sfa_inputs(T, Tk, Hkv * G, Hkv, 6, 4, topk)
     gate = gate if gated else None
@@ -238,9 +243,10 @@ def test_sparse_attn_fwd_matches_dense_masked_attention(T, Tk, Hkv, G, gated, da
     assert_close(p, p_ref, F64, "p")
 
 
-@given(T=st.integers(1, 5), Tk=st.integers(2, 9), Hkv=st.integers(1, 2), G=st.integers(1, 3),
+@given(seed=SEEDS, T=st.integers(1, 5), Tk=st.integers(2, 9), Hkv=st.integers(1, 2), G=st.integers(1, 3),
        gated=st.booleans(), data=st.data())
-def test_sparse_attn_bwd_matches_autograd(T, Tk, Hkv, G, gated, data):
+def test_sparse_attn_bwd_matches_autograd(seed, T, Tk, Hkv, G, gated, data):
+    torch.manual_seed(seed)
     topk = data.draw(st.integers(1, Tk))
     q, kv, idx, gate = sfa_inputs(T, Tk, Hkv * G, Hkv, 6, 4, topk, empty_rows=False)
     q.requires_grad_()
@@ -290,9 +296,10 @@ def loop_route(logits, bias, k, score_fn, renorm, scale):
     return weights, ids
 
 
-@given(case=routing_case(), score_fn=st.sampled_from(["sigmoid", "softmax"]), renorm=st.booleans(),
+@given(seed=SEEDS, case=routing_case(), score_fn=st.sampled_from(["sigmoid", "softmax"]), renorm=st.booleans(),
        with_bias=st.booleans(), ties=st.booleans())
-def test_moe_route_matches_loop(case, score_fn, renorm, with_bias, ties):
+def test_moe_route_matches_loop(seed, case, score_fn, renorm, with_bias, ties):
+    torch.manual_seed(seed)
     T, E, k = case
     logits = torch.randint(-2, 3, (T, E)).to(F64) if ties else torch.randn(T, E, dtype=F64)
     bias = torch.randn(E, dtype=F64) * 0.1 if with_bias else None
@@ -339,10 +346,11 @@ def loop_permute(x, ids, E, weights, capacity, policy, fallback):
     return x_sorted, row_map, offs
 
 
-@given(case=routing_case(max_tokens=30, max_experts=12), policy=st.sampled_from(["drop_probs", "drop_position",
+@given(seed=SEEDS, case=routing_case(max_tokens=30, max_experts=12), policy=st.sampled_from(["drop_probs", "drop_position",
                                                                                "reroute"]),
        capacity=st.one_of(st.none(), st.integers(0, 6)), data=st.data())
-def test_moe_permute_matches_queue_loop(case, policy, capacity, data):
+def test_moe_permute_matches_queue_loop(seed, case, policy, capacity, data):
+    torch.manual_seed(seed)
     T, E, k = case
     logits = torch.randn(T, E, dtype=F64)
     w, ids = R.moe_route(logits, None, k)
@@ -356,8 +364,9 @@ def test_moe_permute_matches_queue_loop(case, policy, capacity, data):
     assert torch.equal(out[0], ref[0])
 
 
-@given(case=routing_case(max_tokens=20, max_experts=10), capacity=st.one_of(st.none(), st.integers(0, 4)))
-def test_moe_unpermute_matches_loop(case, capacity):
+@given(seed=SEEDS, case=routing_case(max_tokens=20, max_experts=10), capacity=st.one_of(st.none(), st.integers(0, 4)))
+def test_moe_unpermute_matches_loop(seed, case, capacity):
+    torch.manual_seed(seed)
     T, E, k = case
     w, ids = R.moe_route(torch.randn(T, E, dtype=F64), None, k)
     x = torch.randn(T, 4, dtype=F64)
@@ -373,8 +382,9 @@ def test_moe_unpermute_matches_loop(case, capacity):
         assert_close(R.moe_unpermute(xs, row_map, torch.ones_like(w), T), k * x, F64, "roundtrip")
 
 
-@given(counts=expert_counts(), K=st.integers(1, 12), N=st.integers(1, 12), tail=st.integers(0, 5))
-def test_grouped_mm_matches_one_hot_dense(counts, K, N, tail):
+@given(seed=SEEDS, counts=expert_counts(), K=st.integers(1, 12), N=st.integers(1, 12), tail=st.integers(0, 5))
+def test_grouped_mm_matches_one_hot_dense(seed, counts, K, N, tail):
+    torch.manual_seed(seed)
     E = len(counts)
     M = sum(counts) + tail
     a = torch.randn(M, K, dtype=F64)
@@ -388,8 +398,9 @@ def test_grouped_mm_matches_one_hot_dense(counts, K, N, tail):
     assert_close(R.grouped_mm(a, bt, offs), dense, F64, "out (transposed b)")
 
 
-@given(counts=expert_counts(), K=st.integers(1, 12), N=st.integers(1, 12))
-def test_grouped_mm_wgrad_matches_autograd(counts, K, N):
+@given(seed=SEEDS, counts=expert_counts(), K=st.integers(1, 12), N=st.integers(1, 12))
+def test_grouped_mm_wgrad_matches_autograd(seed, counts, K, N):
+    torch.manual_seed(seed)
     E = len(counts)
     a = torch.randn(sum(counts), K, dtype=F64)
     b = torch.randn(E, K, N, dtype=F64, requires_grad=True)
