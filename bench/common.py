@@ -120,11 +120,13 @@ def write_results(family: str, results: list[Result], c: Ceilings, out_dir: str 
         f.write(f"Ceilings measured in this run: copy {c.copy_gbps:.0f} GB/s, bf16 matmul {c.matmul_tflops:.0f} "
                 "TFLOP/s.\n\n" + md + "\n")
     if plot:
-        _plot(results, stem + ".png", family)
+        plot_rows(rows, stem + ".png", f"{family}: {meta['gpu']}, commit {meta['commit'][:12]}")
     return md
 
 
-def _plot(results: list[Result], path: str, family: str) -> None:
+def plot_rows(rows: list[dict], path: str, title: str) -> None:
+    """Bar chart of achieved TFLOP/s (compute-heavy cases) and GB/s (memory-bound cases), each
+    beside its baseline measured in the same run."""
     try:
         import matplotlib
 
@@ -132,20 +134,32 @@ def _plot(results: list[Result], path: str, family: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    named = [r for r in results if r.baseline_ms]
-    if not named:
-        return
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(named)), 4))
-    xs = range(len(named))
-    ours = [r.tflops() or r.gbps() for r in named]
-    base = [(r.flops / r.baseline_ms / 1e9) if r.flops else (r.bytes / r.baseline_ms / 1e6) for r in named]
-    ax.bar([x - 0.2 for x in xs], ours, 0.4, label="kda_dsa_ops")
-    ax.bar([x + 0.2 for x in xs], base, 0.4, label=named[0].baseline)
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([r.name for r in named], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("TFLOP/s" if named[0].flops else "GB/s")
-    ax.set_title(f"{family}: {torch.cuda.get_device_name()}")
-    ax.legend()
+    panels = [("TFLOP/s", [r for r in rows if r["flops"]], "flops", 1e9),
+              ("GB/s", [r for r in rows if not r["flops"]], "bytes", 1e6)]
+    panels = [p for p in panels if p[1]]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 4.5 * len(panels)), squeeze=False)
+    for ax, (unit, sel, key, scale) in zip(axes[:, 0], panels):
+        xs = range(len(sel))
+        ax.bar([x - 0.2 for x in xs], [r[key] / r["ms"] / scale for r in sel], 0.4, label="kda_dsa_ops")
+        ax.bar([x + 0.2 for x in xs], [r[key] / r["baseline_ms"] / scale if r["baseline_ms"] else 0 for r in sel],
+               0.4, label="baseline (see label)")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{r['name']}\nvs {r['baseline'] or '-'}" for r in sel], rotation=70, ha="right",
+                           fontsize=6)
+        ax.set_ylabel(unit)
+        ax.legend()
+    axes[0, 0].set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for json_path in sys.argv[1:]:  # re-plot recorded results: python bench/common.py results/*.json
+        with open(json_path) as f:
+            data = json.load(f)
+        family = os.path.basename(json_path)[:-5].split("-")[-1]
+        plot_rows(data["results"], json_path[:-5] + ".png",
+                  f"{family}: {data['meta']['gpu']}, commit {data['meta']['commit'][:12]}")
