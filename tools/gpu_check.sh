@@ -3,7 +3,7 @@
 # every kernel, run the benchmarks; logs and results go to $OUT (default ./gpu_out), a short
 # table is printed last.
 #
-#   tools/gpu_check.sh [build] [test] [sanitize] [bench|bench-quick] ...   (default: all, full bench)
+#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [bench|bench-quick] ...   (default: all, full bench)
 #
 # Environment: KDA_DSA_OPS_COMMIT (commit id recorded in the results when .git is absent),
 # TEST_ARGS (extra pytest arguments), MAX_JOBS (default 16).
@@ -15,7 +15,7 @@ mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize bench)
+[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize demo bench)
 summary="$OUT/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
@@ -53,6 +53,11 @@ for step in "${steps[@]}"; do
           echo "== $tool"; compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize_moe.py || exit $?
         done'
       grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|sanitize_moe" "$OUT/sanitize.log" | tee -a "$summary"
+      ;;
+    demo)  # output goes to the summary (the files that come back from $OUT are limited)
+      for config in tiny small; do
+        timeout 300 python3 -m kda_dsa_ops.demo --config "$config" 2>&1 | tee -a "$summary"
+      done
       ;;
     bench | bench-quick)
       quick=()

@@ -38,15 +38,4 @@ inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const 
               "), got ", t.device());
 }
 
-inline void check_inner_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, name,
-              " must have unit stride in its last dimension, got strides ", c10::str(t.strides()),
-              "; call .contiguous() first");
-}
-
-inline void check_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got shape ", shape_str(t), " with strides ",
-              c10::str(t.strides()), "; call .contiguous() first");
-}
-
 }  // namespace kda_dsa_ops

@@ -94,12 +94,17 @@ def indexer_kl_loss(attn_p: torch.Tensor, scores: torch.Tensor, indices: torch.T
     return terms.sum(-1).mean()
 
 
-def _gather_kv(kv: torch.Tensor, indices: torch.Tensor, dv: int):
-    """Selected keys [T,Hkv,topk,Dqk] and values [T,Hkv,topk,dv]: the values are kv[..., :dv]."""
-    rows = indices.clamp(min=0).long()                         # [T, Hkv, topk]
-    heads = torch.arange(kv.shape[1], device=kv.device)[None, :, None]
-    k_sel = kv[rows, heads]
-    return k_sel, k_sel[..., :dv]
+def _selected_logits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, dv: int):
+    """Per kv head a: queries qg [T,Hkv,G,Dqk], selected keys [T,Hkv,topk,Dqk] and values
+    [T,Hkv,topk,dv] (the values are kv[..., :dv]) and logits [T,Hkv,G,topk] (-1 entries: -inf)."""
+    T, H, _ = q.shape
+    Hkv = kv.shape[1]
+    acc = _acc_dtype(q)
+    rows = indices.clamp(min=0).long()                                      # [T, Hkv, topk]
+    k_sel = kv.to(acc)[rows, torch.arange(Hkv, device=kv.device)[None, :, None]]
+    qg = q.to(acc).reshape(T, Hkv, H // Hkv, -1)
+    logits = torch.einsum("tagd,tasd->tags", qg, k_sel) * scale
+    return qg, k_sel, k_sel[..., :dv], logits.masked_fill((indices < 0)[:, :, None, :], -math.inf)
 
 
 def sparse_attn_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, dv: int,
@@ -112,20 +117,15 @@ def sparse_attn_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sc
     p [T,Hkv,topk] probabilities summed over the heads of each kv head, or None).
     """
     T, H, _ = q.shape
-    Hkv = kv.shape[1]
-    G = H // Hkv
     acc = _acc_dtype(q)
-    k_sel, v_sel = _gather_kv(kv.to(acc), indices, dv)
-    qg = q.to(acc).reshape(T, Hkv, G, -1)
-    logits = torch.einsum("tagd,tasd->tags", qg, k_sel) * scale
-    logits = logits.masked_fill((indices < 0)[:, :, None, :], -math.inf)
+    _, _, v_sel, logits = _selected_logits(q, kv, indices, scale, dv)
     lse = torch.logsumexp(logits, dim=-1)                                   # [T, Hkv, G]
     probs = torch.where(torch.isfinite(lse)[..., None], torch.exp(logits - lse[..., None]),
                         torch.zeros((), dtype=acc, device=q.device))
     attn = torch.einsum("tags,tasd->tagd", probs, v_sel).reshape(T, H, dv)
     o = attn * torch.sigmoid(gate.to(acc)) if gate is not None else attn
     p = probs.sum(2) if return_p else None
-    return o.to(q.dtype), lse.reshape(T, H).to(torch.float32 if acc == torch.float32 else acc), p
+    return o.to(q.dtype), lse.reshape(T, H), p
 
 
 def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
@@ -136,10 +136,8 @@ def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices
     Hkv = kv.shape[1]
     G = H // Hkv
     acc = _acc_dtype(q)
-    k_sel, v_sel = _gather_kv(kv.to(acc), indices, dv)
-    qg = q.to(acc).reshape(T, Hkv, G, -1)
+    qg, k_sel, v_sel, logits = _selected_logits(q, kv, indices, scale, dv)
     lse_g = lse.to(acc).reshape(T, Hkv, G)
-    logits = torch.einsum("tagd,tasd->tags", qg, k_sel) * scale
     live = (indices >= 0)[:, :, None, :] & torch.isfinite(lse_g)[..., None]
     probs = torch.where(live, torch.exp(logits - lse_g[..., None]), torch.zeros((), dtype=acc, device=q.device))
     attn = torch.einsum("tags,tasd->tagd", probs, v_sel)                    # ungated output
