@@ -8,17 +8,19 @@ import os
 import subprocess
 import sys
 
-FAMILIES = ["bench_moe.py"]
+FAMILIES = {"kda": "bench_kda.py", "moe": "bench_moe.py"}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller shape sets")
     parser.add_argument("--out", default=None, help="directory for the results (default bench/results)")
+    parser.add_argument("--only", nargs="+", choices=sorted(FAMILIES), default=sorted(FAMILIES),
+                        help="families to run")
     args = parser.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     failed = []
-    for script in FAMILIES:
+    for script in (FAMILIES[f] for f in args.only):
         cmd = [sys.executable, os.path.join(here, script)] + (["--quick"] if args.quick else [])
         cmd += ["--out", args.out] if args.out else []
         print(f"== {script}", flush=True)

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "common/checks.h"
+#include "kda/kda.h"
 #include "moe/moe.h"
 
 namespace kda_dsa_ops {
@@ -28,6 +29,13 @@ void set_value_checks(bool enabled) { value_checks_flag().store(enabled, std::me
 }  // namespace kda_dsa_ops
 
 TORCH_LIBRARY(kda_dsa_ops, m) {
+  // KDA, chunked: o [B,T,HV,V] in q's dtype; final_state [N,HV,K,V] fp32 (fp64 for fp64 inputs), [0] when not asked for.
+  m.def("kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
+        "Tensor? cu_seqlens, bool output_final_state, bool use_qk_l2norm) -> (Tensor, Tensor)");
+  // (dq, dk, dv, dg, dbeta, dinitial_state); dinitial_state is [0] without an initial_state.
+  m.def("kda_bwd(Tensor grad_o, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+        "float scale, Tensor? initial_state, Tensor? cu_seqlens, bool use_qk_l2norm) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // MoE routing: weights [T,k] fp32, ids [T,k] int32.
   m.def("moe_route(Tensor logits, Tensor? bias, int k, str score_fn, bool renorm, float scale) -> (Tensor, Tensor)");
   m.def("moe_route_bwd(Tensor grad_weights, Tensor logits, Tensor ids, str score_fn, bool renorm, float scale) -> Tensor");
@@ -43,6 +51,8 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
 
 TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
   using namespace kda_dsa_ops::moe;
+  m.impl("kda_fwd", &kda_dsa_ops::kda::kda_fwd);
+  m.impl("kda_bwd", &kda_dsa_ops::kda::kda_bwd);
   m.impl("moe_route", &route_cpu);
   m.impl("moe_route_bwd", &route_bwd_cpu);
   m.impl("moe_permute", &permute_cpu);
@@ -55,6 +65,8 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
 #ifdef KDA_DSA_OPS_WITH_CUDA
 TORCH_LIBRARY_IMPL(kda_dsa_ops, CUDA, m) {
   using namespace kda_dsa_ops::moe;
+  m.impl("kda_fwd", &kda_dsa_ops::kda::kda_fwd);
+  m.impl("kda_bwd", &kda_dsa_ops::kda::kda_bwd);
   m.impl("moe_route", &route_cuda);
   m.impl("moe_route_bwd", &route_bwd_cuda);
   m.impl("moe_permute", &permute_cuda);

@@ -6,14 +6,20 @@
 #   tools/gpu_check.sh [build] [test] [sanitize] [demo] [bench|bench-quick] ...   (default: all, full bench)
 #
 # Environment: KDA_DSA_OPS_COMMIT (commit id recorded in the results when .git is absent),
-# TEST_ARGS (extra pytest arguments), MAX_JOBS (default 16).
+# TEST_ARGS (extra pytest arguments), BENCH_ONLY (families for bench/run_all.py --only),
+# MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline) are
+# installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
+# keeps fla's autotuning between calls.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/python:$PWD/.pydeps${PYTHONPATH:+:$PYTHONPATH} TRITON_CACHE_DIR=$PWD/.triton_cache
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .pydeps ]; then
+  pip install -q --no-index --no-deps --target .pydeps .whl/*.whl
+fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test sanitize demo bench)
 summary="$OUT/summary.txt"
@@ -49,10 +55,10 @@ for step in "${steps[@]}"; do
       tail -15 "$OUT/tests.log" | tee -a "$summary"
       ;;
     sanitize)
-      run_step sanitize 300 bash -c 'for tool in memcheck racecheck; do
-          echo "== $tool"; compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize_moe.py || exit $?
-        done'
-      grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|sanitize_moe" "$OUT/sanitize.log" | tee -a "$summary"
+      run_step sanitize 400 bash -c 'for script in tools/sanitize_*.py; do for tool in memcheck racecheck; do
+          echo "== $tool $script"; compute-sanitizer --tool $tool --error-exitcode 9 python3 $script || exit $?
+        done; done'
+      grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|sanitize_" "$OUT/sanitize.log" | tee -a "$summary"
       ;;
     demo)  # output goes to the summary (the files that come back from $OUT are limited)
       for config in tiny small; do
@@ -62,7 +68,9 @@ for step in "${steps[@]}"; do
     bench | bench-quick)
       quick=()
       [ "$step" = bench-quick ] && quick=(--quick)
-      run_step bench 420 python3 bench/run_all.py "${quick[@]}" --out "$OUT/results"
+      only=()
+      [ -n "${BENCH_ONLY:-}" ] && only=(--only $BENCH_ONLY)
+      run_step bench 540 python3 bench/run_all.py "${quick[@]}" "${only[@]}" --out "$OUT/results"
       ;;
     *)
       echo "unknown step: $step" >&2

@@ -1,5 +1,6 @@
 """Typed wrappers over torch.ops.kda_dsa_ops.*, with fake kernels and autograd."""
 
+from .kda import chunk_kda
 from .moe import grouped_mm, grouped_mm_wgrad, moe_permute, moe_route, moe_unpermute
 
-__all__ = ["grouped_mm", "grouped_mm_wgrad", "moe_permute", "moe_route", "moe_unpermute"]
+__all__ = ["chunk_kda", "grouped_mm", "grouped_mm_wgrad", "moe_permute", "moe_route", "moe_unpermute"]

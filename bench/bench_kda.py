@@ -1,0 +1,154 @@
+"""KDA benchmarks on the GPU (BENCH.md shapes): chunk_kda forward and forward+backward beside
+flash-linear-attention's chunk_kda (when installed; warmed up first, its Triton compile and
+autotuning kept out of the figures) and beside causal SDPA (flash) at the same shape.
+
+Inputs as a model produces them: bf16 q, k, v and beta, fp32 log-decay g = logsigmoid(.), q/k
+L2-normalised in the kernel. Before timing, the outputs and gradients of both implementations are
+compared (relative RMS, each also against an fp32 run of this package's kernels).
+FLOPs: forward 2*C*K*5 + 2*K*V*3 per token and head (C = 64); forward+backward counted as 3x.
+
+    python bench/bench_kda.py [--quick] [--no-fla] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import kda_dsa_ops as K
+from common import Result, bench_ms, measure_ceilings, write_results
+
+CHUNK = 64
+SHAPES = [(2, 8192, 32, 128), (8, 4096, 32, 128), (1, 32768, 64, 128)]
+VARLEN = [1300, 547, 2048, 963, 271, 3063]  # packed into T = 8192, H = 32, K = V = 128
+
+
+def make_inputs(B, T, H, D, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(B * 131 + T + H)
+    q = torch.randn(B, T, H, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, T, H, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, T, H, D, device="cuda", generator=g).to(dtype)
+    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device="cuda", generator=g) + 2.0)
+    beta = torch.rand(B, T, H, device="cuda", generator=g).to(dtype)
+    return [t.requires_grad_() for t in (q, k, v, gate, beta)]
+
+
+def fwd_flops(B, T, H, D):
+    return B * T * H * (2 * CHUNK * D * 5 + 2 * D * D * 3)
+
+
+def fwd_bytes(B, T, H, D):
+    return B * T * H * (2 * D * 2 + D * 2 + D * 4 + 2 + D * 2)
+
+
+def rel_rms(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_kda(fn, ins, cu):
+    return fn(*ins, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+
+
+def fwd_bwd(fn, ins, cu, do):
+    o = run_kda(fn, ins, cu)
+    return torch.autograd.grad(o, ins, do)
+
+
+def load_fla():
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as err:  # noqa: BLE001 (any import failure means: no baseline)
+        print(f"  flash-linear-attention unavailable: {err}", flush=True)
+        return None
+    return chunk_kda
+
+
+def compare(ins, cu, do, fla) -> dict:
+    """Relative RMS differences: this package vs fla (bf16), and each vs this package in fp32."""
+    ref_ins = [t.detach().float().requires_grad_() for t in ins]
+    ref = [run_kda(K.chunk_kda, ref_ins, cu)] + list(fwd_bwd(K.chunk_kda, ref_ins, cu, do.float()))
+    ours = [run_kda(K.chunk_kda, ins, cu)] + list(fwd_bwd(K.chunk_kda, ins, cu, do))
+    out = {"ours_vs_fp32": {n: rel_rms(a, b) for n, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], ours, ref)}}
+    if fla is not None:
+        cu64 = None if cu is None else cu.long()
+        theirs = [run_kda(fla, ins, cu64)] + list(fwd_bwd(fla, ins, cu64, do))
+        out["fla_vs_fp32"] = {n: rel_rms(a, b) for n, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], theirs, ref)}
+        out["ours_vs_fla"] = {n: rel_rms(a, b) for n, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], ours, theirs)}
+    return out
+
+
+def first_call_ms(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def bench_case(label, B, T, H, D, lens, fla, use_sdpa) -> list[Result]:
+    ins = make_inputs(B, T, H, D)
+    cu = None if lens is None else torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    shape = {"B": B, "T": T, "H": H, "K": D, "V": D, "varlen": lens}
+    first = {"fwd": first_call_ms(lambda: run_kda(K.chunk_kda, ins, cu)),
+             "fwd+bwd": first_call_ms(lambda: fwd_bwd(K.chunk_kda, ins, cu, do))}
+    fla_first = {}
+    if fla is not None:
+        cu64 = None if cu is None else cu.long()
+        fla_first = {"fwd": first_call_ms(lambda: run_kda(fla, ins, cu64)),
+                     "fwd+bwd": first_call_ms(lambda: fwd_bwd(fla, ins, cu64, do))}
+        print(f"  {label}: fla first calls (compile + autotune) {fla_first['fwd'] / 1e3:.1f} s fwd, "
+              f"{fla_first['fwd+bwd'] / 1e3:.1f} s fwd+bwd", flush=True)
+    parity = compare(ins, cu, do, fla)
+    print(f"  {label}: parity {parity}", flush=True)
+    q, k, v = (t.detach().transpose(1, 2) for t in ins[:3])
+    results = []
+    for mode, mult in (("fwd", 1), ("fwd+bwd", 3)):
+        ours = (lambda: run_kda(K.chunk_kda, ins, cu)) if mode == "fwd" else (lambda: fwd_bwd(K.chunk_kda, ins, cu, do))
+        ms = bench_ms(ours)
+        extra = {"first_call_ms": first[mode], "parity": parity}
+        flops, nbytes = mult * fwd_flops(B, T, H, D), mult * fwd_bytes(B, T, H, D)
+        if fla is not None:
+            cu64 = None if cu is None else cu.long()
+            theirs = ((lambda: run_kda(fla, ins, cu64)) if mode == "fwd" else (lambda: fwd_bwd(fla, ins, cu64, do)))
+            results.append(Result("kda", f"{mode} {label}", shape, ms, flops, nbytes, "fla chunk_kda",
+                                  bench_ms(theirs), dict(extra, fla_first_call_ms=fla_first[mode])))
+        if use_sdpa:
+            qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+            if mode == "fwd":
+                sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)  # noqa: E731
+            else:
+                dos = do.transpose(1, 2)
+                sdpa = lambda: torch.autograd.grad(  # noqa: E731
+                    torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True), (qs, ks, vs), dos)
+            results.append(Result("kda", f"{mode} {label}", shape, ms, flops, nbytes, "sdpa causal", bench_ms(sdpa),
+                                  extra))
+        if fla is None and not use_sdpa:
+            results.append(Result("kda", f"{mode} {label}", shape, ms, flops, nbytes, extra=extra))
+        print(f"  {results[-1].name}: {ms:.3f} ms", flush=True)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the first shape only")
+    parser.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention baseline")
+    parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
+    args = parser.parse_args()
+    ceilings = measure_ceilings()
+    print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
+    fla = None if args.no_fla else load_fla()
+    cases = [(f"({B},{T},{H},{D})", B, T, H, D, None) for B, T, H, D in SHAPES]
+    cases.append((f"varlen T={sum(VARLEN)} H=32", 1, sum(VARLEN), 32, 128, VARLEN))
+    if args.quick:
+        cases = cases[:1]
+    results = []
+    for label, B, T, H, D, lens in cases:
+        results += bench_case(label, B, T, H, D, lens, fla, use_sdpa=lens is None)
+    print(write_results("kda", results, ceilings, args.out))
+
+
+if __name__ == "__main__":
+    main()

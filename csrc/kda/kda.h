@@ -1,0 +1,53 @@
+// KDA (Kimi Delta Attention): the chunked forward and backward. The op entry points (kda.cpp)
+// check the arguments and bring the inputs to the accumulation type (fp32, fp64 for fp64
+// inputs), L2-normalising q and k when asked; each backend runs the chunked algorithm of
+// kda_chunk.h on those; the entry points cast the results back. Semantics: reference/kda.py.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace kda_dsa_ops::kda {
+
+// Widest key / value head the kernels take.
+constexpr int64_t kMaxHeadDim = 128;
+
+// Sizes of a call. Sequence n covers the flattened tokens [bos(n), bos(n) + len(n)) of [B*T]:
+// the rows of the batch, or the segments of cu_seqlens (B == 1).
+struct Problem {
+  int64_t B, T, H, HV, K, V, N;
+  double scale;
+  at::Tensor cu_seqlens;  // int32 [N+1] on the inputs' device, or undefined
+};
+
+// Inputs of the backends: accumulation-type, contiguous; q, k already normalised.
+struct Inputs {
+  at::Tensor q, k, v, g, beta, initial_state;  // initial_state undefined when absent
+};
+
+// o [B,T,HV,V] and final_state [N,HV,K,V] (undefined when not asked for), accumulation type.
+void fwd_cpu(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& final_state);
+// Gradients w.r.t. the normalised q, k per value head ([B,T,HV,K]), v, g, beta, initial state.
+struct Grads {
+  at::Tensor dq, dk, dv, dg, dbeta, dinitial_state;
+};
+void bwd_cpu(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
+             Grads& grads);
+#ifdef KDA_DSA_OPS_WITH_CUDA
+void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& final_state);
+void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
+              Grads& grads);
+#endif
+
+std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& g, const at::Tensor& beta, double scale,
+                                           const std::optional<at::Tensor>& initial_state,
+                                           const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
+                                           bool use_qk_l2norm);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_bwd(
+    const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
+    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm);
+
+}  // namespace kda_dsa_ops::kda

@@ -1,0 +1,392 @@
+// KDA on CUDA: the chunked algorithm of kda_chunk.h run by thread blocks.
+//   intra kernel       one block per (chunk, value head), all chunks at once: the state-free
+//                      terms (A, Aqk, W, Ut, Qg, Kd, gC) into head-major workspaces.
+//   state kernels      one block per (value-column tile, value head, sequence), chunks in order
+//                      (backward: in reverse), the state tile in shared memory: outputs, the
+//                      final state, and for the backward the start state and end-state gradient
+//                      of every chunk.
+//   chunk bwd kernel   one block per (chunk, value head): every gradient of the chunk.
+// No host synchronisation: with cu_seqlens each block finds its chunk from the device copy.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common/device.cuh"
+#include "kda/kda.h"
+#include "kda/kda_chunk.h"
+
+namespace kda_dsa_ops::kda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kStateCols = 32;  // state columns per block of the state kernels
+
+struct BlockTeam {
+  KDA_HD int rank() const {
+#ifdef __CUDA_ARCH__
+    return static_cast<int>(threadIdx.x);
+#else
+    return 0;
+#endif
+  }
+  KDA_HD int size() const {
+#ifdef __CUDA_ARCH__
+    return static_cast<int>(blockDim.x);
+#else
+    return 1;
+#endif
+  }
+  KDA_HD void sync() const {
+#ifdef __CUDA_ARCH__
+    __syncthreads();
+#endif
+  }
+};
+
+// The sequences of a call: rows of the batch, or the segments of cu_seqlens. Values of cu_seqlens
+// that are not checked may be wrong: then chunks that fall outside [0, tokens) are skipped.
+struct Seqs {
+  const int32_t* cu;  // nullptr: N rows of T tokens
+  int64_t N, T, tokens, slots;
+
+  __device__ int64_t chunks_of(int64_t len) const { return len > 0 ? (len + kChunk - 1) / kChunk : 0; }
+  __device__ void bounds(int64_t n, int64_t& bos, int64_t& len) const {
+    if (cu == nullptr) {
+      bos = n * T;
+      len = T;
+    } else {
+      bos = cu[n];
+      len = static_cast<int64_t>(cu[n + 1]) - cu[n];
+    }
+  }
+  // First chunk slot of sequence n.
+  __device__ int64_t first_slot(int64_t n) const {
+    if (cu == nullptr) return n * chunks_of(T);
+    int64_t base = 0;
+    for (int64_t m = 0; m < n; ++m) base += chunks_of(static_cast<int64_t>(cu[m + 1]) - cu[m]);
+    return base;
+  }
+  // Chunk `slot`: its first token t0 and length L; false for an unused slot.
+  __device__ bool locate(int64_t slot, int64_t& t0, int& L) const {
+    int64_t n = 0, i = slot;
+    if (cu == nullptr) {
+      const int64_t c = chunks_of(T);
+      if (c == 0) return false;
+      n = slot / c;
+      i = slot % c;
+      if (n >= N) return false;
+    } else {
+      for (; n < N; ++n) {
+        const int64_t c = chunks_of(static_cast<int64_t>(cu[n + 1]) - cu[n]);
+        if (i < c) break;
+        i -= c;
+      }
+      if (n == N) return false;
+    }
+    int64_t bos, len;
+    bounds(n, bos, len);
+    t0 = bos + i * kChunk;
+    L = static_cast<int>(len - i * kChunk < kChunk ? len - i * kChunk : kChunk);
+    return true;
+  }
+  __device__ bool valid(int64_t slot, int64_t t0, int L) const {
+    return slot < slots && t0 >= 0 && t0 + L <= tokens;
+  }
+};
+
+// Head-major workspaces of the intra-chunk terms: row t of value head hv at (hv * tokens + t).
+template <typename T>
+struct Intra {
+  T *A, *Aqk, *W, *Ut, *Qg, *Kd, *gC;  // A may be nullptr (the forward keeps it in shared memory)
+};
+
+template <typename T>
+struct Sizes {
+  int64_t H, HV, K, V;
+};
+
+// Shared-memory copy of one chunk of one value head: q, k, G = hi + lo (cumulated), v, beta.
+template <typename T>
+struct ChunkSmem {
+  T *q, *k, *G, *Glo, *v, *beta, *end;
+  __device__ ChunkSmem(T* base, int64_t K, int64_t V)
+      : q(base), k(q + kChunk * K), G(k + kChunk * K), Glo(G + kChunk * K), v(Glo + kChunk * K),
+        beta(v + kChunk * V), end(beta + kChunk) {}
+  __device__ Gates<T> gates() const { return {G, Glo}; }
+  static size_t bytes(int64_t K, int64_t V) { return sizeof(T) * (4 * kChunk * K + kChunk * V + kChunk); }
+};
+
+// Load steps [t0, t0+L) of value head hv into shared memory.
+template <typename T>
+__device__ void load_chunk(const BlockTeam& tm, const Sizes<T>& z, ChunkDims d, int64_t t0, int64_t hv,
+                           const T* q, const T* k, const T* v, const T* g, const T* beta, const ChunkSmem<T>& s) {
+  T *sq = s.q, *sk = s.k, *sG = s.G, *sv = s.v, *sb = s.beta;
+  const int64_t h = hv / (z.HV / z.H);
+  for (int i = tm.rank(); i < d.L * d.K; i += tm.size()) {
+    const int64_t t = t0 + i / d.K, c = i % d.K;
+    sq[i] = q[(t * z.H + h) * z.K + c];
+    sk[i] = k[(t * z.H + h) * z.K + c];
+    sG[i] = g[(t * z.HV + hv) * z.K + c];
+  }
+  for (int i = tm.rank(); i < d.L * d.V; i += tm.size()) {
+    sv[i] = v[((t0 + i / d.V) * z.HV + hv) * z.V + i % d.V];
+  }
+  for (int t = tm.rank(); t < d.L; t += tm.size()) sb[t] = beta[(t0 + t) * z.HV + hv];
+  tm.sync();
+  chunk_cumsum(tm, d, sG, s.Glo);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, const T* __restrict__ q,
+                                                         const T* __restrict__ k, const T* __restrict__ v,
+                                                         const T* __restrict__ g, const T* __restrict__ beta,
+                                                         Intra<T> out) {
+  extern __shared__ unsigned char smem_raw[];
+  const ChunkSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K, z.V);
+  T* sA = sm.end;  // [kChunk, kChunk]
+  const int64_t slot = blockIdx.x, hv = blockIdx.y;
+  int64_t t0;
+  int L;
+  if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
+  const BlockTeam tm;
+  const ChunkDims d{L, static_cast<int>(z.K), static_cast<int>(z.V)};
+  load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
+  const int64_t row = hv * sq_.tokens + t0;
+  chunk_intra(tm, d, sm.q, sm.k, sm.gates(), sm.v, sm.beta, out.A != nullptr ? out.A + row * kChunk : sA, out.Aqk + row * kChunk,
+              out.W + row * z.K, out.Ut + row * z.V, out.Qg + row * z.K, out.Kd + row * z.K,
+              out.gC + (hv * sq_.slots + slot) * z.K);
+}
+
+// Forward state passing. o (may be nullptr) [tokens, HV, V]; starts (may be nullptr) receives
+// the start state of every chunk, [HV, slots, K, V].
+template <typename T>
+__global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> z, T scale, Intra<T> in,
+                                                             const T* __restrict__ h0, T* o, T* ht, T* starts) {
+  extern __shared__ unsigned char smem_raw[];
+  T* S = reinterpret_cast<T*>(smem_raw);  // [K, Vt]
+  T* U = S + z.K * kStateCols;            // [kChunk, Vt]
+  const int j0 = blockIdx.x * kStateCols;
+  const int64_t hv = blockIdx.y, n = blockIdx.z;
+  const int Vt = static_cast<int>(z.V - j0 < kStateCols ? z.V - j0 : kStateCols);
+  const int K = static_cast<int>(z.K);
+  const BlockTeam tm;
+  for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
+    const int c = i / Vt, j = i % Vt;
+    S[i] = h0 != nullptr ? h0[((n * z.HV + hv) * K + c) * z.V + j0 + j] : T(0);
+  }
+  tm.sync();
+  int64_t bos, len;
+  sq_.bounds(n, bos, len);
+  const int64_t first = sq_.first_slot(n);
+  for (int64_t i = 0; i * kChunk < len; ++i) {
+    const int64_t slot = first + i, t0 = bos + i * kChunk;
+    const int L = static_cast<int>(len - i * kChunk < kChunk ? len - i * kChunk : kChunk);
+    if (!sq_.valid(slot, t0, L)) break;
+    if (starts != nullptr) {
+      T* dst = starts + (hv * sq_.slots + slot) * K * z.V + j0;
+      for (int e = tm.rank(); e < K * Vt; e += tm.size()) dst[(e / Vt) * z.V + e % Vt] = S[e];
+    }
+    const int64_t row = hv * sq_.tokens + t0;
+    chunk_state_fwd(tm, ChunkDims{L, K, Vt}, scale, in.W + row * K, in.Ut + row * z.V + j0, static_cast<int>(z.V),
+                    in.Qg + row * K, in.Kd + row * K, in.Aqk + row * kChunk, in.gC + (hv * sq_.slots + slot) * K, S,
+                    Vt, U, o != nullptr ? o + (t0 * z.HV + hv) * z.V + j0 : nullptr, static_cast<int>(z.HV * z.V));
+  }
+  if (ht != nullptr) {
+    for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
+      ht[((n * z.HV + hv) * K + i / Vt) * z.V + j0 + i % Vt] = S[i];
+    }
+  }
+}
+
+// Backward state passing: end-state gradient of every chunk into dends [HV, slots, K, V], the
+// initial state's gradient into dh0.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> z, T scale, Intra<T> in,
+                                                             const T* __restrict__ dO, const T* __restrict__ dht,
+                                                             T* dends, T* dh0) {
+  extern __shared__ unsigned char smem_raw[];
+  T* dS = reinterpret_cast<T*>(smem_raw);  // [K, Vt]
+  T* dU = dS + z.K * kStateCols;           // [kChunk, Vt]
+  const int j0 = blockIdx.x * kStateCols;
+  const int64_t hv = blockIdx.y, n = blockIdx.z;
+  const int Vt = static_cast<int>(z.V - j0 < kStateCols ? z.V - j0 : kStateCols);
+  const int K = static_cast<int>(z.K);
+  const BlockTeam tm;
+  for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
+    dS[i] = dht != nullptr ? dht[((n * z.HV + hv) * K + i / Vt) * z.V + j0 + i % Vt] : T(0);
+  }
+  tm.sync();
+  int64_t bos, len;
+  sq_.bounds(n, bos, len);
+  const int64_t first = sq_.first_slot(n);
+  const int64_t chunks = len > 0 ? (len + kChunk - 1) / kChunk : 0;
+  for (int64_t i = chunks - 1; i >= 0; --i) {
+    const int64_t slot = first + i, t0 = bos + i * kChunk;
+    const int L = static_cast<int>(len - i * kChunk < kChunk ? len - i * kChunk : kChunk);
+    if (!sq_.valid(slot, t0, L)) continue;
+    T* dst = dends + (hv * sq_.slots + slot) * K * z.V + j0;
+    for (int e = tm.rank(); e < K * Vt; e += tm.size()) dst[(e / Vt) * z.V + e % Vt] = dS[e];
+    const int64_t row = hv * sq_.tokens + t0;
+    chunk_state_bwd(tm, ChunkDims{L, K, Vt}, scale, in.W + row * K, in.Qg + row * K, in.Kd + row * K,
+                    in.Aqk + row * kChunk, in.gC + (hv * sq_.slots + slot) * K, dO + (t0 * z.HV + hv) * z.V + j0,
+                    static_cast<int>(z.HV * z.V), dS, Vt, dU);
+  }
+  for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
+    dh0[((n * z.HV + hv) * K + i / Vt) * z.V + j0 + i % Vt] = dS[i];
+  }
+}
+
+// Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
+template <typename T>
+struct BwdWork {
+  T *U, *dU, *ZW, *ZU, *dAqk, *dA;  // scratch
+  T *dq, *dk, *dg, *dbeta;          // outputs [HV, tokens, K] ([HV, tokens] for dbeta)
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> z, T scale, const T* __restrict__ q,
+                                                             const T* __restrict__ k, const T* __restrict__ v,
+                                                             const T* __restrict__ g, const T* __restrict__ beta,
+                                                             Intra<T> in, const T* __restrict__ starts,
+                                                             const T* __restrict__ dends, const T* __restrict__ dO,
+                                                             BwdWork<T> w, T* dv) {
+  extern __shared__ unsigned char smem_raw[];
+  const ChunkSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K, z.V);
+  const int64_t slot = blockIdx.x, hv = blockIdx.y;
+  int64_t t0;
+  int L;
+  if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
+  const BlockTeam tm;
+  const int K = static_cast<int>(z.K), V = static_cast<int>(z.V);
+  const ChunkDims d{L, K, V};
+  load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
+  const int64_t row = hv * sq_.tokens + t0, state = (hv * sq_.slots + slot) * K * V;
+  const ChunkBwdScratch<T> sc{w.U + row * V, w.dU + row * V, w.ZW + row * K, w.ZU + row * V,
+                              w.dAqk + row * kChunk, w.dA + row * kChunk};
+  chunk_bwd(tm, d, scale, sm.q, sm.k, sm.gates(), sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk, in.W + row * K,
+            in.Ut + row * V, in.Qg + row * K, in.Kd + row * K, in.gC + (hv * sq_.slots + slot) * K, starts + state,
+            dends + state, dO + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), sc, w.dq + row * K,
+            w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V),
+            w.dbeta + row);
+}
+
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+struct Launch {
+  Seqs seqs;
+  cudaStream_t stream;
+};
+
+Launch launch_setup(const Problem& p, const at::Tensor& ref) {
+  TORCH_CHECK(ref.scalar_type() == at::kFloat, "kda: the CUDA kernels take bfloat16, float16 or float32 inputs, got ",
+              "float64 (use the CPU kernel for float64)");
+  const int64_t tokens = p.B * p.T;
+  // Upper bound of the chunk count that needs no look at cu_seqlens: sum ceil(len/64) <= T/64 + N.
+  const int64_t slots = p.cu_seqlens.defined() ? tokens / kChunk + p.N : p.N * ((p.T + kChunk - 1) / kChunk);
+  const int32_t* cu = p.cu_seqlens.defined() ? p.cu_seqlens.data_ptr<int32_t>() : nullptr;
+  return Launch{Seqs{cu, p.N, p.T, tokens, slots}, c10::cuda::getCurrentCUDAStream(ref.get_device()).stream()};
+}
+
+// The intra-chunk terms of every chunk into workspaces (A only when with_A).
+Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool with_A,
+                       std::vector<at::Tensor>& keep) {
+  const auto opts = in.q.options();
+  const int64_t rows = p.HV * l.seqs.tokens;
+  auto ws = [&](int64_t n) {
+    keep.push_back(at::empty({n}, opts));
+    return keep.back().data_ptr<float>();
+  };
+  Intra<float> out{with_A ? ws(rows * kChunk) : nullptr, ws(rows * kChunk), ws(rows * p.K), ws(rows * p.V),
+                   ws(rows * p.K), ws(rows * p.K), ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K))};
+  if (l.seqs.slots == 0) return out;
+  const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * kChunk * kChunk;
+  set_smem(intra_kernel<float>, smem);
+  intra_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
+      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
+      in.v.data_ptr<float>(), in.g.data_ptr<float>(), in.beta.data_ptr<float>(), out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+size_t state_smem_bytes(int64_t K) { return sizeof(float) * (K + kChunk) * kStateCols; }
+
+dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
+
+}  // namespace
+
+void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& final_state) {
+  const c10::cuda::CUDAGuard guard(in.q.device());
+  const Launch l = launch_setup(p, in.q);
+  std::vector<at::Tensor> keep;
+  const Intra<float> intra = run_intra(p, in, l, false, keep);
+  if (p.N == 0) return;
+  const size_t smem = state_smem_bytes(p.K);
+  set_smem(state_fwd_kernel<float>, smem);
+  state_fwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
+      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V}, static_cast<float>(p.scale), intra,
+      in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, o.data_ptr<float>(),
+      final_state.defined() ? final_state.data_ptr<float>() : nullptr, nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
+              Grads& gr) {
+  const c10::cuda::CUDAGuard guard(in.q.device());
+  const Launch l = launch_setup(p, in.q);
+  std::vector<at::Tensor> keep;
+  const Intra<float> intra = run_intra(p, in, l, true, keep);
+  const Sizes<float> z{p.H, p.HV, p.K, p.V};
+  const auto opts = in.q.options();
+  const int64_t tokens = l.seqs.tokens, rows = p.HV * tokens;
+  const at::Tensor starts = at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * p.K * p.V)}, opts);
+  const at::Tensor dends = at::empty_like(starts);
+  const float scale = static_cast<float>(p.scale);
+  if (p.N > 0) {
+    const size_t smem = state_smem_bytes(p.K);
+    set_smem(state_fwd_kernel<float>, smem);
+    state_fwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
+        l.seqs, z, scale, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, nullptr,
+        nullptr, starts.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    set_smem(state_bwd_kernel<float>, smem);
+    state_bwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
+        l.seqs, z, scale, intra, grad_o.data_ptr<float>(),
+        grad_final_state.defined() ? grad_final_state.data_ptr<float>() : nullptr, dends.data_ptr<float>(),
+        gr.dinitial_state.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (rows == 0) return;
+  auto ws = [&](int64_t n) {
+    keep.push_back(at::empty({n}, opts));
+    return keep.back().data_ptr<float>();
+  };
+  // Head-major gradients; every row of a used chunk is written.
+  const at::Tensor dq = at::zeros({p.HV, p.B, p.T, p.K}, opts), dk = at::zeros_like(dq), dg = at::zeros_like(dq);
+  const at::Tensor dbeta = at::zeros({p.HV, p.B, p.T}, opts);
+  gr.dv.zero_();
+  const BwdWork<float> w{ws(rows * p.V), ws(rows * p.V), ws(rows * p.K), ws(rows * p.V), ws(rows * kChunk),
+                         ws(rows * kChunk), dq.data_ptr<float>(), dk.data_ptr<float>(), dg.data_ptr<float>(),
+                         dbeta.data_ptr<float>()};
+  if (l.seqs.slots > 0) {
+    const size_t smem = ChunkSmem<float>::bytes(p.K, p.V);
+    set_smem(chunk_bwd_kernel<float>, smem);
+    chunk_bwd_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
+        l.seqs, z, scale, in.q.data_ptr<float>(), in.k.data_ptr<float>(), in.v.data_ptr<float>(),
+        in.g.data_ptr<float>(), in.beta.data_ptr<float>(), intra, starts.data_ptr<float>(), dends.data_ptr<float>(),
+        grad_o.data_ptr<float>(), w, gr.dv.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  gr.dq.copy_(dq.permute({1, 2, 0, 3}));
+  gr.dk.copy_(dk.permute({1, 2, 0, 3}));
+  gr.dg.copy_(dg.permute({1, 2, 0, 3}));
+  gr.dbeta.copy_(dbeta.permute({1, 2, 0}));
+}
+
+}  // namespace kda_dsa_ops::kda

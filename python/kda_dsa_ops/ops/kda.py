@@ -1,0 +1,80 @@
+"""KDA (Kimi Delta Attention): the chunked gated delta rule, forward and backward.
+
+chunk_kda is argument-compatible with flash-linear-attention's chunk_kda. Semantics are defined
+in kda_dsa_ops.reference.kda (the naive recurrence).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_ops = torch.ops.kda_dsa_ops
+
+
+def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+              initial_state: Tensor | None = None, output_final_state: bool = False,
+              use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None,
+              **kwargs) -> tuple[Tensor, Tensor | None]:
+    """Gated delta-rule linear attention with a per-channel decay, chunk by chunk.
+
+    q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (grouped value heads); g [B, T, HV, K]
+    the log-decay (natural log, <= 0; float32 or the dtype of q); beta [B, T, HV] (float32 or the
+    dtype of q). q, k, v in bfloat16, float16, float32 (or float64 on CPU). K, V <= 128.
+    scale defaults to K ** -0.5. initial_state [N, HV, K, V] float32 (N = B, or the number of
+    sequences). cu_seqlens int32 [N + 1] packs N sequences of any length into B == 1.
+    use_qk_l2norm_in_kernel normalises q and k per head (x / sqrt(|x|^2 + 1e-6)).
+    Returns o [B, T, HV, V] in q's dtype and the final state [N, HV, K, V] float32 (None unless
+    output_final_state). Differentiable w.r.t. q, k, v, g, beta and initial_state.
+    """
+    if kwargs:
+        raise TypeError(f"chunk_kda: unsupported arguments {sorted(kwargs)} (this implementation takes q, k, v, g, "
+                        "beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if cu_seqlens is not None and cu_seqlens.dtype == torch.int64:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    o, final_state = _ops.kda_fwd(q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state,
+                                  use_qk_l2norm_in_kernel)
+    return o, (final_state if output_final_state else None)
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _num_sequences(q: Tensor, cu_seqlens: Tensor | None) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+@torch.library.register_fake("kda_dsa_ops::kda_fwd")
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, use_qk_l2norm):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    shape = (_num_sequences(q, cu_seqlens), HV, K, V) if output_final_state else (0,)
+    return q.new_empty(B, T, HV, V), q.new_empty(shape, dtype=_state_dtype(q))
+
+
+@torch.library.register_fake("kda_dsa_ops::kda_bwd")
+def _(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=_state_dtype(q))
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+def _kda_setup(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, _, use_qk_l2norm = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+
+
+def _kda_backward(ctx, grad_o, grad_final_state):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    if grad_final_state is not None and grad_final_state.numel() == 0:
+        grad_final_state = None
+    dq, dk, dv, dg, dbeta, dh0 = _ops.kda_bwd(grad_o.contiguous(), grad_final_state, q, k, v, g, beta, ctx.scale,
+                                              initial_state, cu_seqlens, ctx.use_qk_l2norm)
+    return dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None
+
+
+torch.library.register_autograd("kda_dsa_ops::kda_fwd", _kda_backward, setup_context=_kda_setup)

@@ -1,0 +1,231 @@
+"""KDA (chunk_kda) against the float64 naive recurrence, on CPU and CUDA: outputs, final states
+and every gradient (q, k, v, g, beta, initial state), varlen, grouped value heads, strong decay,
+opcheck, torch.compile(fullgraph=True), no host synchronisation, and bad inputs."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kda_dsa_ops as K
+from kda_dsa_ops.reference.kda import kda_recurrent
+
+from conftest import DEVICES
+from helpers import opcheck, poison
+from strategies import SEEDS, seqlens
+from tolerances import assert_close
+
+F64 = torch.float64
+
+
+def device_dtypes(device):
+    return [torch.float32, torch.bfloat16, torch.float16] if device == "cuda" else [torch.float64, torch.float32,
+                                                                                      torch.bfloat16]
+
+
+def make_inputs(B, T, H, HV, Kd, V, dtype, g_dtype, device, decay="normal", l2=True):
+    """Inputs in the ranges a model produces: without in-kernel normalisation q, k are scaled to
+    unit norm on average (the delta rule needs |beta k^2| <~ 2 to be stable)."""
+    qk_scale = 1.0 if l2 else Kd ** -0.5
+    q = (torch.randn(B, T, H, Kd) * qk_scale).to(dtype)
+    k = (torch.randn(B, T, H, Kd) * qk_scale).to(dtype)
+    v = torch.randn(B, T, HV, V).to(dtype)
+    if decay == "strong":  # down to -20 per step, whole chunks summing to about -1e4 on some channels
+        g = -20 * torch.rand(B, T, HV, Kd)
+        g[..., 0] = -160.0
+    else:
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, Kd) + 2.0)
+    beta = torch.rand(B, T, HV)
+    return [t.to(device) for t in (q, k, v, g.to(g_dtype), beta.to(g_dtype if g_dtype != F64 else dtype))]
+
+
+def check_against_reference(device, dtype, g_dtype, B, T, H, group, Kd, V, lens, l2, with_h0, decay):
+    HV = H * group
+    q, k, v, g, beta = make_inputs(B, T, H, HV, Kd, V, dtype, g_dtype, device, decay, l2)
+    cu = None if lens is None else torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    N = B if cu is None else len(lens)
+    state_dtype = F64 if dtype == F64 else torch.float32
+    h0 = torch.randn(N, HV, Kd, V, dtype=state_dtype, device=device) if with_h0 else None
+    ins = [t.detach().requires_grad_() for t in (q, k, v, g, beta)] + ([h0.requires_grad_()] if with_h0 else [])
+    poison(device)
+    o, ht = K.chunk_kda(*ins[:5], initial_state=ins[5] if with_h0 else None, output_final_state=True,
+                       use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    assert o.dtype == dtype and ht.dtype == state_dtype and ht.shape == (N, HV, Kd, V)
+    ref_ins = [t.detach().cpu().to(F64).requires_grad_() for t in ins]
+    ro, rht = kda_recurrent(*ref_ins[:5], initial_state=ref_ins[5] if with_h0 else None, output_final_state=True,
+                            use_qk_l2norm=l2, cu_seqlens=None if cu is None else cu.cpu())
+    assert_close(o, ro, dtype, "o")
+    assert_close(ht, rht, state_dtype, "final_state")
+    do = torch.randn(o.shape, dtype=F64)
+    dht = torch.randn(ht.shape, dtype=F64)
+    grads = torch.autograd.grad((o * do.to(device, dtype)).sum() + (ht * dht.to(device, state_dtype)).sum(), ins)
+    ref_grads = torch.autograd.grad((ro * do.to(dtype).to(F64)).sum() + (rht * dht.to(state_dtype).to(F64)).sum(),
+                                    ref_ins)
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    scales = {"dg": dg_scale(ref_ins, ref_grads), "dbeta": dbeta_scale(ref_ins, ref_grads)}
+    for name, a, b, x in zip(names, grads, ref_grads, ins):
+        assert a.dtype == x.dtype
+        assert_close(a, b, x.dtype, name, scale=scales.get(name))
+
+
+def dbeta_scale(ins, grads):
+    """The size of the terms of dbeta_t = (dS_t^T k_t) . (v_t - S'^T k_t) = (dv_t / beta_t) . r_t, a
+    dot product over V that can cancel: |dv_t| |v_t| / beta_t per (t, head)."""
+    v, beta, dv = ins[2], ins[4], grads[2]
+    return dv.norm(dim=-1) * v.norm(dim=-1) / beta.clamp_min(1e-3)
+
+
+def dg_scale(ins, grads):
+    """The size of the terms that make up dg: it is a sum of terms of the size of q * dq and
+    k * dk that cancel where decay is strong (the true dg is then tiny, ~exp(g))."""
+    return torch.cat([(ins[0] * grads[0]).flatten(), (ins[1] * grads[1]).flatten()])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(seed=SEEDS, T=st.integers(1, 150), B=st.integers(1, 2), H=st.integers(1, 2), group=st.sampled_from([1, 2]),
+       dims=st.sampled_from([(4, 3), (16, 16), (64, 64), (128, 128), (128, 64), (40, 72)]), l2=st.booleans(),
+       with_h0=st.booleans(), decay=st.sampled_from(["normal", "strong"]), data=st.data())
+def test_kda_matches_reference(seed, device, T, B, H, group, dims, l2, with_h0, decay, data):
+    torch.manual_seed(seed)
+    dtype = data.draw(st.sampled_from(device_dtypes(device)), label="dtype")
+    g_dtype = data.draw(st.sampled_from([dtype, torch.float32]), label="g_dtype")
+    if dims[0] * T > 64 * 64 and device == "cpu":
+        T = 64 * 64 // dims[0]  # keep the float64 reference loop short on CPU
+    check_against_reference(device, dtype, g_dtype, B, T, H, group, *dims, None, l2, with_h0, decay)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(seed=SEEDS, lens=seqlens(max_seqs=5, max_len=140, min_len=0), group=st.sampled_from([1, 4]),
+       with_h0=st.booleans(), data=st.data())
+def test_kda_varlen_matches_reference(seed, device, lens, group, with_h0, data):
+    """Packed sequences of any length (0, 1, 64, 65 ...) restart the state at their bounds."""
+    torch.manual_seed(seed)
+    if sum(lens) == 0:
+        lens = lens + [1]  # at least one token, so that o depends on the inputs
+    dtype = data.draw(st.sampled_from(device_dtypes(device)), label="dtype")
+    check_against_reference(device, dtype, torch.float32, 1, sum(lens), 1, group, 32, 16, lens, True, with_h0,
+                            "normal")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kda_sequence_bounds_restart_the_state(device):
+    """Two packed sequences give the outputs of two separate calls."""
+    q, k, v, g, beta = make_inputs(1, 130, 2, 2, 32, 32, torch.float32, torch.float32, device)
+    cu = torch.tensor([0, 67, 130], dtype=torch.int32, device=device)
+    o, ht = K.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for n, (a, b) in enumerate([(0, 67), (67, 130)]):
+        on, hn = K.chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(o[:, a:b], on, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ht[n], hn[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kda_extreme_decay_is_finite(device):
+    """g = -1e4 in one step (state wiped) and cumulative sums of -1e4 inside a chunk: finite and
+    equal to the reference."""
+    q, k, v, g, beta = make_inputs(1, 96, 1, 1, 16, 16, torch.float32, torch.float32, device)
+    g = g.clone()
+    g[0, 40] = -1e4
+    g[0, 41:, :, :4] = -160.0
+    ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    o, _ = K.chunk_kda(*ins, use_qk_l2norm_in_kernel=True)
+    ref_ins = [t.detach().cpu().to(F64).requires_grad_() for t in ins]
+    ro, _ = kda_recurrent(*ref_ins, use_qk_l2norm=True)
+    assert_close(o, ro, torch.float32, "o")
+    grads = torch.autograd.grad(o.sum(), ins)
+    ref_grads = torch.autograd.grad(ro.sum(), ref_ins)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, ref_grads):
+        scale = {"dg": dg_scale, "dbeta": dbeta_scale}.get(name)
+        assert_close(a, b, torch.float32, name, scale=scale(ref_ins, ref_grads) if scale else None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kda_opcheck(device):
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v, g, beta = make_inputs(1, 70, 2, 4, 16, 8, dtype, dtype, device)
+    h0 = torch.randn(2, 4, 16, 8, dtype=dtype, device=device)
+    cu = torch.tensor([0, 5, 70], dtype=torch.int32, device=device)
+    ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    op = torch.ops.kda_dsa_ops.kda_fwd.default
+    opcheck(op, (*ins, 0.25, h0.requires_grad_(), cu, True, True))
+    opcheck(op, (*[t.reshape(2, 35, *t.shape[2:]).detach().requires_grad_() for t in ins], 0.25, None, None, False,
+                 False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kda_compile_fullgraph(device):
+    torch._dynamo.reset()
+    q, k, v, g, beta = make_inputs(2, 40, 1, 2, 16, 16, torch.float32, torch.float32, device)
+    ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+    def block(q, k, v, g, beta):
+        o, ht = K.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o.sum(-1) + ht.sum()
+
+    eager = block(*ins)
+    out = torch.compile(block, fullgraph=True, backend="aot_eager")(*ins)
+    assert torch.equal(out, eager)
+    for a, b in zip(torch.autograd.grad(out.sum(), ins), torch.autograd.grad(eager.sum(), ins)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_kda_cuda_does_not_synchronise():
+    q, k, v, g, beta = make_inputs(1, 300, 2, 2, 64, 64, torch.bfloat16, torch.float32, "cuda")
+    cu = torch.tensor([0, 100, 101, 300], dtype=torch.int32, device="cuda")
+    ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, ht = K.chunk_kda(*ins, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.autograd.grad(o.float().sum() + ht.sum(), ins)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kda_bad_inputs_raise(device, value_checks):
+    q, k, v, g, beta = make_inputs(1, 10, 2, 4, 16, 8, torch.float32, torch.float32, device)
+    f = K.chunk_kda
+    with pytest.raises(RuntimeError, match="multiple of the query/key heads"):
+        f(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
+    with pytest.raises(RuntimeError, match="k must have the shape of q"):
+        f(q, k[:, :9], v, g, beta)
+    with pytest.raises(RuntimeError, match="g must be"):
+        f(q, k, v, g[..., :8], beta)
+    with pytest.raises(RuntimeError, match="beta must be"):
+        f(q, k, v, g, beta[:, :9])
+    with pytest.raises(RuntimeError, match=r"head dims K \(200\)"):
+        big = torch.randn(1, 10, 2, 200, device=device)
+        f(big, big, v, torch.zeros(1, 10, 4, 200, device=device), beta)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        f(q, k.double(), v, g, beta)
+    with pytest.raises(RuntimeError, match="g must be float32 or the dtype of q"):
+        f(q.half(), k.half(), v.half(), g.double(), beta.half())
+    with pytest.raises(RuntimeError, match="cu_seqlens must have dtype"):
+        f(q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 10.0], device=device))
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        f(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match="must end at T = 10"):
+        f(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 6, 9], dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match="must start at 0"):
+        f(q, k, v, g, beta, cu_seqlens=torch.tensor([1, 6, 10], dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match="B == 1"):
+        q2, k2, v2, g2, b2 = make_inputs(2, 10, 2, 4, 16, 8, torch.float32, torch.float32, device)
+        f(q2, k2, v2, g2, b2, cu_seqlens=torch.tensor([0, 10], dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match="initial_state must be float"):
+        f(q, k, v, g, beta, initial_state=torch.zeros(1, 4, 16, 8, dtype=torch.bfloat16, device=device))
+    with pytest.raises(RuntimeError, match=r"initial_state must be \[N, HV, K, V\]"):
+        f(q, k, v, g, beta, initial_state=torch.zeros(2, 4, 16, 8, device=device))
+    with pytest.raises(TypeError, match="unsupported arguments"):
+        f(q, k, v, g, beta, use_gate_in_kernel=True)
+
+
+@pytest.mark.cuda
+def test_kda_cuda_bad_device_and_dtype_raise():
+    q, k, v, g, beta = make_inputs(1, 10, 1, 1, 16, 8, torch.float32, torch.float32, "cuda")
+    with pytest.raises(RuntimeError, match="same device"):
+        K.chunk_kda(q, k.cpu(), v, g, beta)
+    with pytest.raises(RuntimeError, match="use the CPU kernel for float64"):
+        K.chunk_kda(q.double(), k.double(), v.double(), g.double(), beta.double())

@@ -1,0 +1,33 @@
+"""Runs every KDA CUDA kernel (forward and backward) on small awkward shapes, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python tools/sanitize_kda.py
+    compute-sanitizer --tool racecheck python tools/sanitize_kda.py
+"""
+
+import torch
+
+import kda_dsa_ops as K
+
+
+def main():
+    torch.manual_seed(0)
+    dev = "cuda"
+    for B, T, H, HV, Kd, V, lens in ((2, 70, 1, 2, 128, 128, None), (1, 203, 2, 2, 64, 40, [1, 64, 0, 65, 73]),
+                                      (1, 5, 1, 1, 16, 8, None)):
+        q = torch.randn(B, T, H, Kd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(B, T, H, Kd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, Kd, device=dev)).requires_grad_()
+        beta = torch.rand(B, T, HV, device=dev, requires_grad=True)
+        cu = None if lens is None else torch.tensor([0] + lens, device=dev).cumsum(0).int()
+        N = B if lens is None else len(lens)
+        h0 = torch.randn(N, HV, Kd, V, device=dev, requires_grad=True)
+        o, ht = K.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           cu_seqlens=cu)
+        torch.autograd.grad(o.float().sum() + ht.sum(), (q, k, v, g, beta, h0))
+    torch.cuda.synchronize()
+    print("sanitize_kda: done")
+
+
+if __name__ == "__main__":
+    main()
