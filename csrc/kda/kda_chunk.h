@@ -8,10 +8,14 @@
 // reference/kda.py unrolls to (E_ts = exp(G_t - G_s) <= 1 for s <= t, never exp of a positive
 // number, so strongly decaying gates cannot overflow):
 //   A_ts   = sum_c k_t k_s E_ts   (s < t)        Aqk_ts = sum_c q_t k_s E_ts   (s <= t)
-//   (I + diag(beta) A) [W | Ut] = diag(beta) [k exp(G) | v]                (forward substitution)
+//   Minv = (I + diag(beta) A)^-1,  [W | Ut] = Minv diag(beta) [k exp(G) | v]
 //   Qg = q exp(G),  Kd = k exp(G_last - G),  gC = exp(G_last)
 //   U = Ut - W S0,  O = scale (Qg S0 + Aqk U),  S1 = diag(gC) S0 + Kd^T U.
-// The backward differentiates exactly these steps (chunk_bwd below).
+// Off the kSub x kSub diagonal blocks, E_ts factors through the first row r of t's block:
+// E_ts = exp(G_t - G_r) exp(G_r - G_s), both <= 1 because s < r <= t, which turns those blocks
+// of A and Aqk into products of matrices; only the diagonal blocks take an exp per (t, s, c).
+// Everything of the shape of a matrix product runs through team_gemm. The backward
+// differentiates exactly these steps (chunk_bwd below).
 #pragma once
 
 #include <cmath>
@@ -71,17 +75,119 @@ KDA_HD void chunk_cumsum(const Team& tm, ChunkDims d, T* G, T* lo) {
   tm.sync();
 }
 
+// Strided matrix views: element (r, c) at p[r * rs + c * cs].
+template <typename T>
+struct View {
+  const T* p;
+  int rs, cs;
+  KDA_HD T operator()(int r, int c) const { return p[r * rs + c * cs]; }
+};
+template <typename T>
+struct Out {
+  T* p;
+  int rs, cs;
+  KDA_HD T& operator()(int r, int c) const { return p[r * rs + c * cs]; }
+};
+// A row-major [*, ld] matrix, and its transpose.
+template <typename T>
+KDA_HD View<T> rows_of(const T* p, int ld) {
+  return {p, ld, 1};
+}
+template <typename T>
+KDA_HD View<T> cols_of(const T* p, int ld) {
+  return {p, 1, ld};
+}
+template <typename T>
+KDA_HD Out<T> out_rows(T* p, int ld) {
+  return {p, ld, 1};
+}
+
+// The term team_gemm adds to the product: (row ? row[m] : beta) * (src ? src(m, n) : C(m, n)).
+template <typename T>
+struct Prior {
+  T beta = 0;
+  const T* row = nullptr;
+  const T* src = nullptr;
+  int src_ld = 0;
+  KDA_HD bool active() const { return beta != T(0) || row != nullptr; }
+};
+template <typename T>
+KDA_HD Prior<T> plus_c() {
+  return Prior<T>{T(1), nullptr, nullptr, 0};
+}
+
+// C(m, n) = alpha * sum_k A(m, k) kscale[k] B(k, n) + prior, for m < M, n < N. Each member
+// computes 4 x 4 elements of C, rows and columns interleaved so that the members of a warp read
+// one row of A (broadcast) and consecutive columns of B. Two calls with equal M and N give every
+// member the same elements, so the second may accumulate into the first's C without a sync.
+template <typename T, typename Team>
+KDA_HD void team_gemm(const Team& tm, int M, int N, int Kn, T alpha, View<T> A, View<T> B, Out<T> C,
+                      Prior<T> prior = Prior<T>{}, const T* kscale = nullptr) {
+  constexpr int R = 4;
+  const int mb = (M + R - 1) / R, nb = (N + R - 1) / R;
+  for (int tile = tm.rank(); tile < mb * nb; tile += tm.size()) {
+    const int m0 = tile / nb, n0 = tile % nb;
+    int mi[R], ni[R];
+    for (int i = 0; i < R; ++i) {
+      mi[i] = m0 + i * mb < M ? m0 + i * mb : M - 1;
+      ni[i] = n0 + i * nb < N ? n0 + i * nb : N - 1;
+    }
+    T acc[R][R];
+    for (int i = 0; i < R; ++i) {
+      for (int j = 0; j < R; ++j) acc[i][j] = 0;
+    }
+    for (int k = 0; k < Kn; ++k) {
+      const T ks = kscale != nullptr ? kscale[k] : T(1);
+      T a[R], b[R];
+      for (int i = 0; i < R; ++i) a[i] = A(mi[i], k) * ks;
+      for (int j = 0; j < R; ++j) b[j] = B(k, ni[j]);
+      for (int i = 0; i < R; ++i) {
+        for (int j = 0; j < R; ++j) acc[i][j] += a[i] * b[j];
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const int m = m0 + i * mb;
+      if (m >= M) break;
+      for (int j = 0; j < R; ++j) {
+        const int n = n0 + j * nb;
+        if (n >= N) break;
+        T& c = C(m, n);
+        T value = alpha * acc[i][j];
+        if (prior.active()) {
+          value += (prior.row != nullptr ? prior.row[m] : prior.beta) *
+                   (prior.src != nullptr ? prior.src[m * prior.src_ld + n] : c);
+        }
+        c = value;
+      }
+    }
+  }
+}
+
+constexpr int kSub = 16;  // A, Aqk: diagonal blocks computed pair by pair
+
 // Everything of a chunk that does not depend on the state.
-// In: q, k [L,K]; G (chunk_cumsum); v [L,V]; beta [L]. Out: A, Aqk [L,kChunk]; W, Qg, Kd [L,K]; Ut [L,V]; gC [K].
+// In: q, k [L,K]; G (chunk_cumsum); v [L,V]; beta [L]. Out: A, Aqk, Minv [L,kChunk] (entries
+// above the diagonal are zero, Minv's diagonal one); W, Qg, Kd [L,K]; Ut [L,V]; gC [K].
 template <typename T, typename Team>
 KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gates<T> G, const T* v, const T* beta,
-                        T* A, T* Aqk, T* W, T* Ut, T* Qg, T* Kd, T* gC) {
+                        T* A, T* Aqk, T* Minv, T* W, T* Ut, T* Qg, T* Kd, T* gC) {
   const int L = d.L, K = d.K, V = d.V;
-  for (int i = tm.rank(); i < L * L; i += tm.size()) {
-    const int t = i / L, s = i % L;
+  // Rows scaled to the first row r of their block: k exp(G_t - G_r) into Kd, q exp(G_t - G_r)
+  // into Qg (scratch until the end).
+  for (int i = tm.rank(); i < L * K; i += tm.size()) {
+    const int t = i / K, c = i % K, r = t / kSub * kSub;
+    const T e = G.exp_diff(i, r * K + c);
+    Kd[i] = k[i] * e;
+    Qg[i] = q[i] * e;
+  }
+  // Diagonal blocks, pair by pair (the members of a warp start at different c: no bank conflicts).
+  for (int i = tm.rank(); i < L * kSub; i += tm.size()) {
+    const int t = i / kSub, s = t / kSub * kSub + i % kSub;
+    if (s >= L) continue;
     T a = 0, b = 0;
     if (s <= t) {
-      for (int c = 0; c < K; ++c) {
+      for (int cc = 0; cc < K; ++cc) {
+        const int c = (cc + s) % K;
         const T e = G.exp_diff(t * K + c, s * K + c) * k[s * K + c];
         a += k[t * K + c] * e;
         b += q[t * K + c] * e;
@@ -90,24 +196,40 @@ KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gat
     A[t * kChunk + s] = s < t ? a : T(0);
     Aqk[t * kChunk + s] = b;
   }
-  for (int i = tm.rank(); i < L * K; i += tm.size()) {
-    const int c = i % K;
-    Qg[i] = q[i] * G.exp_at(i);
-    Kd[i] = k[i] * G.exp_diff((L - 1) * K + c, i);
+  for (int i = tm.rank(); i < L * L; i += tm.size()) {
+    const int t = i / L, s = i % L;
+    if (s / kSub > t / kSub) A[t * kChunk + s] = Aqk[t * kChunk + s] = 0;
   }
-  for (int c = tm.rank(); c < K; c += tm.size()) gC[c] = G.exp_at((L - 1) * K + c);
   tm.sync();
-  // (I + diag(beta) A) Y = diag(beta) X, one column of [W | Ut] per member: Y_t = beta_t (X_t - sum_s<t A_ts Y_s).
-  for (int col = tm.rank(); col < K + V; col += tm.size()) {
-    const bool is_w = col < K;
-    const int ld = is_w ? K : V, j = is_w ? col : col - K;
-    T* Y = is_w ? W : Ut;
-    for (int t = 0; t < L; ++t) {
-      T acc = is_w ? k[t * K + j] * G.exp_at(t * K + j) : v[t * V + j];
-      for (int s = 0; s < t; ++s) acc -= A[t * kChunk + s] * Y[s * ld + j];
-      Y[t * ld + j] = beta[t] * acc;
+  // Blocks left of the diagonal, one block row at a time: k_s exp(G_r - G_s) for s < r into W (scratch).
+  for (int r = kSub; r < L; r += kSub) {
+    const int n = L - r < kSub ? L - r : kSub;
+    for (int i = tm.rank(); i < r * K; i += tm.size()) W[i] = k[i] * G.exp_diff(r * K + i % K, i);
+    tm.sync();
+    team_gemm(tm, n, r, K, T(1), rows_of(Kd + r * K, K), cols_of<T>(W, K), out_rows(A + r * kChunk, kChunk));
+    team_gemm(tm, n, r, K, T(1), rows_of(Qg + r * K, K), cols_of<T>(W, K), out_rows(Aqk + r * kChunk, kChunk));
+    tm.sync();
+  }
+  // Minv = (I + diag(beta) A)^-1, one column per member: x_s = 1, x_t = -beta_t sum_{s<=u<t} A_tu x_u.
+  for (int s = tm.rank(); s < L; s += tm.size()) {
+    for (int t = 0; t < s; ++t) Minv[t * kChunk + s] = 0;
+    Minv[s * kChunk + s] = 1;
+    for (int t = s + 1; t < L; ++t) {
+      T acc = 0;
+      for (int u = s; u < t; ++u) acc += A[t * kChunk + u] * Minv[u * kChunk + s];
+      Minv[t * kChunk + s] = -beta[t] * acc;
     }
   }
+  for (int i = tm.rank(); i < L * K; i += tm.size()) Qg[i] = k[i] * G.exp_at(i);  // k exp(G), scratch
+  tm.sync();
+  team_gemm(tm, L, K, L, T(1), rows_of<T>(Minv, kChunk), rows_of<T>(Qg, K), out_rows(W, K), Prior<T>{}, beta);
+  team_gemm(tm, L, V, L, T(1), rows_of<T>(Minv, kChunk), rows_of(v, V), out_rows(Ut, V), Prior<T>{}, beta);
+  tm.sync();
+  for (int i = tm.rank(); i < L * K; i += tm.size()) {
+    Qg[i] = q[i] * G.exp_at(i);
+    Kd[i] = k[i] * G.exp_diff((L - 1) * K + i % K, i);
+  }
+  for (int c = tm.rank(); c < K; c += tm.size()) gC[c] = G.exp_at((L - 1) * K + c);
   tm.sync();
 }
 
@@ -117,29 +239,13 @@ template <typename T, typename Team>
 KDA_HD void chunk_state_fwd(const Team& tm, ChunkDims d, T scale, const T* W, const T* Ut, int ldU, const T* Qg,
                             const T* Kd, const T* Aqk, const T* gC, T* S, int ldS, T* U, T* O, int ldO) {
   const int L = d.L, K = d.K, Vt = d.V;
-  for (int i = tm.rank(); i < L * Vt; i += tm.size()) {
-    const int t = i / Vt, j = i % Vt;
-    T acc = Ut[t * ldU + j];
-    for (int c = 0; c < K; ++c) acc -= W[t * K + c] * S[c * ldS + j];
-    U[i] = acc;
-  }
+  team_gemm(tm, L, Vt, K, T(-1), rows_of(W, K), rows_of<T>(S, ldS), out_rows(U, Vt), Prior<T>{T(1), nullptr, Ut, ldU});
+  if (O != nullptr) team_gemm(tm, L, Vt, K, scale, rows_of(Qg, K), rows_of<T>(S, ldS), out_rows(O, ldO));
   tm.sync();
   if (O != nullptr) {
-    for (int i = tm.rank(); i < L * Vt; i += tm.size()) {
-      const int t = i / Vt, j = i % Vt;
-      T acc = 0;
-      for (int c = 0; c < K; ++c) acc += Qg[t * K + c] * S[c * ldS + j];
-      for (int s = 0; s <= t; ++s) acc += Aqk[t * kChunk + s] * U[s * Vt + j];
-      O[t * ldO + j] = scale * acc;
-    }
-    tm.sync();
+    team_gemm(tm, L, Vt, L, scale, rows_of(Aqk, kChunk), rows_of<T>(U, Vt), out_rows(O, ldO), plus_c<T>());
   }
-  for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
-    const int c = i / Vt, j = i % Vt;
-    T acc = gC[c] * S[c * ldS + j];
-    for (int t = 0; t < L; ++t) acc += Kd[t * K + c] * U[t * Vt + j];
-    S[c * ldS + j] = acc;
-  }
+  team_gemm(tm, K, Vt, L, T(1), cols_of(Kd, K), rows_of<T>(U, Vt), out_rows(S, ldS), Prior<T>{T(0), gC, nullptr, 0});
   tm.sync();
 }
 
@@ -150,24 +256,11 @@ template <typename T, typename Team>
 KDA_HD void chunk_state_bwd(const Team& tm, ChunkDims d, T scale, const T* W, const T* Qg, const T* Kd,
                             const T* Aqk, const T* gC, const T* dO, int ldO, T* dS, int ldS, T* dU) {
   const int L = d.L, K = d.K, Vt = d.V;
-  for (int i = tm.rank(); i < L * Vt; i += tm.size()) {
-    const int t = i / Vt, j = i % Vt;
-    T acc = 0;
-    for (int r = t; r < L; ++r) acc += Aqk[r * kChunk + t] * dO[r * ldO + j];
-    acc *= scale;
-    for (int c = 0; c < K; ++c) acc += Kd[t * K + c] * dS[c * ldS + j];
-    dU[i] = acc;
-  }
+  team_gemm(tm, L, Vt, L, scale, cols_of(Aqk, kChunk), rows_of(dO, ldO), out_rows(dU, Vt));
+  team_gemm(tm, L, Vt, K, T(1), rows_of(Kd, K), rows_of<T>(dS, ldS), out_rows(dU, Vt), plus_c<T>());
   tm.sync();
-  for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
-    const int c = i / Vt, j = i % Vt;
-    T qo = 0, wu = 0;
-    for (int t = 0; t < L; ++t) {
-      qo += Qg[t * K + c] * dO[t * ldO + j];
-      wu += W[t * K + c] * dU[t * Vt + j];
-    }
-    dS[c * ldS + j] = scale * qo + gC[c] * dS[c * ldS + j] - wu;
-  }
+  team_gemm(tm, K, Vt, L, scale, cols_of(Qg, K), rows_of(dO, ldO), out_rows(dS, ldS), Prior<T>{T(0), gC, nullptr, 0});
+  team_gemm(tm, K, Vt, L, T(-1), cols_of(W, K), rows_of<T>(dU, Vt), out_rows(dS, ldS), plus_c<T>());
   tm.sync();
 }
 
@@ -176,83 +269,60 @@ template <typename T>
 struct ChunkBwdScratch {
   T* U;     // [L,V]  U = Ut - W S0
   T* dU;    // [L,V]
-  T* ZW;    // [L,K]  gradient of W, then the back-substituted Z of its columns
-  T* ZU;    // [L,V]  the same for Ut
+  T* dW;    // [L,K]
+  T* ZW;    // [L,K]  Minv^T dW
+  T* ZU;    // [L,V]  Minv^T dU
   T* dAqk;  // [L,kChunk]
   T* dA;    // [L,kChunk]
+  T* last;  // [K]    extra gradient of G at the chunk's last step
 };
 
 // Gradients of one chunk given its start state S0 [K,V], the gradient dS1 [K,V] of its end
-// state and dO [L,V] (leading dim ldO). Intra-chunk quantities as from chunk_intra (A filled).
+// state and dO [L,V] (leading dim ldO). Intra-chunk quantities as from chunk_intra.
 // Writes dq, dk (w.r.t. the normalised q, k), dg [L,K], dv [L,V] (leading dim ldv), dbeta [L].
 template <typename T, typename Team>
 KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T* k, Gates<T> G, const T* v,
-                      const T* beta, const T* A, const T* Aqk, const T* W, const T* Ut, const T* Qg, const T* Kd,
-                      const T* gC, const T* S0, const T* dS1, const T* dO, int ldO, ChunkBwdScratch<T> sc, T* dq,
-                      T* dk, T* dg, T* dv, int ldv, T* dbeta) {
+                      const T* beta, const T* A, const T* Aqk, const T* Minv, const T* W, const T* Ut, const T* Qg,
+                      const T* Kd, const T* gC, const T* S0, const T* dS1, const T* dO, int ldO,
+                      ChunkBwdScratch<T> sc, T* dq, T* dk, T* dg, T* dv, int ldv, T* dbeta) {
   const int L = d.L, K = d.K, V = d.V;
-  // U and dU = scale Aqk^T dO + Kd dS1.
-  for (int i = tm.rank(); i < L * V; i += tm.size()) {
-    const int t = i / V, j = i % V;
-    T u = Ut[i], du = 0;
-    for (int c = 0; c < K; ++c) {
-      u -= W[t * K + c] * S0[c * V + j];
-      du += Kd[t * K + c] * dS1[c * V + j];
-    }
-    T ao = 0;
-    for (int r = t; r < L; ++r) ao += Aqk[r * kChunk + t] * dO[r * ldO + j];
-    sc.U[i] = u;
-    sc.dU[i] = du + scale * ao;
+  // U = Ut - W S0 and dU = scale Aqk^T dO + Kd dS1.
+  team_gemm(tm, L, V, K, T(-1), rows_of(W, K), rows_of(S0, V), out_rows(sc.U, V), Prior<T>{T(1), nullptr, Ut, V});
+  team_gemm(tm, L, V, L, scale, cols_of(Aqk, kChunk), rows_of(dO, ldO), out_rows(sc.dU, V));
+  team_gemm(tm, L, V, K, T(1), rows_of(Kd, K), rows_of(dS1, V), out_rows(sc.dU, V), plus_c<T>());
+  tm.sync();
+  // Reductions over V: dQg into dq, dKd into dk, dW, and dAqk = scale dO U^T.
+  team_gemm(tm, L, K, V, scale, rows_of(dO, ldO), cols_of(S0, V), out_rows(dq, K));
+  team_gemm(tm, L, K, V, T(1), rows_of<T>(sc.U, V), cols_of(dS1, V), out_rows(dk, K));
+  team_gemm(tm, L, K, V, T(-1), rows_of<T>(sc.dU, V), cols_of(S0, V), out_rows(sc.dW, K));
+  team_gemm(tm, L, L, V, scale, rows_of(dO, ldO), cols_of<T>(sc.U, V), out_rows(sc.dAqk, kChunk));
+  tm.sync();
+  // Through the solve: Z = Minv^T dY. G_last's extra gradient through Kd and gC:
+  // sum_j dS1 (gC S0) + sum_t Kd dKd.
+  team_gemm(tm, L, K, L, T(1), cols_of(Minv, kChunk), rows_of<T>(sc.dW, K), out_rows(sc.ZW, K));
+  team_gemm(tm, L, V, L, T(1), cols_of(Minv, kChunk), rows_of<T>(sc.dU, V), out_rows(sc.ZU, V));
+  for (int c = tm.rank(); c < K; c += tm.size()) {
+    T acc = 0;
+    for (int j = 0; j < V; ++j) acc += dS1[c * V + j] * S0[c * V + j];
+    acc *= gC[c];
+    for (int t = 0; t < L; ++t) acc += Kd[t * K + c] * dk[t * K + c];
+    sc.last[c] = acc;
+  }
+  for (int i = tm.rank(); i < L * L; i += tm.size()) {
+    const int t = i / L, s = i % L;
+    if (s > t) sc.dAqk[t * kChunk + s] = 0;
   }
   tm.sync();
-  // Terms through Qg, Kd and W (reductions over V); dg collects dG for now.
   for (int i = tm.rank(); i < L * K; i += tm.size()) {
-    const int t = i / K, c = i % K;
-    T dqg = 0, dkd = 0, dw = 0;
-    for (int j = 0; j < V; ++j) {
-      dqg += S0[c * V + j] * dO[t * ldO + j];
-      dkd += sc.U[t * V + j] * dS1[c * V + j];
-      dw -= sc.dU[t * V + j] * S0[c * V + j];
-    }
-    dqg *= scale;
-    const T eg = G.exp_at(i);
-    dq[i] = dqg * eg;
-    dk[i] = dkd * G.exp_diff((L - 1) * K + c, i);
+    const T dqg = dq[i], dkd = dk[i];
+    dq[i] = dqg * G.exp_at(i);
+    dk[i] = dkd * G.exp_diff((L - 1) * K + i % K, i);
     dg[i] = dqg * Qg[i] - dkd * Kd[i];
-    sc.ZW[i] = dw;
   }
-  for (int i = tm.rank(); i < L * V; i += tm.size()) sc.ZU[i] = sc.dU[i];
-  for (int i = tm.rank(); i < L * L; i += tm.size()) {
-    const int t = i / L, s = i % L;
-    T acc = 0;
-    if (s <= t) {
-      for (int j = 0; j < V; ++j) acc += dO[t * ldO + j] * sc.U[s * V + j];
-    }
-    sc.dAqk[t * kChunk + s] = scale * acc;
-  }
-  tm.sync();
-  // Back substitution through (I + diag(beta) A): Z_t = dY_t - sum_{s>t} beta_s A_st Z_s.
-  for (int col = tm.rank(); col < K + V; col += tm.size()) {
-    const bool is_w = col < K;
-    const int ld = is_w ? K : V, j = is_w ? col : col - K;
-    T* Z = is_w ? sc.ZW : sc.ZU;
-    for (int t = L - 1; t >= 0; --t) {
-      T acc = Z[t * ld + j];
-      for (int s = t + 1; s < L; ++s) acc -= beta[s] * A[s * kChunk + t] * Z[s * ld + j];
-      Z[t * ld + j] = acc;
-    }
-  }
-  tm.sync();
-  // dM_ts = -(Z_t . Y_s) for s < t; dA = diag(beta) dM.
-  for (int i = tm.rank(); i < L * L; i += tm.size()) {
-    const int t = i / L, s = i % L;
-    T acc = 0;
-    if (s < t) {
-      for (int c = 0; c < K; ++c) acc -= sc.ZW[t * K + c] * W[s * K + c];
-      for (int j = 0; j < V; ++j) acc -= sc.ZU[t * V + j] * Ut[s * V + j];
-    }
-    sc.dA[t * kChunk + s] = acc;  // dM for now; scaled by beta_t below, after dbeta has read it
-  }
+  // dM = -(ZW W^T + ZU Ut^T) (used below s < t); dv = diag(beta) ZU.
+  team_gemm(tm, L, L, K, T(-1), rows_of<T>(sc.ZW, K), cols_of(W, K), out_rows(sc.dA, kChunk));
+  team_gemm(tm, L, L, V, T(-1), rows_of<T>(sc.ZU, V), cols_of(Ut, V), out_rows(sc.dA, kChunk), plus_c<T>());
+  for (int i = tm.rank(); i < L * V; i += tm.size()) dv[(i / V) * ldv + i % V] = beta[i / V] * sc.ZU[i];
   tm.sync();
   for (int t = tm.rank(); t < L; t += tm.size()) {
     T acc = 0;
@@ -261,11 +331,10 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
     for (int s = 0; s < t; ++s) acc += sc.dA[t * kChunk + s] * A[t * kChunk + s];
     dbeta[t] = acc;
   }
-  for (int i = tm.rank(); i < L * V; i += tm.size()) dv[(i / V) * ldv + i % V] = beta[i / V] * sc.ZU[i];
   tm.sync();
   for (int i = tm.rank(); i < L * L; i += tm.size()) {
     const int t = i / L, s = i % L;
-    sc.dA[t * kChunk + s] *= beta[t];
+    sc.dA[t * kChunk + s] = s < t ? beta[t] * sc.dA[t * kChunk + s] : T(0);
   }
   tm.sync();
   // Through A and Aqk (pairs), and k exp(G) (the W columns), per element (t, c).
@@ -288,16 +357,9 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
     dg[i] += kt * p_row_a + qt * p_row_q - kt * p_col + zw * kt * eg;
   }
   tm.sync();
-  // dG of the last step also carries Kd's and gC's dependence on G_last: sum_j dS1 * S1 with
-  // S1 = diag(gC) S0 + Kd^T U the chunk's end state. Then dg = reverse cumulative sum of dG.
+  // dg = reverse cumulative sum of dG, with G_last's extra term.
   for (int c = tm.rank(); c < K; c += tm.size()) {
-    T last = 0;
-    for (int j = 0; j < V; ++j) {
-      T s1 = gC[c] * S0[c * V + j];
-      for (int t = 0; t < L; ++t) s1 += Kd[t * K + c] * sc.U[t * V + j];
-      last += dS1[c * V + j] * s1;
-    }
-    T run = last;
+    T run = sc.last[c];
     for (int t = L - 1; t >= 0; --t) {
       run += dg[t * K + c];
       dg[t * K + c] = run;

@@ -28,10 +28,10 @@ std::vector<std::pair<int64_t, int64_t>> sequences(const Problem& p) {
 template <typename T>
 struct ChunkWork {
   int K, V;
-  std::vector<T> q, k, G, Glo, v, beta, A, Aqk, W, Ut, Qg, Kd, gC;
+  std::vector<T> q, k, G, Glo, v, beta, A, Aqk, Minv, W, Ut, Qg, Kd, gC;
   ChunkWork(int K_, int V_)
       : K(K_), V(V_), q(kChunk * K), k(kChunk * K), G(kChunk * K), Glo(kChunk * K), v(kChunk * V), beta(kChunk),
-        A(kChunk * kChunk), Aqk(kChunk * kChunk), W(kChunk * K), Ut(kChunk * V), Qg(kChunk * K),
+        A(kChunk * kChunk), Aqk(kChunk * kChunk), Minv(kChunk * kChunk), W(kChunk * K), Ut(kChunk * V), Qg(kChunk * K),
         Kd(kChunk * K), gC(K) {}
 
   Gates<T> gates() const { return {G.data(), Glo.data()}; }
@@ -54,7 +54,7 @@ struct ChunkWork {
     const SerialTeam tm;
     const ChunkDims d{L, K, V};
     chunk_cumsum(tm, d, G.data(), Glo.data());
-    chunk_intra(tm, d, q.data(), k.data(), gates(), v.data(), beta.data(), A.data(), Aqk.data(), W.data(),
+    chunk_intra(tm, d, q.data(), k.data(), gates(), v.data(), beta.data(), A.data(), Aqk.data(), Minv.data(), W.data(),
                 Ut.data(), Qg.data(), Kd.data(), gC.data());
   }
 };
@@ -98,10 +98,11 @@ void bwd_impl(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   const T scale = static_cast<T>(p.scale);
   at::parallel_for(0, p.N * p.HV, 1, [&](int64_t begin, int64_t end) {
     ChunkWork<T> w(K, V);
-    std::vector<T> S(K * V), dS(K * V), U(kChunk * V), dU(kChunk * V), ZW(kChunk * K), ZU(kChunk * V),
-        dAqk(kChunk * kChunk), dA(kChunk * kChunk), dq(kChunk * K), dk(kChunk * K), dg(kChunk * K),
-        dv(kChunk * V), dbeta(kChunk), dO(kChunk * V);
-    const ChunkBwdScratch<T> sc{U.data(), dU.data(), ZW.data(), ZU.data(), dAqk.data(), dA.data()};
+    std::vector<T> S(K * V), dS(K * V), U(kChunk * V), dU(kChunk * V), dW(kChunk * K), ZW(kChunk * K),
+        ZU(kChunk * V), dAqk(kChunk * kChunk), dA(kChunk * kChunk), last(K), dq(kChunk * K), dk(kChunk * K),
+        dg(kChunk * K), dv(kChunk * V), dbeta(kChunk), dO(kChunk * V);
+    const ChunkBwdScratch<T> sc{U.data(), dU.data(), dW.data(), ZW.data(), ZU.data(), dAqk.data(), dA.data(),
+                                last.data()};
     std::vector<T> starts;  // the start state of every chunk, recomputed
     const SerialTeam tm;
     for (int64_t task = begin; task < end; ++task) {
@@ -135,7 +136,7 @@ void bwd_impl(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
         }
         const ChunkDims d{L, K, V};
         chunk_bwd(tm, d, scale, w.q.data(), w.k.data(), w.gates(), w.v.data(), w.beta.data(), w.A.data(),
-                  w.Aqk.data(), w.W.data(), w.Ut.data(), w.Qg.data(), w.Kd.data(), w.gC.data(),
+                  w.Aqk.data(), w.Minv.data(), w.W.data(), w.Ut.data(), w.Qg.data(), w.Kd.data(), w.gC.data(),
                   starts.data() + c * K * V, dS.data(), dO.data(), V, sc, dq.data(), dk.data(), dg.data(), dv.data(),
                   V, dbeta.data());
         chunk_state_bwd(tm, d, scale, w.W.data(), w.Qg.data(), w.Kd.data(), w.Aqk.data(), w.gC.data(), dO.data(), V,

@@ -23,7 +23,7 @@ namespace kda_dsa_ops::kda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kStateCols = 32;  // state columns per block of the state kernels
+constexpr int kStateCols = 64;  // state columns per block of the state kernels
 
 struct BlockTeam {
   KDA_HD int rank() const {
@@ -101,7 +101,8 @@ struct Seqs {
 // Head-major workspaces of the intra-chunk terms: row t of value head hv at (hv * tokens + t).
 template <typename T>
 struct Intra {
-  T *A, *Aqk, *W, *Ut, *Qg, *Kd, *gC;  // A may be nullptr (the forward keeps it in shared memory)
+  T *A, *Minv;  // nullptr in the forward, which keeps them in shared memory
+  T *Aqk, *W, *Ut, *Qg, *Kd, *gC;
 };
 
 template <typename T>
@@ -147,7 +148,8 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
                                                          Intra<T> out) {
   extern __shared__ unsigned char smem_raw[];
   const ChunkSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K, z.V);
-  T* sA = sm.end;  // [kChunk, kChunk]
+  T* sA = sm.end;                   // [kChunk, kChunk]
+  T* sMinv = sA + kChunk * kChunk;  // [kChunk, kChunk]
   const int64_t slot = blockIdx.x, hv = blockIdx.y;
   int64_t t0;
   int L;
@@ -156,7 +158,8 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
   const ChunkDims d{L, static_cast<int>(z.K), static_cast<int>(z.V)};
   load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
   const int64_t row = hv * sq_.tokens + t0;
-  chunk_intra(tm, d, sm.q, sm.k, sm.gates(), sm.v, sm.beta, out.A != nullptr ? out.A + row * kChunk : sA, out.Aqk + row * kChunk,
+  chunk_intra(tm, d, sm.q, sm.k, sm.gates(), sm.v, sm.beta, out.A != nullptr ? out.A + row * kChunk : sA,
+              out.Aqk + row * kChunk, out.Minv != nullptr ? out.Minv + row * kChunk : sMinv,
               out.W + row * z.K, out.Ut + row * z.V, out.Qg + row * z.K, out.Kd + row * z.K,
               out.gC + (hv * sq_.slots + slot) * z.K);
 }
@@ -243,8 +246,8 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
 // Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
 template <typename T>
 struct BwdWork {
-  T *U, *dU, *ZW, *ZU, *dAqk, *dA;  // scratch
-  T *dq, *dk, *dg, *dbeta;          // outputs [HV, tokens, K] ([HV, tokens] for dbeta)
+  T *U, *dU, *dW, *ZW, *ZU;  // scratch
+  T *dq, *dk, *dg, *dbeta;   // outputs [HV, tokens, K] ([HV, tokens] for dbeta)
 };
 
 template <typename T>
@@ -265,9 +268,13 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
   const ChunkDims d{L, K, V};
   load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
   const int64_t row = hv * sq_.tokens + t0, state = (hv * sq_.slots + slot) * K * V;
-  const ChunkBwdScratch<T> sc{w.U + row * V, w.dU + row * V, w.ZW + row * K, w.ZU + row * V,
-                              w.dAqk + row * kChunk, w.dA + row * kChunk};
-  chunk_bwd(tm, d, scale, sm.q, sm.k, sm.gates(), sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk, in.W + row * K,
+  T* sdAqk = sm.end;
+  T* sdA = sdAqk + kChunk * kChunk;
+  T* slast = sdA + kChunk * kChunk;
+  const ChunkBwdScratch<T> sc{w.U + row * V, w.dU + row * V, w.dW + row * K, w.ZW + row * K, w.ZU + row * V,
+                              sdAqk, sdA, slast};
+  chunk_bwd(tm, d, scale, sm.q, sm.k, sm.gates(), sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk,
+            in.Minv + row * kChunk, in.W + row * K,
             in.Ut + row * V, in.Qg + row * K, in.Kd + row * K, in.gC + (hv * sq_.slots + slot) * K, starts + state,
             dends + state, dO + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), sc, w.dq + row * K,
             w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V),
@@ -294,8 +301,8 @@ Launch launch_setup(const Problem& p, const at::Tensor& ref) {
   return Launch{Seqs{cu, p.N, p.T, tokens, slots}, c10::cuda::getCurrentCUDAStream(ref.get_device()).stream()};
 }
 
-// The intra-chunk terms of every chunk into workspaces (A only when with_A).
-Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool with_A,
+// The intra-chunk terms of every chunk into workspaces (A and Minv only for the backward).
+Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool for_bwd,
                        std::vector<at::Tensor>& keep) {
   const auto opts = in.q.options();
   const int64_t rows = p.HV * l.seqs.tokens;
@@ -303,10 +310,11 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool
     keep.push_back(at::empty({n}, opts));
     return keep.back().data_ptr<float>();
   };
-  Intra<float> out{with_A ? ws(rows * kChunk) : nullptr, ws(rows * kChunk), ws(rows * p.K), ws(rows * p.V),
-                   ws(rows * p.K), ws(rows * p.K), ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K))};
+  Intra<float> out{for_bwd ? ws(rows * kChunk) : nullptr, for_bwd ? ws(rows * kChunk) : nullptr, ws(rows * kChunk),
+                   ws(rows * p.K), ws(rows * p.V), ws(rows * p.K), ws(rows * p.K),
+                   ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K))};
   if (l.seqs.slots == 0) return out;
-  const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * kChunk * kChunk;
+  const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * 2 * kChunk * kChunk;
   set_smem(intra_kernel<float>, smem);
   intra_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
       l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
@@ -371,11 +379,11 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   const at::Tensor dq = at::zeros({p.HV, p.B, p.T, p.K}, opts), dk = at::zeros_like(dq), dg = at::zeros_like(dq);
   const at::Tensor dbeta = at::zeros({p.HV, p.B, p.T}, opts);
   gr.dv.zero_();
-  const BwdWork<float> w{ws(rows * p.V), ws(rows * p.V), ws(rows * p.K), ws(rows * p.V), ws(rows * kChunk),
-                         ws(rows * kChunk), dq.data_ptr<float>(), dk.data_ptr<float>(), dg.data_ptr<float>(),
+  const BwdWork<float> w{ws(rows * p.V), ws(rows * p.V), ws(rows * p.K), ws(rows * p.K), ws(rows * p.V),
+                         dq.data_ptr<float>(), dk.data_ptr<float>(), dg.data_ptr<float>(),
                          dbeta.data_ptr<float>()};
   if (l.seqs.slots > 0) {
-    const size_t smem = ChunkSmem<float>::bytes(p.K, p.V);
+    const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + p.K);
     set_smem(chunk_bwd_kernel<float>, smem);
     chunk_bwd_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
         l.seqs, z, scale, in.q.data_ptr<float>(), in.k.data_ptr<float>(), in.v.data_ptr<float>(),
