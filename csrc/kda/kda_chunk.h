@@ -30,13 +30,6 @@ namespace kda_dsa_ops::kda {
 
 constexpr int kChunk = 64;  // steps per chunk; A, Aqk and their gradients have leading dimension kChunk
 
-// The CPU kernel's team: one member, nothing to wait for.
-struct SerialTeam {
-  KDA_HD int rank() const { return 0; }
-  KDA_HD int size() const { return 1; }
-  KDA_HD void sync() const {}
-};
-
 KDA_HD float exp_of(float x) { return expf(x); }
 KDA_HD double exp_of(double x) { return exp(x); }
 
@@ -163,6 +156,20 @@ KDA_HD void team_gemm(const Team& tm, int M, int N, int Kn, T alpha, View<T> A, 
   }
 }
 
+// The CPU kernel's team: one member, nothing to wait for, products by team_gemm. A team (also
+// the CUDA kernels' block team) provides rank(), size(), sync() and gemm(...) with the arguments
+// of team_gemm after the team.
+struct SerialTeam {
+  KDA_HD int rank() const { return 0; }
+  KDA_HD int size() const { return 1; }
+  KDA_HD void sync() const {}
+  template <typename T>
+  KDA_HD void gemm(int M, int N, int Kn, T alpha, View<T> A, View<T> B, Out<T> C, Prior<T> prior = Prior<T>{},
+                   const T* kscale = nullptr) const {
+    team_gemm(*this, M, N, Kn, alpha, A, B, C, prior, kscale);
+  }
+};
+
 constexpr int kSub = 16;  // A, Aqk: diagonal blocks computed pair by pair
 
 // Everything of a chunk that does not depend on the state.
@@ -206,8 +213,8 @@ KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gat
     const int n = L - r < kSub ? L - r : kSub;
     for (int i = tm.rank(); i < r * K; i += tm.size()) W[i] = k[i] * G.exp_diff(r * K + i % K, i);
     tm.sync();
-    team_gemm(tm, n, r, K, T(1), rows_of(Kd + r * K, K), cols_of<T>(W, K), out_rows(A + r * kChunk, kChunk));
-    team_gemm(tm, n, r, K, T(1), rows_of(Qg + r * K, K), cols_of<T>(W, K), out_rows(Aqk + r * kChunk, kChunk));
+    tm.gemm(n, r, K, T(1), rows_of(Kd + r * K, K), cols_of<T>(W, K), out_rows(A + r * kChunk, kChunk));
+    tm.gemm(n, r, K, T(1), rows_of(Qg + r * K, K), cols_of<T>(W, K), out_rows(Aqk + r * kChunk, kChunk));
     tm.sync();
   }
   // Minv = (I + diag(beta) A)^-1, one column per member: x_s = 1, x_t = -beta_t sum_{s<=u<t} A_tu x_u.
@@ -222,8 +229,8 @@ KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gat
   }
   for (int i = tm.rank(); i < L * K; i += tm.size()) Qg[i] = k[i] * G.exp_at(i);  // k exp(G), scratch
   tm.sync();
-  team_gemm(tm, L, K, L, T(1), rows_of<T>(Minv, kChunk), rows_of<T>(Qg, K), out_rows(W, K), Prior<T>{}, beta);
-  team_gemm(tm, L, V, L, T(1), rows_of<T>(Minv, kChunk), rows_of(v, V), out_rows(Ut, V), Prior<T>{}, beta);
+  tm.gemm(L, K, L, T(1), rows_of<T>(Minv, kChunk), rows_of<T>(Qg, K), out_rows(W, K), Prior<T>{}, beta);
+  tm.gemm(L, V, L, T(1), rows_of<T>(Minv, kChunk), rows_of(v, V), out_rows(Ut, V), Prior<T>{}, beta);
   tm.sync();
   for (int i = tm.rank(); i < L * K; i += tm.size()) {
     Qg[i] = q[i] * G.exp_at(i);
@@ -239,13 +246,13 @@ template <typename T, typename Team>
 KDA_HD void chunk_state_fwd(const Team& tm, ChunkDims d, T scale, const T* W, const T* Ut, int ldU, const T* Qg,
                             const T* Kd, const T* Aqk, const T* gC, T* S, int ldS, T* U, T* O, int ldO) {
   const int L = d.L, K = d.K, Vt = d.V;
-  team_gemm(tm, L, Vt, K, T(-1), rows_of(W, K), rows_of<T>(S, ldS), out_rows(U, Vt), Prior<T>{T(1), nullptr, Ut, ldU});
-  if (O != nullptr) team_gemm(tm, L, Vt, K, scale, rows_of(Qg, K), rows_of<T>(S, ldS), out_rows(O, ldO));
+  tm.gemm(L, Vt, K, T(-1), rows_of(W, K), rows_of<T>(S, ldS), out_rows(U, Vt), Prior<T>{T(1), nullptr, Ut, ldU});
+  if (O != nullptr) tm.gemm(L, Vt, K, scale, rows_of(Qg, K), rows_of<T>(S, ldS), out_rows(O, ldO));
   tm.sync();
   if (O != nullptr) {
-    team_gemm(tm, L, Vt, L, scale, rows_of(Aqk, kChunk), rows_of<T>(U, Vt), out_rows(O, ldO), plus_c<T>());
+    tm.gemm(L, Vt, L, scale, rows_of(Aqk, kChunk), rows_of<T>(U, Vt), out_rows(O, ldO), plus_c<T>());
   }
-  team_gemm(tm, K, Vt, L, T(1), cols_of(Kd, K), rows_of<T>(U, Vt), out_rows(S, ldS), Prior<T>{T(0), gC, nullptr, 0});
+  tm.gemm(K, Vt, L, T(1), cols_of(Kd, K), rows_of<T>(U, Vt), out_rows(S, ldS), Prior<T>{T(0), gC, nullptr, 0});
   tm.sync();
 }
 
@@ -256,11 +263,11 @@ template <typename T, typename Team>
 KDA_HD void chunk_state_bwd(const Team& tm, ChunkDims d, T scale, const T* W, const T* Qg, const T* Kd,
                             const T* Aqk, const T* gC, const T* dO, int ldO, T* dS, int ldS, T* dU) {
   const int L = d.L, K = d.K, Vt = d.V;
-  team_gemm(tm, L, Vt, L, scale, cols_of(Aqk, kChunk), rows_of(dO, ldO), out_rows(dU, Vt));
-  team_gemm(tm, L, Vt, K, T(1), rows_of(Kd, K), rows_of<T>(dS, ldS), out_rows(dU, Vt), plus_c<T>());
+  tm.gemm(L, Vt, L, scale, cols_of(Aqk, kChunk), rows_of(dO, ldO), out_rows(dU, Vt));
+  tm.gemm(L, Vt, K, T(1), rows_of(Kd, K), rows_of<T>(dS, ldS), out_rows(dU, Vt), plus_c<T>());
   tm.sync();
-  team_gemm(tm, K, Vt, L, scale, cols_of(Qg, K), rows_of(dO, ldO), out_rows(dS, ldS), Prior<T>{T(0), gC, nullptr, 0});
-  team_gemm(tm, K, Vt, L, T(-1), cols_of(W, K), rows_of<T>(dU, Vt), out_rows(dS, ldS), plus_c<T>());
+  tm.gemm(K, Vt, L, scale, cols_of(Qg, K), rows_of(dO, ldO), out_rows(dS, ldS), Prior<T>{T(0), gC, nullptr, 0});
+  tm.gemm(K, Vt, L, T(-1), cols_of(W, K), rows_of<T>(dU, Vt), out_rows(dS, ldS), plus_c<T>());
   tm.sync();
 }
 
@@ -287,20 +294,20 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
                       ChunkBwdScratch<T> sc, T* dq, T* dk, T* dg, T* dv, int ldv, T* dbeta) {
   const int L = d.L, K = d.K, V = d.V;
   // U = Ut - W S0 and dU = scale Aqk^T dO + Kd dS1.
-  team_gemm(tm, L, V, K, T(-1), rows_of(W, K), rows_of(S0, V), out_rows(sc.U, V), Prior<T>{T(1), nullptr, Ut, V});
-  team_gemm(tm, L, V, L, scale, cols_of(Aqk, kChunk), rows_of(dO, ldO), out_rows(sc.dU, V));
-  team_gemm(tm, L, V, K, T(1), rows_of(Kd, K), rows_of(dS1, V), out_rows(sc.dU, V), plus_c<T>());
+  tm.gemm(L, V, K, T(-1), rows_of(W, K), rows_of(S0, V), out_rows(sc.U, V), Prior<T>{T(1), nullptr, Ut, V});
+  tm.gemm(L, V, L, scale, cols_of(Aqk, kChunk), rows_of(dO, ldO), out_rows(sc.dU, V));
+  tm.gemm(L, V, K, T(1), rows_of(Kd, K), rows_of(dS1, V), out_rows(sc.dU, V), plus_c<T>());
   tm.sync();
   // Reductions over V: dQg into dq, dKd into dk, dW, and dAqk = scale dO U^T.
-  team_gemm(tm, L, K, V, scale, rows_of(dO, ldO), cols_of(S0, V), out_rows(dq, K));
-  team_gemm(tm, L, K, V, T(1), rows_of<T>(sc.U, V), cols_of(dS1, V), out_rows(dk, K));
-  team_gemm(tm, L, K, V, T(-1), rows_of<T>(sc.dU, V), cols_of(S0, V), out_rows(sc.dW, K));
-  team_gemm(tm, L, L, V, scale, rows_of(dO, ldO), cols_of<T>(sc.U, V), out_rows(sc.dAqk, kChunk));
+  tm.gemm(L, K, V, scale, rows_of(dO, ldO), cols_of(S0, V), out_rows(dq, K));
+  tm.gemm(L, K, V, T(1), rows_of<T>(sc.U, V), cols_of(dS1, V), out_rows(dk, K));
+  tm.gemm(L, K, V, T(-1), rows_of<T>(sc.dU, V), cols_of(S0, V), out_rows(sc.dW, K));
+  tm.gemm(L, L, V, scale, rows_of(dO, ldO), cols_of<T>(sc.U, V), out_rows(sc.dAqk, kChunk));
   tm.sync();
   // Through the solve: Z = Minv^T dY. G_last's extra gradient through Kd and gC:
   // sum_j dS1 (gC S0) + sum_t Kd dKd.
-  team_gemm(tm, L, K, L, T(1), cols_of(Minv, kChunk), rows_of<T>(sc.dW, K), out_rows(sc.ZW, K));
-  team_gemm(tm, L, V, L, T(1), cols_of(Minv, kChunk), rows_of<T>(sc.dU, V), out_rows(sc.ZU, V));
+  tm.gemm(L, K, L, T(1), cols_of(Minv, kChunk), rows_of<T>(sc.dW, K), out_rows(sc.ZW, K));
+  tm.gemm(L, V, L, T(1), cols_of(Minv, kChunk), rows_of<T>(sc.dU, V), out_rows(sc.ZU, V));
   for (int c = tm.rank(); c < K; c += tm.size()) {
     T acc = 0;
     for (int j = 0; j < V; ++j) acc += dS1[c * V + j] * S0[c * V + j];
@@ -320,8 +327,8 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
     dg[i] = dqg * Qg[i] - dkd * Kd[i];
   }
   // dM = -(ZW W^T + ZU Ut^T) (used below s < t); dv = diag(beta) ZU.
-  team_gemm(tm, L, L, K, T(-1), rows_of<T>(sc.ZW, K), cols_of(W, K), out_rows(sc.dA, kChunk));
-  team_gemm(tm, L, L, V, T(-1), rows_of<T>(sc.ZU, V), cols_of(Ut, V), out_rows(sc.dA, kChunk), plus_c<T>());
+  tm.gemm(L, L, K, T(-1), rows_of<T>(sc.ZW, K), cols_of(W, K), out_rows(sc.dA, kChunk));
+  tm.gemm(L, L, V, T(-1), rows_of<T>(sc.ZU, V), cols_of(Ut, V), out_rows(sc.dA, kChunk), plus_c<T>());
   for (int i = tm.rank(); i < L * V; i += tm.size()) dv[(i / V) * ldv + i % V] = beta[i / V] * sc.ZU[i];
   tm.sync();
   for (int t = tm.rank(); t < L; t += tm.size()) {

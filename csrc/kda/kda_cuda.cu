@@ -22,8 +22,73 @@ namespace kda_dsa_ops::kda {
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kStateCols = 64;  // state columns per block of the state kernels
+
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d += a b for one m16n8k8 tile with tf32 operands (fp32 accumulation).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// x = hi + lo with hi, lo tf32: products of the parts recover fp32 accuracy (3 MMAs: hi hi,
+// hi lo, lo hi; lo lo is below fp32 rounding).
+template <int N>
+__device__ __forceinline__ void split_tf32(const float (&x)[N], uint32_t (&hi)[N], uint32_t (&lo)[N]) {
+  for (int i = 0; i < N; ++i) {
+    hi[i] = to_tf32(x[i]);
+    lo[i] = to_tf32(x[i] - __uint_as_float(hi[i]));
+  }
+}
+
+// team_gemm's contract on the tensor cores: each warp computes 16 x 8 tiles of C with split-tf32
+// m16n8k8 MMAs, operands read through the strided views (no layout requirement).
+__device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
+                          Prior<float> prior, const float* kscale) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int mt = (M + 15) / 16, nt = (N + 7) / 8;
+  for (int tile = threadIdx.x / 32; tile < mt * nt; tile += blockDim.x / 32) {
+    const int m0 = tile / nt * 16, n0 = tile % nt * 8;
+    const int r0 = m0 + g, r1 = r0 + 8, cb = n0 + g;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int k0 = 0; k0 < Kn; k0 += 8) {
+      const int k_lo = k0 + q, k_hi = k_lo + 4;
+      const float s_lo = k_lo < Kn ? (kscale != nullptr ? kscale[k_lo] : 1.f) : 0.f;
+      const float s_hi = k_hi < Kn ? (kscale != nullptr ? kscale[k_hi] : 1.f) : 0.f;
+      const float a[4] = {r0 < M && s_lo != 0.f ? A(r0, k_lo) * s_lo : 0.f, r1 < M && s_lo != 0.f ? A(r1, k_lo) * s_lo : 0.f,
+                          r0 < M && s_hi != 0.f ? A(r0, k_hi) * s_hi : 0.f, r1 < M && s_hi != 0.f ? A(r1, k_hi) * s_hi : 0.f};
+      const float b[2] = {cb < N && k_lo < Kn ? B(k_lo, cb) : 0.f, cb < N && k_hi < Kn ? B(k_hi, cb) : 0.f};
+      uint32_t a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+      split_tf32(a, a_hi, a_lo);
+      split_tf32(b, b_hi, b_lo);
+      mma_tf32(acc, a_lo, b_hi);
+      mma_tf32(acc, a_hi, b_lo);
+      mma_tf32(acc, a_hi, b_hi);
+    }
+    for (int r = 0; r < 4; ++r) {
+      const int m = m0 + g + 8 * (r / 2), n = n0 + 2 * q + r % 2;
+      if (m >= M || n >= N) continue;
+      float& c = C(m, n);
+      float value = alpha * acc[r];
+      if (prior.active()) {
+        value += (prior.row != nullptr ? prior.row[m] : prior.beta) *
+                 (prior.src != nullptr ? prior.src[m * prior.src_ld + n] : c);
+      }
+      c = value;
+    }
+  }
+}
+#endif
 
 struct BlockTeam {
   KDA_HD int rank() const {
@@ -43,6 +108,12 @@ struct BlockTeam {
   KDA_HD void sync() const {
 #ifdef __CUDA_ARCH__
     __syncthreads();
+#endif
+  }
+  KDA_HD void gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
+                   Prior<float> prior = Prior<float>{}, const float* kscale = nullptr) const {
+#ifdef __CUDA_ARCH__
+    warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale);
 #endif
   }
 };

@@ -1,0 +1,32 @@
+"""Per-kernel device time of one chunk_kda forward and forward+backward (torch.profiler), to see
+where the time goes:  python tools/profile_kda.py [B T H D]"""
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import kda_dsa_ops as K
+
+
+def main():
+    B, T, H, D = (int(x) for x in sys.argv[1:5]) if len(sys.argv) >= 5 else (2, 8192, 32, 128)
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device="cuda") + 2).requires_grad_()
+    beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ins = (q, k, v, g, beta)
+
+    def step():
+        o, _ = K.chunk_kda(*ins, use_qk_l2norm_in_kernel=True)
+        torch.autograd.grad(o, ins, torch.ones_like(o))
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
