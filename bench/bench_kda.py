@@ -7,7 +7,7 @@ L2-normalised in the kernel. Before timing, the outputs and gradients of both im
 compared (relative RMS, each also against an fp32 run of this package's kernels).
 FLOPs: forward 2*C*K*5 + 2*K*V*3 per token and head (C = 64); forward+backward counted as 3x.
 
-    python bench/bench_kda.py [--quick] [--no-fla] [--out DIR]
+    python bench/bench_kda.py [--quick] [--no-fla | --fla-cases N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -135,6 +135,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the first shape only")
     parser.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention baseline")
+    parser.add_argument("--fla-cases", type=int, default=None,
+                        help="compare with fla on the first N cases only (its first calls take minutes per shape)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
     ceilings = measure_ceilings()
@@ -145,8 +147,9 @@ def main():
     if args.quick:
         cases = cases[:1]
     results = []
-    for label, B, T, H, D, lens in cases:
-        results += bench_case(label, B, T, H, D, lens, fla, use_sdpa=lens is None)
+    for i, (label, B, T, H, D, lens) in enumerate(cases):
+        with_fla = fla if args.fla_cases is None or i < args.fla_cases else None
+        results += bench_case(label, B, T, H, D, lens, with_fla, use_sdpa=lens is None)
     print(write_results("kda", results, ceilings, args.out))
 
 

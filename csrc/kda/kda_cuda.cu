@@ -235,14 +235,40 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
               out.gC + (hv * sq_.slots + slot) * z.K);
 }
 
+// Copy a rows x cols block (leading dim ld) into dense shared memory.
+template <typename T>
+__device__ void stage(const BlockTeam& tm, T* dst, const T* src, int64_t ld, int rows, int cols) {
+  for (int i = tm.rank(); i < rows * cols; i += tm.size()) dst[i] = src[(i / cols) * ld + i % cols];
+}
+
+// Shared memory of the state kernels: the state tile, a [kChunk, Vt] scratch, and the chunk's
+// W, Qg, Kd [kChunk, K], Aqk [kChunk, kChunk] and one [kChunk, Vt] tile (Ut or dO), staged.
+template <typename T>
+struct StateSmem {
+  T *S, *U, *W, *Qg, *Kd, *Aqk, *tile;
+  __device__ StateSmem(T* base, int64_t K)
+      : S(base), U(S + K * kStateCols), W(U + kChunk * kStateCols), Qg(W + kChunk * K), Kd(Qg + kChunk * K),
+        Aqk(Kd + kChunk * K), tile(Aqk + kChunk * kChunk) {}
+  static size_t bytes(int64_t K) {
+    return sizeof(T) * (K * kStateCols + 2 * kChunk * kStateCols + 3 * kChunk * K + kChunk * kChunk);
+  }
+  // Stage the state-independent terms of the chunk starting at workspace row `row`.
+  __device__ void stage_chunk(const BlockTeam& tm, const Intra<T>& in, int64_t row, int L, int64_t K) const {
+    stage(tm, W, in.W + row * K, K, L, static_cast<int>(K));
+    stage(tm, Qg, in.Qg + row * K, K, L, static_cast<int>(K));
+    stage(tm, Kd, in.Kd + row * K, K, L, static_cast<int>(K));
+    stage(tm, Aqk, in.Aqk + row * kChunk, kChunk, L, kChunk);
+  }
+};
+
 // Forward state passing. o (may be nullptr) [tokens, HV, V]; starts (may be nullptr) receives
 // the start state of every chunk, [HV, slots, K, V].
 template <typename T>
 __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> z, T scale, Intra<T> in,
                                                              const T* __restrict__ h0, T* o, T* ht, T* starts) {
   extern __shared__ unsigned char smem_raw[];
-  T* S = reinterpret_cast<T*>(smem_raw);  // [K, Vt]
-  T* U = S + z.K * kStateCols;            // [kChunk, Vt]
+  const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
+  T* S = sm.S;
   const int j0 = blockIdx.x * kStateCols;
   const int64_t hv = blockIdx.y, n = blockIdx.z;
   const int Vt = static_cast<int>(z.V - j0 < kStateCols ? z.V - j0 : kStateCols);
@@ -265,9 +291,12 @@ __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> 
       for (int e = tm.rank(); e < K * Vt; e += tm.size()) dst[(e / Vt) * z.V + e % Vt] = S[e];
     }
     const int64_t row = hv * sq_.tokens + t0;
-    chunk_state_fwd(tm, ChunkDims{L, K, Vt}, scale, in.W + row * K, in.Ut + row * z.V + j0, static_cast<int>(z.V),
-                    in.Qg + row * K, in.Kd + row * K, in.Aqk + row * kChunk, in.gC + (hv * sq_.slots + slot) * K, S,
-                    Vt, U, o != nullptr ? o + (t0 * z.HV + hv) * z.V + j0 : nullptr, static_cast<int>(z.HV * z.V));
+    sm.stage_chunk(tm, in, row, L, K);
+    stage(tm, sm.tile, in.Ut + row * z.V + j0, z.V, L, Vt);
+    tm.sync();
+    chunk_state_fwd(tm, ChunkDims{L, K, Vt}, scale, sm.W, sm.tile, Vt, sm.Qg, sm.Kd, sm.Aqk,
+                    in.gC + (hv * sq_.slots + slot) * K, S, Vt, sm.U,
+                    o != nullptr ? o + (t0 * z.HV + hv) * z.V + j0 : nullptr, static_cast<int>(z.HV * z.V));
   }
   if (ht != nullptr) {
     for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
@@ -283,8 +312,8 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
                                                              const T* __restrict__ dO, const T* __restrict__ dht,
                                                              T* dends, T* dh0) {
   extern __shared__ unsigned char smem_raw[];
-  T* dS = reinterpret_cast<T*>(smem_raw);  // [K, Vt]
-  T* dU = dS + z.K * kStateCols;           // [kChunk, Vt]
+  const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
+  T* dS = sm.S;
   const int j0 = blockIdx.x * kStateCols;
   const int64_t hv = blockIdx.y, n = blockIdx.z;
   const int Vt = static_cast<int>(z.V - j0 < kStateCols ? z.V - j0 : kStateCols);
@@ -305,9 +334,11 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
     T* dst = dends + (hv * sq_.slots + slot) * K * z.V + j0;
     for (int e = tm.rank(); e < K * Vt; e += tm.size()) dst[(e / Vt) * z.V + e % Vt] = dS[e];
     const int64_t row = hv * sq_.tokens + t0;
-    chunk_state_bwd(tm, ChunkDims{L, K, Vt}, scale, in.W + row * K, in.Qg + row * K, in.Kd + row * K,
-                    in.Aqk + row * kChunk, in.gC + (hv * sq_.slots + slot) * K, dO + (t0 * z.HV + hv) * z.V + j0,
-                    static_cast<int>(z.HV * z.V), dS, Vt, dU);
+    sm.stage_chunk(tm, in, row, L, K);
+    stage(tm, sm.tile, dO + (t0 * z.HV + hv) * z.V + j0, z.HV * z.V, L, Vt);
+    tm.sync();
+    chunk_state_bwd(tm, ChunkDims{L, K, Vt}, scale, sm.W, sm.Qg, sm.Kd, sm.Aqk, in.gC + (hv * sq_.slots + slot) * K,
+                    sm.tile, Vt, dS, Vt, sm.U);
   }
   for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
     dh0[((n * z.HV + hv) * K + i / Vt) * z.V + j0 + i % Vt] = dS[i];
@@ -394,7 +425,7 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool
   return out;
 }
 
-size_t state_smem_bytes(int64_t K) { return sizeof(float) * (K + kChunk) * kStateCols; }
+size_t state_smem_bytes(int64_t K) { return StateSmem<float>::bytes(K); }
 
 dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
 
