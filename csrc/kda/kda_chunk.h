@@ -193,8 +193,9 @@ KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gat
     if (s >= L) continue;
     T a = 0, b = 0;
     if (s <= t) {
+      const int start = s % K;
       for (int cc = 0; cc < K; ++cc) {
-        const int c = (cc + s) % K;
+        const int c = cc + start < K ? cc + start : cc + start - K;
         const T e = G.exp_diff(t * K + c, s * K + c) * k[s * K + c];
         a += k[t * K + c] * e;
         b += q[t * K + c] * e;
@@ -282,6 +283,9 @@ struct ChunkBwdScratch {
   T* dAqk;  // [L,kChunk]
   T* dA;    // [L,kChunk]
   T* last;  // [K]    extra gradient of G at the chunk's last step
+  T* kE;    // [L,K]  k, q scaled to the first row of their block
+  T* qE;    // [L,K]
+  T* Y;     // [2 kSub, K]
 };
 
 // Gradients of one chunk given its start state S0 [K,V], the gradient dS1 [K,V] of its end
@@ -344,26 +348,60 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
     sc.dA[t * kChunk + s] = s < t ? beta[t] * sc.dA[t * kChunk + s] : T(0);
   }
   tm.sync();
-  // Through A and Aqk (pairs), and k exp(G) (the W columns), per element (t, c).
+  // Through A and Aqk, and k exp(G) (the W columns). Per element (t, c), with E_ts = exp(G_t - G_s):
+  //   p_row_a = sum_{s<t} dA_ts k_s E_ts,  p_row_q = sum_{s<=t} dAqk_ts k_s E_ts,
+  //   p_col = sum_{r>=t} (dA_rt k_r + dAqk_rt q_r) E_rt,
+  //   dq += p_row_q,  dk += p_row_a + p_col,  dg += k p_row_a + q p_row_q - k p_col.
+  // Pairs inside a diagonal block: one by one. Pairs across blocks: through the first row of the
+  // later block, as in chunk_intra.
   for (int i = tm.rank(); i < L * K; i += tm.size()) {
-    const int t = i / K, c = i % K;
-    const T kt = k[i], qt = q[i];
-    T p_row_a = 0, p_row_q = 0, p_col = 0;  // sum_s<t dA_ts k_s E, sum_s<=t dAqk_ts k_s E, column terms
-    for (int s = 0; s <= t; ++s) {
+    const int t = i / K, c = i % K, b0 = t / kSub * kSub, b1 = b0 + kSub < L ? b0 + kSub : L;
+    T p_row_a = 0, p_row_q = 0, p_col = 0;
+    for (int s = b0; s <= t; ++s) {
       const T e = G.exp_diff(i, s * K + c) * k[s * K + c];
       p_row_a += sc.dA[t * kChunk + s] * e;
       p_row_q += sc.dAqk[t * kChunk + s] * e;
     }
-    for (int r = t; r < L; ++r) {
+    for (int r = t; r < b1; ++r) {
       const T e = G.exp_diff(r * K + c, i);
       p_col += (sc.dA[r * kChunk + t] * k[r * K + c] + sc.dAqk[r * kChunk + t] * q[r * K + c]) * e;
     }
-    const T eg = G.exp_at(i), zw = beta[t] * sc.ZW[i];
+    const T kt = k[i], qt = q[i], eg = G.exp_at(i), zw = beta[t] * sc.ZW[i];
     dq[i] += p_row_q;
     dk[i] += p_row_a + p_col + zw * eg;
     dg[i] += kt * p_row_a + qt * p_row_q - kt * p_col + zw * kt * eg;
+    const T e0 = G.exp_diff(i, b0 * K + c);
+    sc.kE[i] = kt * e0;
+    sc.qE[i] = qt * e0;
   }
   tm.sync();
+  T* Ks = sc.dW;  // k_s exp(G_r - G_s) for s < r (dW is spent)
+  T* X = sc.ZW;   // column terms of the rows s < r before their factor (ZW is spent)
+  T *Ya = sc.Y, *Yq = sc.Y + kSub * K;
+  for (int r = kSub; r < L; r += kSub) {
+    const int n = L - r < kSub ? L - r : kSub;
+    for (int i = tm.rank(); i < r * K; i += tm.size()) Ks[i] = k[i] * G.exp_diff(r * K + i % K, i);
+    tm.sync();
+    tm.gemm(n, K, r, T(1), rows_of<T>(sc.dA + r * kChunk, kChunk), rows_of<T>(Ks, K), out_rows(Ya, K));
+    tm.gemm(n, K, r, T(1), rows_of<T>(sc.dAqk + r * kChunk, kChunk), rows_of<T>(Ks, K), out_rows(Yq, K));
+    tm.gemm(r, K, n, T(1), cols_of<T>(sc.dA + r * kChunk, kChunk), rows_of<T>(sc.kE + r * K, K), out_rows(X, K));
+    tm.gemm(r, K, n, T(1), cols_of<T>(sc.dAqk + r * kChunk, kChunk), rows_of<T>(sc.qE + r * K, K), out_rows(X, K),
+            plus_c<T>());
+    tm.sync();
+    for (int i = tm.rank(); i < n * K; i += tm.size()) {  // rows of the block: row terms
+      const int at = r * K + i, c = i % K;
+      const T e = G.exp_diff(at, r * K + c), pa = e * Ya[i], pq = e * Yq[i];
+      dq[at] += pq;
+      dk[at] += pa;
+      dg[at] += k[at] * pa + q[at] * pq;
+    }
+    for (int i = tm.rank(); i < r * K; i += tm.size()) {  // rows before it: column terms
+      const T pc = G.exp_diff(r * K + i % K, i) * X[i];
+      dk[i] += pc;
+      dg[i] -= k[i] * pc;
+    }
+    tm.sync();
+  }
   // dg = reverse cumulative sum of dG, with G_last's extra term.
   for (int c = tm.rank(); c < K; c += tm.size()) {
     T run = sc.last[c];

@@ -99,10 +99,11 @@ void bwd_impl(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   at::parallel_for(0, p.N * p.HV, 1, [&](int64_t begin, int64_t end) {
     ChunkWork<T> w(K, V);
     std::vector<T> S(K * V), dS(K * V), U(kChunk * V), dU(kChunk * V), dW(kChunk * K), ZW(kChunk * K),
-        ZU(kChunk * V), dAqk(kChunk * kChunk), dA(kChunk * kChunk), last(K), dq(kChunk * K), dk(kChunk * K),
-        dg(kChunk * K), dv(kChunk * V), dbeta(kChunk), dO(kChunk * V);
-    const ChunkBwdScratch<T> sc{U.data(), dU.data(), dW.data(), ZW.data(), ZU.data(), dAqk.data(), dA.data(),
-                                last.data()};
+        ZU(kChunk * V), dAqk(kChunk * kChunk), dA(kChunk * kChunk), last(K), kE(kChunk * K), qE(kChunk * K),
+        Y(2 * kSub * K), dq(kChunk * K), dk(kChunk * K), dg(kChunk * K), dv(kChunk * V), dbeta(kChunk),
+        dO(kChunk * V);
+    const ChunkBwdScratch<T> sc{U.data(),   dU.data(),  dW.data(), ZW.data(), ZU.data(), dAqk.data(),
+                                dA.data(),  last.data(), kE.data(), qE.data(), Y.data()};
     std::vector<T> starts;  // the start state of every chunk, recomputed
     const SerialTeam tm;
     for (int64_t task = begin; task < end; ++task) {

@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
 // Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
 template <typename T>
 struct BwdWork {
-  T *U, *dU, *dW, *ZW, *ZU;  // scratch
+  T *U, *dU, *dW, *ZW, *ZU, *kE, *qE;  // scratch
   T *dq, *dk, *dg, *dbeta;   // outputs [HV, tokens, K] ([HV, tokens] for dbeta)
 };
 
@@ -372,9 +372,11 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
   const int64_t row = hv * sq_.tokens + t0, state = (hv * sq_.slots + slot) * K * V;
   T* sdAqk = sm.end;
   T* sdA = sdAqk + kChunk * kChunk;
-  T* slast = sdA + kChunk * kChunk;
+  T* sY = sdA + kChunk * kChunk;  // [2 kSub, K]
+  T* slast = sY + 2 * kSub * K;
   const ChunkBwdScratch<T> sc{w.U + row * V, w.dU + row * V, w.dW + row * K, w.ZW + row * K, w.ZU + row * V,
-                              sdAqk, sdA, slast};
+                              sdAqk,         sdA,            slast,          w.kE + row * K, w.qE + row * K,
+                              sY};
   chunk_bwd(tm, d, scale, sm.q, sm.k, sm.gates(), sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk,
             in.Minv + row * kChunk, in.W + row * K,
             in.Ut + row * V, in.Qg + row * K, in.Kd + row * K, in.gC + (hv * sq_.slots + slot) * K, starts + state,
@@ -482,10 +484,11 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   const at::Tensor dbeta = at::zeros({p.HV, p.B, p.T}, opts);
   gr.dv.zero_();
   const BwdWork<float> w{ws(rows * p.V), ws(rows * p.V), ws(rows * p.K), ws(rows * p.K), ws(rows * p.V),
-                         dq.data_ptr<float>(), dk.data_ptr<float>(), dg.data_ptr<float>(),
+                         ws(rows * p.K), ws(rows * p.K), dq.data_ptr<float>(), dk.data_ptr<float>(), dg.data_ptr<float>(),
                          dbeta.data_ptr<float>()};
   if (l.seqs.slots > 0) {
-    const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + p.K);
+    const size_t smem =
+        ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + (2 * kSub + 1) * p.K);
     set_smem(chunk_bwd_kernel<float>, smem);
     chunk_bwd_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
         l.seqs, z, scale, in.q.data_ptr<float>(), in.k.data_ptr<float>(), in.v.data_ptr<float>(),
