@@ -102,7 +102,13 @@ struct Prior {
   const T* row = nullptr;
   const T* src = nullptr;
   int src_ld = 0;
-  KDA_HD bool active() const { return beta != T(0) || row != nullptr; }
+  // c = value + the term.
+  KDA_HD void store(T& c, T value, int m, int n) const {
+    if (beta != T(0) || row != nullptr) {
+      value += (row != nullptr ? row[m] : beta) * (src != nullptr ? src[m * src_ld + n] : c);
+    }
+    c = value;
+  }
 };
 template <typename T>
 KDA_HD Prior<T> plus_c() {
@@ -144,13 +150,7 @@ KDA_HD void team_gemm(const Team& tm, int M, int N, int Kn, T alpha, View<T> A, 
       for (int j = 0; j < R; ++j) {
         const int n = n0 + j * nb;
         if (n >= N) break;
-        T& c = C(m, n);
-        T value = alpha * acc[i][j];
-        if (prior.active()) {
-          value += (prior.row != nullptr ? prior.row[m] : prior.beta) *
-                   (prior.src != nullptr ? prior.src[m * prior.src_ld + n] : c);
-        }
-        c = value;
+        prior.store(C(m, n), alpha * acc[i][j], m, n);
       }
     }
   }

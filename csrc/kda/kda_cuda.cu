@@ -25,7 +25,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kStateCols = 64;  // state columns per block of the state kernels
 
-#ifdef __CUDA_ARCH__
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -77,44 +76,19 @@ __device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, Vie
     }
     for (int r = 0; r < 4; ++r) {
       const int m = m0 + g + 8 * (r / 2), n = n0 + 2 * q + r % 2;
-      if (m >= M || n >= N) continue;
-      float& c = C(m, n);
-      float value = alpha * acc[r];
-      if (prior.active()) {
-        value += (prior.row != nullptr ? prior.row[m] : prior.beta) *
-                 (prior.src != nullptr ? prior.src[m * prior.src_ld + n] : c);
-      }
-      c = value;
+      if (m < M && n < N) prior.store(C(m, n), alpha * acc[r], m, n);
     }
   }
 }
-#endif
 
+// The CUDA kernels' team: the threads of a block, products on the tensor cores.
 struct BlockTeam {
-  KDA_HD int rank() const {
-#ifdef __CUDA_ARCH__
-    return static_cast<int>(threadIdx.x);
-#else
-    return 0;
-#endif
-  }
-  KDA_HD int size() const {
-#ifdef __CUDA_ARCH__
-    return static_cast<int>(blockDim.x);
-#else
-    return 1;
-#endif
-  }
-  KDA_HD void sync() const {
-#ifdef __CUDA_ARCH__
-    __syncthreads();
-#endif
-  }
-  KDA_HD void gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
-                   Prior<float> prior = Prior<float>{}, const float* kscale = nullptr) const {
-#ifdef __CUDA_ARCH__
+  __device__ int rank() const { return static_cast<int>(threadIdx.x); }
+  __device__ int size() const { return static_cast<int>(blockDim.x); }
+  __device__ void sync() const { __syncthreads(); }
+  __device__ void gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
+                       Prior<float> prior = Prior<float>{}, const float* kscale = nullptr) const {
     warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale);
-#endif
   }
 };
 
