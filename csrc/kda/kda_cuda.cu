@@ -235,6 +235,41 @@ struct StateSmem {
   }
 };
 
+// The block's state tile: columns [j0, j0 + Vt) of the [K, V] state of value head hv, sequence n,
+// and the chunks of that sequence.
+template <typename T>
+struct StateTile {
+  int j0, Vt, K;
+  int64_t V, hv, n, bos, len, first, chunks;
+  __device__ StateTile(const Seqs& sq, const Sizes<T>& z)
+      : j0(static_cast<int>(blockIdx.x) * kStateCols),
+        Vt(static_cast<int>(z.V - j0 < kStateCols ? z.V - j0 : kStateCols)),
+        K(static_cast<int>(z.K)), V(z.V), hv(blockIdx.y), n(blockIdx.z) {
+    sq.bounds(n, bos, len);
+    first = sq.first_slot(n);
+    chunks = sq.chunks_of(len);
+  }
+  // Chunk i of the sequence: its slot, first token and length; false when it lies outside.
+  __device__ bool chunk(const Seqs& sq, int64_t i, int64_t& slot, int64_t& t0, int& L) const {
+    slot = first + i;
+    t0 = bos + i * kChunk;
+    L = static_cast<int>(len - i * kChunk < kChunk ? len - i * kChunk : kChunk);
+    return sq.valid(slot, t0, L);
+  }
+  // Offset of this sequence's and head's [K, V] matrix in an [N, HV, K, V] tensor.
+  __device__ int64_t matrix(int64_t HV) const { return (n * HV + hv) * K * V; }
+  // tile = the tile's columns of the [K, V] matrix at src (zeros for nullptr), for the whole team.
+  __device__ void load(const BlockTeam& tm, T* tile, const T* src) const {
+    for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
+      tile[i] = src != nullptr ? src[(i / Vt) * V + j0 + i % Vt] : T(0);
+    }
+    tm.sync();
+  }
+  __device__ void store(const BlockTeam& tm, const T* tile, T* dst) const {
+    for (int i = tm.rank(); i < K * Vt; i += tm.size()) dst[(i / Vt) * V + j0 + i % Vt] = tile[i];
+  }
+};
+
 // Forward state passing. o (may be nullptr) [tokens, HV, V]; starts (may be nullptr) receives
 // the start state of every chunk, [HV, slots, K, V].
 template <typename T>
@@ -243,43 +278,26 @@ __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> 
   extern __shared__ unsigned char smem_raw[];
   const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
   T* S = sm.S;
-  const int j0 = blockIdx.x * kStateCols;
-  const int64_t hv = blockIdx.y, n = blockIdx.z;
-  const int Vt = static_cast<int>(z.V - j0 < kStateCols ? z.V - j0 : kStateCols);
-  const int K = static_cast<int>(z.K);
   const BlockTeam tm;
-  for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
-    const int c = i / Vt, j = i % Vt;
-    S[i] = h0 != nullptr ? h0[((n * z.HV + hv) * K + c) * z.V + j0 + j] : T(0);
-  }
-  tm.sync();
-  int64_t bos, len;
-  sq_.bounds(n, bos, len);
-  const int64_t first = sq_.first_slot(n);
-  for (int64_t i = 0; i * kChunk < len; ++i) {
-    const int64_t slot = first + i, t0 = bos + i * kChunk;
-    const int L = static_cast<int>(len - i * kChunk < kChunk ? len - i * kChunk : kChunk);
-    if (!sq_.valid(slot, t0, L)) break;
-    if (starts != nullptr) {
-      T* dst = starts + (hv * sq_.slots + slot) * K * z.V + j0;
-      for (int e = tm.rank(); e < K * Vt; e += tm.size()) dst[(e / Vt) * z.V + e % Vt] = S[e];
-    }
-    const int64_t row = hv * sq_.tokens + t0;
-    sm.stage_chunk(tm, in, row, L, K);
-    stage(tm, sm.tile, in.Ut + row * z.V + j0, z.V, L, Vt);
+  const StateTile<T> st(sq_, z);
+  st.load(tm, S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr);
+  for (int64_t i = 0; i < st.chunks; ++i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) break;
+    if (starts != nullptr) st.store(tm, S, starts + (st.hv * sq_.slots + slot) * st.K * z.V);
+    const int64_t row = st.hv * sq_.tokens + t0;
+    sm.stage_chunk(tm, in, row, L, st.K);
+    stage(tm, sm.tile, in.Ut + row * z.V + st.j0, z.V, L, st.Vt);
     tm.sync();
-    chunk_state_fwd(tm, ChunkDims{L, K, Vt}, scale, sm.W, sm.tile, Vt, sm.Qg, sm.Kd, sm.Aqk,
-                    in.gC + (hv * sq_.slots + slot) * K, S, Vt, sm.U,
-                    o != nullptr ? o + (t0 * z.HV + hv) * z.V + j0 : nullptr, static_cast<int>(z.HV * z.V));
+    chunk_state_fwd(tm, ChunkDims{L, st.K, st.Vt}, scale, sm.W, sm.tile, st.Vt, sm.Qg, sm.Kd, sm.Aqk,
+                    in.gC + (st.hv * sq_.slots + slot) * st.K, S, st.Vt, sm.U,
+                    o != nullptr ? o + (t0 * z.HV + st.hv) * z.V + st.j0 : nullptr, static_cast<int>(z.HV * z.V));
   }
-  if (ht != nullptr) {
-    for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
-      ht[((n * z.HV + hv) * K + i / Vt) * z.V + j0 + i % Vt] = S[i];
-    }
-  }
+  if (ht != nullptr) st.store(tm, S, ht + st.matrix(z.HV));
 }
 
-// Backward state passing: end-state gradient of every chunk into dends [HV, slots, K, V], the
+// Backward state passing: end-state gradient of every chunk into dends [HV, slots, st.K, V], the
 // initial state's gradient into dh0.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> z, T scale, Intra<T> in,
@@ -288,35 +306,22 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
   extern __shared__ unsigned char smem_raw[];
   const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
   T* dS = sm.S;
-  const int j0 = blockIdx.x * kStateCols;
-  const int64_t hv = blockIdx.y, n = blockIdx.z;
-  const int Vt = static_cast<int>(z.V - j0 < kStateCols ? z.V - j0 : kStateCols);
-  const int K = static_cast<int>(z.K);
   const BlockTeam tm;
-  for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
-    dS[i] = dht != nullptr ? dht[((n * z.HV + hv) * K + i / Vt) * z.V + j0 + i % Vt] : T(0);
-  }
-  tm.sync();
-  int64_t bos, len;
-  sq_.bounds(n, bos, len);
-  const int64_t first = sq_.first_slot(n);
-  const int64_t chunks = len > 0 ? (len + kChunk - 1) / kChunk : 0;
-  for (int64_t i = chunks - 1; i >= 0; --i) {
-    const int64_t slot = first + i, t0 = bos + i * kChunk;
-    const int L = static_cast<int>(len - i * kChunk < kChunk ? len - i * kChunk : kChunk);
-    if (!sq_.valid(slot, t0, L)) continue;
-    T* dst = dends + (hv * sq_.slots + slot) * K * z.V + j0;
-    for (int e = tm.rank(); e < K * Vt; e += tm.size()) dst[(e / Vt) * z.V + e % Vt] = dS[e];
-    const int64_t row = hv * sq_.tokens + t0;
-    sm.stage_chunk(tm, in, row, L, K);
-    stage(tm, sm.tile, dO + (t0 * z.HV + hv) * z.V + j0, z.HV * z.V, L, Vt);
+  const StateTile<T> st(sq_, z);
+  st.load(tm, dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr);
+  for (int64_t i = st.chunks - 1; i >= 0; --i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) continue;
+    st.store(tm, dS, dends + (st.hv * sq_.slots + slot) * st.K * z.V);
+    const int64_t row = st.hv * sq_.tokens + t0;
+    sm.stage_chunk(tm, in, row, L, st.K);
+    stage(tm, sm.tile, dO + (t0 * z.HV + st.hv) * z.V + st.j0, z.HV * z.V, L, st.Vt);
     tm.sync();
-    chunk_state_bwd(tm, ChunkDims{L, K, Vt}, scale, sm.W, sm.Qg, sm.Kd, sm.Aqk, in.gC + (hv * sq_.slots + slot) * K,
-                    sm.tile, Vt, dS, Vt, sm.U);
+    chunk_state_bwd(tm, ChunkDims{L, st.K, st.Vt}, scale, sm.W, sm.Qg, sm.Kd, sm.Aqk, in.gC + (st.hv * sq_.slots + slot) * st.K,
+                    sm.tile, st.Vt, dS, st.Vt, sm.U);
   }
-  for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
-    dh0[((n * z.HV + hv) * K + i / Vt) * z.V + j0 + i % Vt] = dS[i];
-  }
+  st.store(tm, dS, dh0 + st.matrix(z.HV));
 }
 
 // Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
