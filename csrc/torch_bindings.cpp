@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "common/checks.h"
+#include "dsa/dsa.h"
 #include "kda/kda.h"
 #include "moe/moe.h"
 
@@ -36,6 +37,17 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   m.def("kda_bwd(Tensor grad_o, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
         "float scale, Tensor? initial_state, Tensor? cu_seqlens, bool use_qk_l2norm) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Lightning indexer: indices [T,topk] int32 (-1 past the visible keys), scores [T,topk] fp32.
+  m.def("lightning_indexer_fwd(Tensor q, Tensor k, Tensor w, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int topk) "
+        "-> (Tensor, Tensor)");
+  m.def("lightning_indexer_bwd(Tensor q, Tensor k, Tensor w, Tensor indices, Tensor grad_scores) "
+        "-> (Tensor, Tensor, Tensor)");
+  // Sparse attention: o [T,H,dv], lse [T,H] fp32, p [T,Hkv,topk] fp32 ([0] unless return_p).
+  m.def("sparse_attn_fwd(Tensor q, Tensor kv, Tensor indices, float scale, int dv, Tensor? gate, bool return_p) "
+        "-> (Tensor, Tensor, Tensor)");
+  // (dq, dkv, dgate); dgate is [0] without a gate.
+  m.def("sparse_attn_bwd(Tensor grad_o, Tensor q, Tensor kv, Tensor indices, Tensor o, Tensor lse, float scale, "
+        "int dv, Tensor? gate, bool deterministic) -> (Tensor, Tensor, Tensor)");
   // MoE routing: weights [T,k] fp32, ids [T,k] int32.
   m.def("moe_route(Tensor logits, Tensor? bias, int k, str score_fn, bool renorm, float scale) -> (Tensor, Tensor)");
   m.def("moe_route_bwd(Tensor grad_weights, Tensor logits, Tensor ids, str score_fn, bool renorm, float scale) -> Tensor");
@@ -53,6 +65,10 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
   using namespace kda_dsa_ops::moe;
   m.impl("kda_fwd", &kda_dsa_ops::kda::kda_fwd);
   m.impl("kda_bwd", &kda_dsa_ops::kda::kda_bwd);
+  m.impl("lightning_indexer_fwd", &kda_dsa_ops::dsa::lightning_indexer_fwd);
+  m.impl("lightning_indexer_bwd", &kda_dsa_ops::dsa::lightning_indexer_bwd);
+  m.impl("sparse_attn_fwd", &kda_dsa_ops::dsa::sparse_attn_fwd);
+  m.impl("sparse_attn_bwd", &kda_dsa_ops::dsa::sparse_attn_bwd);
   m.impl("moe_route", &route_cpu);
   m.impl("moe_route_bwd", &route_bwd_cpu);
   m.impl("moe_permute", &permute_cpu);
@@ -67,6 +83,10 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CUDA, m) {
   using namespace kda_dsa_ops::moe;
   m.impl("kda_fwd", &kda_dsa_ops::kda::kda_fwd);
   m.impl("kda_bwd", &kda_dsa_ops::kda::kda_bwd);
+  m.impl("lightning_indexer_fwd", &kda_dsa_ops::dsa::lightning_indexer_fwd);
+  m.impl("lightning_indexer_bwd", &kda_dsa_ops::dsa::lightning_indexer_bwd);
+  m.impl("sparse_attn_fwd", &kda_dsa_ops::dsa::sparse_attn_fwd);
+  m.impl("sparse_attn_bwd", &kda_dsa_ops::dsa::sparse_attn_bwd);
   m.impl("moe_route", &route_cuda);
   m.impl("moe_route_bwd", &route_bwd_cuda);
   m.impl("moe_permute", &permute_cuda);

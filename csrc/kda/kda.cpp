@@ -48,24 +48,9 @@ Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   int64_t N = B;
   at::Tensor cu;
   if (cu_seqlens.has_value()) {
-    cu = *cu_seqlens;
-    check_dim(cu, 1, "cu_seqlens", "[N + 1]");
-    check_dtype(cu, {at::kInt}, "cu_seqlens");
-    check_same_device(cu, q, "cu_seqlens", "q");
     TORCH_CHECK(B == 1, "kda: cu_seqlens needs packed input with B == 1, got B = ", B);
-    TORCH_CHECK(cu.size(0) >= 2, "kda: cu_seqlens needs at least 2 entries (one sequence), got ", cu.size(0));
-    N = cu.size(0) - 1;
-    cu = cu.contiguous();
-    if (run_value_checks(cu)) {
-      const at::Tensor h = cu.to(at::kCPU);
-      const int32_t* c = h.data_ptr<int32_t>();
-      TORCH_CHECK(c[0] == 0, "kda: cu_seqlens must start at 0, got ", c[0]);
-      for (int64_t i = 1; i <= N; ++i) {
-        TORCH_CHECK(c[i] >= c[i - 1], "kda: cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", c[i],
-                    " after ", c[i - 1]);
-      }
-      TORCH_CHECK(c[N] == T, "kda: cu_seqlens must end at T = ", T, ", got ", c[N]);
-    }
+    cu = cu_seqlens->contiguous();
+    N = check_cu_seqlens(cu, T, q, "kda", "cu_seqlens", "T");
   }
   if (initial_state.has_value()) {
     const at::Tensor& h0 = *initial_state;

@@ -26,21 +26,6 @@ namespace {
 
 constexpr auto kFloatingTypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
 
-// A host copy of an int32 tensor's values (value checks only: a synchronisation on CUDA).
-std::vector<int32_t> host_values(const at::Tensor& t) {
-  const at::Tensor h = t.to(at::kCPU).contiguous();
-  return std::vector<int32_t>(h.data_ptr<int32_t>(), h.data_ptr<int32_t>() + h.numel());
-}
-
-// Every entry of an int32 index tensor lies in [lo, hi).
-void check_index_range(const at::Tensor& idx, int64_t lo, int64_t hi, const char* op, const char* name) {
-  if (idx.numel() == 0 || !run_value_checks(idx)) return;
-  const auto values = host_values(idx);
-  const auto [mn, mx] = std::minmax_element(values.begin(), values.end());
-  TORCH_CHECK(*mn >= lo && *mx < hi, op, ": ", name, " values must lie in [", lo, ", ", hi, "), got values in [", *mn,
-              ", ", *mx, "]");
-}
-
 // offs: int32 [E], non-decreasing, within [0, rows].
 void check_offs(const at::Tensor& offs, int64_t num_experts, int64_t rows, const at::Tensor& ref, const char* op) {
   check_dim(offs, 1, "offs", "[E] (cumulative row counts per expert)");

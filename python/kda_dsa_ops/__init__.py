@@ -6,7 +6,8 @@ The ops live in torch.ops.kda_dsa_ops; the functions here are their typed wrappe
 import torch  # noqa: F401  (the native library needs torch loaded first)
 
 from . import _C
-from .ops import chunk_kda, grouped_mm, grouped_mm_wgrad, moe_permute, moe_route, moe_unpermute
+from .ops import (chunk_kda, grouped_mm, grouped_mm_wgrad, lightning_indexer, moe_permute, moe_route, moe_unpermute,
+                  sparse_attention)
 
 __version__ = _C.build_info()["version"]
 
@@ -42,6 +43,6 @@ def set_value_checks(enabled: bool) -> None:
 
 
 __all__ = [
-    "build_info", "chunk_kda", "cuda_available", "grouped_mm", "grouped_mm_wgrad", "moe_permute", "moe_route", "moe_unpermute",
-    "set_value_checks", "value_checks_enabled",
+    "build_info", "chunk_kda", "cuda_available", "grouped_mm", "grouped_mm_wgrad", "lightning_indexer", "moe_permute",
+    "moe_route", "moe_unpermute", "set_value_checks", "sparse_attention", "value_checks_enabled",
 ]

@@ -1,6 +1,8 @@
 """Typed wrappers over torch.ops.kda_dsa_ops.*, with fake kernels and autograd."""
 
+from .dsa import lightning_indexer, sparse_attention
 from .kda import chunk_kda
 from .moe import grouped_mm, grouped_mm_wgrad, moe_permute, moe_route, moe_unpermute
 
-__all__ = ["chunk_kda", "grouped_mm", "grouped_mm_wgrad", "moe_permute", "moe_route", "moe_unpermute"]
+__all__ = ["chunk_kda", "grouped_mm", "grouped_mm_wgrad", "lightning_indexer", "moe_permute", "moe_route",
+           "moe_unpermute", "sparse_attention"]

@@ -1,0 +1,107 @@
+"""DSA ops: the lightning indexer (fused scoring + top-k) and gated sparse attention over the
+selected keys, with their gradients. Semantics are defined in kda_dsa_ops.reference.dsa.
+
+This release runs them on CPU tensors; the CUDA kernels are the next step (CUDA tensors raise a
+clear error; kda_dsa_ops.reference has the same functions in PyTorch).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_ops = torch.ops.kda_dsa_ops
+
+
+def lightning_indexer(q: Tensor, k: Tensor, w: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                      topk: int) -> tuple[Tensor, Tensor]:
+    """Top-k visible keys per query by I[t, s] = sum_j w[t, j] relu(q[t, j] . k[s]).
+
+    q [T, Hi, Di], k [Tk, Di], w [T, Hi]; cu_seqlens_q / cu_seqlens_k int32 [N + 1] pack N
+    sequences (causal within each, bottom-right aligned: query i of a sequence with Lq queries
+    and Lk keys sees keys j <= i + Lk - Lq). topk in [1, 2048]. The [T, Tk] score matrix is never
+    formed. Returns indices [T, topk] int32 (absolute rows of k by score, descending, ties to the
+    lower index, -1 past the visible keys) and scores [T, topk] fp32 (-inf where -1),
+    differentiable w.r.t. q, k and w.
+    """
+    return _ops.lightning_indexer_fwd(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
+
+
+def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None = None, dv: int | None = None,
+                     gate: Tensor | None = None, return_p: bool = False,
+                     deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """o = sigmoid(gate) * softmax(scale * q . k_sel) v_sel over each query's selected keys.
+
+    q [T, H, Dqk]; kv [Tk, Hkv, Dqk] (MLA/MQA: Hkv = 1, Dqk = 576, values kv[..., :512]; GQA:
+    Hkv > 1); indices [T, Hkv, topk] int32 rows of kv, -1 = none (a row with no key gives 0);
+    query head h reads kv head h // (H // Hkv). scale defaults to Dqk ** -0.5; dv (the value
+    width, kv[..., :dv]) to 512 when Dqk = 576, else Dqk. gate [T, H, dv] (optional).
+    Returns o [T, H, dv] in q's dtype, lse [T, H] fp32 (natural log, -inf for a row with no key)
+    and, with return_p, p [T, Hkv, topk] fp32: the probabilities summed over the heads of each kv
+    head (for the indexer's KL loss). o is differentiable w.r.t. q, kv and gate; lse and p are
+    not. deterministic: bitwise-reproducible dkv (the CPU kernel always is).
+    """
+    Dqk = q.shape[-1]
+    if scale is None:
+        scale = Dqk ** -0.5
+    if dv is None:
+        dv = 512 if Dqk == 576 else Dqk
+    o, lse, p = _ops.sparse_attn_fwd(q, kv, indices, float(scale), dv, gate, return_p)
+    return o, lse, (p if return_p else None)
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("kda_dsa_ops::lightning_indexer_fwd")
+def _(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
+    T = q.shape[0]
+    return q.new_empty(T, topk, dtype=torch.int32), q.new_empty(T, topk, dtype=_acc(q))
+
+
+@torch.library.register_fake("kda_dsa_ops::lightning_indexer_bwd")
+def _(q, k, w, indices, grad_scores):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+
+
+@torch.library.register_fake("kda_dsa_ops::sparse_attn_fwd")
+def _(q, kv, indices, scale, dv, gate, return_p):
+    T, H, _ = q.shape
+    p_shape = (T, kv.shape[1], indices.shape[2]) if return_p else (0,)
+    return q.new_empty(T, H, dv), q.new_empty(T, H, dtype=_acc(q)), q.new_empty(p_shape, dtype=_acc(q))
+
+
+@torch.library.register_fake("kda_dsa_ops::sparse_attn_bwd")
+def _(grad_o, q, kv, indices, o, lse, scale, dv, gate, deterministic):
+    dgate = torch.empty_like(gate) if gate is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(kv), dgate
+
+
+def _indexer_setup(ctx, inputs, output):
+    q, k, w = inputs[:3]
+    ctx.save_for_backward(q, k, w, output[0])
+    ctx.mark_non_differentiable(output[0])
+
+
+def _indexer_backward(ctx, grad_indices, grad_scores):
+    q, k, w, indices = ctx.saved_tensors
+    dq, dk, dw = _ops.lightning_indexer_bwd(q, k, w, indices, grad_scores.contiguous())
+    return dq, dk, dw, None, None, None
+
+
+def _attn_setup(ctx, inputs, output):
+    q, kv, indices, scale, dv, gate, _ = inputs
+    ctx.save_for_backward(q, kv, indices, gate, output[0], output[1])
+    ctx.scale, ctx.dv = scale, dv
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _attn_backward(ctx, grad_o, grad_lse, grad_p):
+    q, kv, indices, gate, o, lse = ctx.saved_tensors
+    dq, dkv, dgate = _ops.sparse_attn_bwd(grad_o.contiguous(), q, kv, indices, o, lse, ctx.scale, ctx.dv, gate, False)
+    return dq, dkv, None, None, None, (dgate if gate is not None else None), None
+
+
+torch.library.register_autograd("kda_dsa_ops::lightning_indexer_fwd", _indexer_backward, setup_context=_indexer_setup)
+torch.library.register_autograd("kda_dsa_ops::sparse_attn_fwd", _attn_backward, setup_context=_attn_setup)

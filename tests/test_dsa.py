@@ -1,0 +1,232 @@
+"""DSA ops (lightning indexer, sparse attention and their gradients) against the float64
+reference and dense masked attention: varlen, fewer visible keys than topk, repeated keys, rows
+without keys, GQA and MQA layouts, opcheck, torch.compile(fullgraph=True), the indexer's KL loss,
+and bad inputs. CPU kernels in this release (CUDA tensors raise a clear error)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kda_dsa_ops as K
+from kda_dsa_ops import reference as R
+
+from helpers import opcheck
+from strategies import SEEDS, seqlens
+from tolerances import assert_close
+
+F64 = torch.float64
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def cu_of(lens):
+    return torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def small_ints(*shape, dtype):
+    """Integer-valued inputs: every score is an exact integer in every dtype, so the kernel and
+    the reference rank keys identically (ties, which are frequent, go to the lower index)."""
+    return torch.randint(-3, 4, shape).to(dtype)
+
+
+@given(seed=SEEDS, lens=seqlens(max_seqs=4, max_len=40), extra_keys=st.lists(st.integers(0, 8), min_size=4,
+       max_size=4), topk=st.sampled_from([1, 3, 16, 64]), Hi=st.integers(1, 4), dtype=st.sampled_from(DTYPES))
+def test_lightning_indexer_matches_reference(seed, lens, extra_keys, topk, Hi, dtype):
+    torch.manual_seed(seed)
+    klens = [n + e for n, e in zip(lens, extra_keys)]  # keys >= queries per sequence (bottom-right aligned)
+    T, Tk, Di = sum(lens), sum(klens), 8
+    q, k, w = small_ints(T, Hi, Di, dtype=dtype), small_ints(Tk, Di, dtype=dtype), small_ints(T, Hi, dtype=dtype)
+    idx, sc = K.lightning_indexer(q, k, w, cu_of(lens), cu_of(klens), topk)
+    idx_ref, sc_ref = R.lightning_indexer(q.to(F64), k.to(F64), w.to(F64), cu_of(lens), cu_of(klens), topk)
+    assert idx.dtype == torch.int32 and sc.dtype == (F64 if dtype == F64 else torch.float32)
+    assert torch.equal(idx, idx_ref)
+    assert torch.equal(sc.to(F64), sc_ref)
+
+
+@given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=30), topk=st.sampled_from([1, 4, 32]),
+       dtype=st.sampled_from(DTYPES))
+def test_lightning_indexer_bwd_matches_reference(seed, lens, topk, dtype):
+    torch.manual_seed(seed)
+    T, Hi, Di = sum(lens), 3, 16
+    q = torch.randn(T, Hi, Di).to(dtype).requires_grad_()
+    k = torch.randn(T, Di).to(dtype).requires_grad_()
+    w = torch.randn(T, Hi).to(dtype).requires_grad_()
+    idx, sc = K.lightning_indexer(q, k, w, cu_of(lens), cu_of(lens), topk)
+    g = torch.randn(sc.shape, dtype=sc.dtype).masked_fill(idx < 0, 0)
+    grads = torch.autograd.grad(sc.masked_fill(idx < 0, 0), (q, k, w), g)
+    ref = R.lightning_indexer_bwd(q.detach().to(F64), k.detach().to(F64), w.detach().to(F64), idx, g.to(F64))
+    for name, a, b in zip(["dq", "dk", "dw"], grads, ref):
+        assert a.dtype == dtype
+        assert_close(a, b, dtype, name)
+
+
+def attn_case(T, Tk, H, Hkv, D, dv, topk, dtype, gated, empty_rows=True):
+    q = torch.randn(T, H, D).to(dtype)
+    kv = torch.randn(Tk, Hkv, D).to(dtype)
+    idx = torch.randint(-1, Tk, (T, Hkv, topk), dtype=torch.int32)  # repeats and -1 entries included
+    if empty_rows and T > 1:
+        idx[T // 2] = -1  # a query with no key at all
+    gate = torch.randn(T, H, dv).to(dtype) if gated else None
+    return q, kv, idx, gate
+
+
+@given(seed=SEEDS, T=st.integers(1, 12), Tk=st.integers(1, 40), layout=st.sampled_from(["mqa", "gqa"]),
+       G=st.sampled_from([1, 2, 4]), topk=st.sampled_from([1, 5, 33]), gated=st.booleans(),
+       dtype=st.sampled_from(DTYPES))
+def test_sparse_attention_matches_reference(seed, T, Tk, layout, G, topk, gated, dtype):
+    torch.manual_seed(seed)
+    Hkv, D, dv = (1, 36, 32) if layout == "mqa" else (2, 16, 16)
+    q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated)
+    ins = [t.requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
+    o, lse, p = K.sparse_attention(q, kv, idx, 0.3, dv, gate, return_p=True)
+    ref_ins = [t.detach().to(F64).requires_grad_() for t in ins]
+    o_ref, lse_ref, p_ref = R.sparse_attn_fwd(ref_ins[0], ref_ins[1], idx, 0.3, dv, ref_ins[2] if gated else None,
+                                              return_p=True)
+    assert o.dtype == dtype and lse.dtype == (F64 if dtype == F64 else torch.float32)
+    acc = F64 if dtype == F64 else torch.float32
+    assert_close(o, o_ref, dtype, "o")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    # lse is a dot product plus a log-sum-exp: measured against the size of the dot products'
+    # terms (Cauchy-Schwarz: scale |q| max |k|), since a logit may cancel to near zero.
+    lse_terms = 0.3 * ref_ins[0].detach().norm(dim=-1) * ref_ins[1].detach().norm(dim=-1).max()
+    assert_close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), acc, "lse", scale=lse_terms)
+    assert_close(p, p_ref, acc, "p")
+    do = torch.randn(o.shape, dtype=F64)
+    grads = torch.autograd.grad(o, ins, do.to(dtype))
+    ref_grads = torch.autograd.grad(o_ref, ref_ins, do.to(dtype).to(F64))
+    scales = attn_grad_scales(ref_ins[0].detach(), ref_ins[1].detach(), do.to(dtype).to(F64), 0.3)
+    for name, a, b in zip(["dq", "dkv", "dgate"], grads, ref_grads):
+        assert_close(a, b, dtype, name, scale=scales.get(name))
+
+
+def attn_grad_scales(q, kv, do, scale):
+    """Sizes of the terms dq and dkv are summed from. dlogits = p (dp - delta) cancels when the
+    selected keys agree (e.g. one key chosen many times): the true gradient is then ~0 and only
+    rounding of terms of size scale |do| max|v| max|k| (dq) or scale |do| max|v| |q| (dkv) is left."""
+    kmax = kv.norm(dim=-1).max()
+    dn = do.norm(dim=-1)
+    return {"dq": scale * dn * kmax * kmax, "dkv": scale * dn * kmax * q.norm(dim=-1)}
+
+
+def test_sparse_attention_matches_dense_masked_attention():
+    torch.manual_seed(0)
+    T, Tk, H, D = 6, 9, 4, 8
+    q, kv, idx, gate = attn_case(T, Tk, H, 1, D, D, 5, F64, True, empty_rows=False)
+    idx = torch.stack([torch.randperm(Tk)[:5] for _ in range(T)])[:, None].int()  # distinct keys per row
+    o, lse, _ = K.sparse_attention(q, kv, idx, 0.5, D, gate)
+    mask = torch.zeros(T, Tk, dtype=torch.bool)
+    mask.scatter_(1, idx[:, 0].long(), True)
+    logits = torch.einsum("thd,sd->ths", q, kv[:, 0]) * 0.5
+    logits = logits.masked_fill(~mask[:, None, :], -math.inf)
+    dense = torch.softmax(logits, -1) @ kv[:, 0] * torch.sigmoid(gate)
+    assert_close(o, dense, F64, "o")
+    assert_close(lse, torch.logsumexp(logits, -1), F64, "lse")
+
+
+def test_sparse_attention_row_without_keys_gives_zero():
+    q, kv, idx, gate = attn_case(3, 5, 2, 1, 8, 8, 4, torch.float32, True)
+    idx[:] = -1
+    ins = [t.requires_grad_() for t in (q, kv, gate)]
+    o, lse, _ = K.sparse_attention(*ins[:2], idx, 0.5, 8, ins[2])
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isinf(lse).all()
+    for g in torch.autograd.grad(o, ins, torch.randn_like(o)):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_indexer_kl_loss_trains_the_indexer_through_the_kernels():
+    """KL(p || softmax(I_selected)) with p from sparse_attention and I from the indexer kernel:
+    the same loss and gradients as the pure reference pipeline."""
+    torch.manual_seed(0)
+    T, Hi, Di, H, D, topk = 12, 2, 8, 4, 16, 6
+    lens = [5, 7]
+    q_i, k_i, w = torch.randn(T, Hi, Di, dtype=F64), torch.randn(T, Di, dtype=F64), torch.randn(T, Hi, dtype=F64)
+    q, kv = torch.randn(T, H, D, dtype=F64), torch.randn(T, 1, D, dtype=F64)
+    losses, grads = [], []
+    for li, attn in ((K.lightning_indexer, K.sparse_attention), (R.lightning_indexer, R.sparse_attn_fwd)):
+        ins = [t.clone().requires_grad_() for t in (q_i, k_i, w)]
+        idx, scores = li(*ins, cu_of(lens), cu_of(lens), topk)
+        _, _, p = attn(q, kv, idx[:, None], 0.25, D, None, return_p=True)
+        loss = R.indexer_kl_loss(p[:, 0], scores, idx)
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, ins))
+    assert_close(losses[0], losses[1], F64, "loss")
+    for a, b in zip(*grads):
+        assert_close(a, b, F64, "grad")
+
+
+def test_dsa_opcheck():
+    torch.manual_seed(0)
+    q, k, w = torch.randn(9, 2, 8, dtype=F64), torch.randn(9, 8, dtype=F64), torch.randn(9, 2, dtype=F64)
+    cu = cu_of([4, 5])
+    ops = torch.ops.kda_dsa_ops
+    # opcheck's AOT-autograd utility sums all outputs into the first one's dtype, which fails for an
+    # integer first output (the indices); the indexer's gradients are checked against the reference
+    # in test_lightning_indexer_bwd_matches_reference.
+    opcheck(ops.lightning_indexer_fwd.default, (q.requires_grad_(), k.requires_grad_(), w.requires_grad_(), cu, cu, 3),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    qa, kv, idx, gate = attn_case(5, 7, 4, 2, 8, 6, 3, F64, True)
+    opcheck(ops.sparse_attn_fwd.default, (qa.requires_grad_(), kv.requires_grad_(), idx, 0.4, 6,
+                                          gate.requires_grad_(), True))
+    opcheck(ops.sparse_attn_fwd.default, (qa, kv, idx, 0.4, 6, None, False))
+
+
+def test_dsa_compile_fullgraph():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    q_i, k_i, w = torch.randn(10, 2, 8), torch.randn(10, 8), torch.randn(10, 2)
+    q, kv = torch.randn(10, 4, 16, requires_grad=True), torch.randn(10, 1, 16, requires_grad=True)
+    cu = cu_of([10])
+
+    def block(q, kv):
+        idx, _ = K.lightning_indexer(q_i, k_i, w, cu, cu, 4)
+        o, _, _ = K.sparse_attention(q, kv, idx[:, None], 0.25)
+        return o
+
+    eager = block(q, kv)
+    out = torch.compile(block, fullgraph=True, backend="aot_eager")(q, kv)
+    assert torch.equal(out, eager)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, kv)), torch.autograd.grad(eager.sum(), (q, kv))):
+        assert torch.equal(a, b)
+
+
+def test_dsa_bad_inputs_raise():
+    q, kv, idx, gate = attn_case(4, 6, 4, 2, 8, 8, 3, torch.float32, True)
+    f = K.sparse_attention
+    with pytest.raises(RuntimeError, match=r"indices values must lie in \[-1, 6\)"):
+        f(q, kv, torch.full_like(idx, 6), 0.5, 8)
+    with pytest.raises(RuntimeError, match=r"indices values must lie in \[-1, 6\)"):
+        f(q, kv, torch.full_like(idx, -2), 0.5, 8)
+    with pytest.raises(RuntimeError, match="indices must have dtype"):
+        f(q, kv, idx.long(), 0.5, 8)
+    with pytest.raises(RuntimeError, match="multiple of the kv heads"):
+        f(q[:, :3], kv, idx, 0.5, 8)
+    with pytest.raises(RuntimeError, match="dv must be in"):
+        f(q, kv, idx, 0.5, 9)
+    with pytest.raises(RuntimeError, match="gate must be"):
+        f(q, kv, idx, 0.5, 8, gate[:, :, :4])
+    with pytest.raises(RuntimeError, match=r"topk must be in \[1, 2048\]"):
+        f(q, kv, torch.zeros(4, 2, 2049, dtype=torch.int32), 0.5, 8)
+    with pytest.raises(RuntimeError, match=r"topk must be in \[1, 2048\]"):
+        f(q, kv, idx[:, :, :0], 0.5, 8)
+    qi, ki, w = torch.randn(6, 2, 8), torch.randn(6, 8), torch.randn(6, 2)
+    cu = cu_of([6])
+    li = K.lightning_indexer
+    with pytest.raises(RuntimeError, match=r"topk must be in \[1, 2048\]"):
+        li(qi, ki, w, cu, cu, 0)
+    with pytest.raises(RuntimeError, match=r"topk must be in \[1, 2048\]"):
+        li(qi, ki, w, cu, cu, 2049)
+    with pytest.raises(RuntimeError, match="w must be"):
+        li(qi, ki, w[:, :1], cu, cu, 2)
+    with pytest.raises(RuntimeError, match="same number of sequences"):
+        li(qi, ki, w, cu, cu_of([3, 3]), 2)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must end at Tk = 6"):
+        li(qi, ki, w, cu, cu_of([5]), 2)
+
+
+@pytest.mark.cuda
+def test_dsa_cuda_says_not_built_yet():
+    q, kv, idx, _ = attn_case(4, 6, 4, 2, 8, 8, 3, torch.float32, False)
+    with pytest.raises(RuntimeError, match="CUDA kernel is not in this build yet"):
+        K.sparse_attention(q.cuda(), kv.cuda(), idx.cuda(), 0.5, 8)
