@@ -1,0 +1,159 @@
+"""The hybrid model: KDA and gated-DSA attention blocks interleaved 3:1, each followed by a
+LatentMoE feed-forward; packed varlen batches; chunked cross-entropy over the vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+from ..nn import GatedSparseAttention, KDAAttention, LatentMoE, chunked_linear_cross_entropy, get_backend
+from ..nn import positions_in_sequence
+from ..reference.dsa import MAX_TOPK
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    vocab: int
+    hidden: int
+    layers: int
+    pattern: str = "KKKD"  # attention per layer, repeated: K = KDA, D = gated DSA
+    kda_heads: int = 2
+    kda_value_heads: int = 2
+    kda_head_dim: int = 16
+    kda_gate_rank: int = 8
+    dsa_heads: int = 2
+    dsa_q_rank: int = 32
+    dsa_kv_rank: int = 32
+    dsa_rope_dim: int = 8
+    index_heads: int = 2
+    index_dim: int = 16
+    dsa_topk: int = 64
+    experts: int = 8
+    moe_topk: int = 2
+    latent: int = 32
+    expert_ffn: int = 32
+    shared_ffn: int = 64
+    capacity_factor: float | None = 1.25
+    drop_policy: str = "drop_probs"
+    indexer_loss_weight: float = 0.1
+
+    def validate(self) -> None:
+        """Raises ValueError on a configuration no kernel or layer could run."""
+        problems = []
+        if not self.pattern or set(self.pattern) - {"K", "D"}:
+            problems.append(f"pattern must be made of 'K' (KDA) and 'D' (DSA), got {self.pattern!r}")
+        if not 0 < self.dsa_topk <= MAX_TOPK:
+            problems.append(f"dsa_topk must be in [1, {MAX_TOPK}], got {self.dsa_topk}")
+        if not 0 < self.moe_topk <= self.experts:
+            problems.append(f"moe_topk must be in [1, experts = {self.experts}], got {self.moe_topk}")
+        if self.kda_value_heads % self.kda_heads:
+            problems.append(f"kda_value_heads ({self.kda_value_heads}) must be a multiple of kda_heads "
+                            f"({self.kda_heads})")
+        if self.kda_head_dim > 128:
+            problems.append(f"kda_head_dim must be <= 128, got {self.kda_head_dim}")
+        if self.dsa_rope_dim % 2:
+            problems.append(f"dsa_rope_dim must be even (rotary pairs), got {self.dsa_rope_dim}")
+        if problems:
+            raise ValueError("bad HybridConfig: " + "; ".join(problems))
+
+    def kinds(self) -> list[str]:
+        return [self.pattern[i % len(self.pattern)] for i in range(self.layers)]
+
+
+PRESETS = {
+    # Runs on a laptop CPU in seconds.
+    "tiny": HybridConfig(vocab=256, hidden=64, layers=4),
+    # One GPU.
+    "small": HybridConfig(vocab=32000, hidden=1024, layers=8, kda_heads=8, kda_value_heads=8, kda_head_dim=128,
+                          kda_gate_rank=64, dsa_heads=8, dsa_q_rank=384, dsa_kv_rank=512, dsa_rope_dim=64,
+                          index_heads=8, index_dim=64, dsa_topk=2048, experts=64, moe_topk=8, latent=256,
+                          expert_ffn=256, shared_ffn=1024),
+    # The full-size shapes (896 experts, top-16, 3:1 KDA:DSA, topk 2048): for the planner only.
+    "k3-2.8t": HybridConfig(vocab=163840, hidden=7168, layers=80, kda_heads=64, kda_value_heads=64,
+                            kda_head_dim=128, kda_gate_rank=128, dsa_heads=128, dsa_q_rank=1536, dsa_kv_rank=512,
+                            dsa_rope_dim=64, index_heads=64, index_dim=128, dsa_topk=2048, experts=896, moe_topk=16,
+                            latent=3072, expert_ffn=4096, shared_ffn=18432),
+}
+
+
+def get_config(name: str, **overrides) -> HybridConfig:
+    if name not in PRESETS:
+        raise ValueError(f"config must be one of {sorted(PRESETS)}, got {name!r}")
+    cfg = replace(PRESETS[name], **overrides)
+    cfg.validate()
+    return cfg
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, cfg: HybridConfig, kind: str, lora_rank: int):
+        super().__init__()
+        self.kind = kind
+        self.attn_norm, self.moe_norm = nn.RMSNorm(cfg.hidden), nn.RMSNorm(cfg.hidden)
+        if kind == "K":
+            self.attn = KDAAttention(cfg.hidden, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_value_heads,
+                                     cfg.kda_gate_rank, lora_rank=lora_rank)
+        else:
+            self.attn = GatedSparseAttention(cfg.hidden, cfg.dsa_heads, cfg.dsa_q_rank, cfg.dsa_kv_rank,
+                                             cfg.dsa_rope_dim, cfg.index_heads, cfg.index_dim, cfg.dsa_topk,
+                                             lora_rank=lora_rank)
+        self.moe = LatentMoE(cfg.hidden, cfg.latent, cfg.experts, cfg.moe_topk, cfg.expert_ffn, cfg.shared_ffn,
+                             cfg.capacity_factor, cfg.drop_policy, lora_rank=lora_rank)
+
+    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend) -> tuple[Tensor, Tensor]:
+        out = self.attn(self.attn_norm(x), cu_seqlens, pos, backend)
+        attn, aux = out if isinstance(out, tuple) else (out, x.new_zeros((), dtype=torch.float32))
+        x = x + attn
+        return x + self.moe(self.moe_norm(x), backend), aux
+
+
+class HybridModel(nn.Module):
+    """tokens [T] int64 packed by cu_seqlens int32 [N + 1] -> hidden states, and the training loss.
+
+    backend: "native" (the kernels) or "reference" (the same model on reference ops).
+    lora_rank > 0 freezes every base weight and trains low-rank adapters on the projections.
+    """
+
+    def __init__(self, cfg: HybridConfig, lora_rank: int = 0, backend: str = "native"):
+        super().__init__()
+        cfg.validate()
+        self.cfg, self.backend = cfg, get_backend(backend)
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, lora_rank) for kind in cfg.kinds())
+        self.norm = nn.RMSNorm(cfg.hidden)
+        self.lm_head = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) / cfg.hidden ** 0.5)
+        if lora_rank > 0:
+            self.embed.requires_grad_(False)
+            self.lm_head.requires_grad_(False)
+            for name, p in self.named_parameters():
+                if "lora_" not in name:
+                    p.requires_grad_(False)
+
+    def set_backend(self, name: str) -> None:
+        self.backend = get_backend(name)
+
+    def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """Final hidden states [T, hidden] and the summed indexer loss of the DSA blocks."""
+        pos = positions_in_sequence(cu_seqlens, tokens.shape[0])
+        x = self.embed(tokens)
+        aux = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x, block_aux = block(x, cu_seqlens, pos, self.backend)
+            aux = aux + block_aux.to(aux.dtype)
+        return self.norm(x), aux
+
+    def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor) -> dict:
+        """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss"}; labels [T] int64
+        (-100 = ignored)."""
+        h, aux = self.hidden_states(tokens, cu_seqlens)
+        lm = chunked_linear_cross_entropy(h, self.lm_head.to(h.dtype), labels)
+        return {"loss": lm + self.cfg.indexer_loss_weight * aux.to(lm.dtype), "lm_loss": lm, "indexer_loss": aux}
+
+    def update_router_biases(self) -> None:
+        """After an optimizer step: nudge each MoE router's selection bias toward balanced loads."""
+        for block in self.blocks:
+            block.moe.update_bias()
+
+    def config_dict(self) -> dict:
+        return asdict(self.cfg)

@@ -1,0 +1,66 @@
+"""The ops a layer calls, native or reference, behind one interface: switching a model between
+the kernels and the pure-PyTorch definitions is one argument (`backend="native"|"reference"`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import ops
+from .. import reference as R
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    # o [B,T,HV,V] = kda(q, k, v, g, beta, cu_seqlens); q/k L2-normalised inside.
+    kda: Callable
+    # (indices [T,topk], scores [T,topk]) = indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
+    indexer: Callable
+    # (o [T,H,dv], p [T,Hkv,topk]) = sparse_attn(q, kv, indices, scale, dv, gate)
+    sparse_attn: Callable
+    # (weights [T,k], ids [T,k]) = route(logits, k, bias)
+    route: Callable
+    # (x_sorted, row_map, offs) = permute(x, ids, num_experts, weights, capacity, policy)
+    permute: Callable
+    grouped_mm: Callable
+    unpermute: Callable
+
+
+def _native_kda(q, k, v, g, beta, cu_seqlens):
+    return ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0]
+
+
+def _reference_kda(q, k, v, g, beta, cu_seqlens):
+    return R.kda_recurrent(q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens)[0]
+
+
+def _native_sparse_attn(q, kv, indices, scale, dv, gate):
+    o, _, p = ops.sparse_attention(q, kv, indices, scale, dv, gate, return_p=True)
+    return o, p
+
+
+def _reference_sparse_attn(q, kv, indices, scale, dv, gate):
+    o, _, p = R.sparse_attn_fwd(q, kv, indices, scale, dv, gate, return_p=True)
+    return o, p
+
+
+NATIVE = Backend(
+    name="native", kda=_native_kda, indexer=ops.lightning_indexer, sparse_attn=_native_sparse_attn,
+    route=lambda logits, k, bias: ops.moe_route(logits, k, bias),
+    permute=lambda x, ids, E, w, cap, policy: ops.moe_permute(x, ids, E, w, cap, policy=policy),
+    grouped_mm=ops.grouped_mm, unpermute=ops.moe_unpermute)
+
+REFERENCE = Backend(
+    name="reference", kda=_reference_kda, indexer=R.lightning_indexer, sparse_attn=_reference_sparse_attn,
+    route=lambda logits, k, bias: R.moe_route(logits, bias, k),
+    permute=lambda x, ids, E, w, cap, policy: R.moe_permute(x, ids, E, w, cap, policy),
+    grouped_mm=R.grouped_mm, unpermute=R.moe_unpermute)
+
+BACKENDS = {"native": NATIVE, "reference": REFERENCE}
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]

@@ -1,0 +1,131 @@
+"""The nn layers and the hybrid model on CPU: LoRA, chunked cross-entropy, sequence bounds, the
+model on the native kernels against the same model on reference ops (float64: loss and every
+gradient), LoRA training, router-bias balancing and configuration errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_dsa_ops.models import HybridModel, get_config
+from kda_dsa_ops.nn import LoRALinear, ShortConv, chunked_linear_cross_entropy, positions_in_sequence
+
+from tolerances import MODEL_REL_RMS, assert_close
+
+F64 = torch.float64
+
+
+def packed_batch(cfg, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    tokens = torch.randint(0, cfg.vocab, (T,), generator=g)
+    labels = torch.randint(0, cfg.vocab, (T,), generator=g)
+    labels[0] = -100  # ignored
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return tokens, cu, labels
+
+
+def test_lora_linear_freezes_the_base_and_merges():
+    torch.manual_seed(0)
+    layer = LoRALinear(12, 7, rank=4, alpha=8.0)
+    x = torch.randn(5, 12)
+    assert [n for n, p in layer.named_parameters() if p.requires_grad] == ["lora_a", "lora_b"]
+    assert torch.equal(layer(x), layer.base(x))  # a fresh adapter changes nothing
+    layer.lora_b.data.normal_()
+    y = layer(x)
+    layer.merge()
+    torch.testing.assert_close(layer(x), y)
+    layer.unmerge()
+    torch.testing.assert_close(layer(x), y)
+    torch.testing.assert_close(layer.base(x), x @ layer.base.weight.t())
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_chunked_cross_entropy_matches_full(chunk):
+    torch.manual_seed(0)
+    h = torch.randn(50, 16, dtype=F64, requires_grad=True)
+    w = torch.randn(30, 16, dtype=F64, requires_grad=True)
+    labels = torch.randint(0, 30, (50,))
+    labels[::5] = -100
+    loss = chunked_linear_cross_entropy(h, w, labels, chunk=chunk)
+    ref = F.cross_entropy(h @ w.t(), labels, ignore_index=-100)
+    assert_close(loss, ref, F64, "loss")
+    for a, b in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert_close(a, b, F64, "grad")
+
+
+def test_short_conv_stays_inside_each_sequence():
+    torch.manual_seed(0)
+    conv = ShortConv(6, 4)
+    x = torch.randn(11, 6)
+    cu = torch.tensor([0, 2, 11], dtype=torch.int32)
+    y = conv(x, positions_in_sequence(cu, 11))
+    for a, b in ((0, 2), (2, 11)):
+        torch.testing.assert_close(y[a:b], conv(x[a:b], torch.arange(b - a)))
+
+
+def test_model_native_matches_reference_float64():
+    """The same weights on the native kernels and on the reference ops: equal loss and gradients."""
+    torch.manual_seed(0)
+    cfg = get_config("tiny", dsa_topk=16)
+    model = HybridModel(cfg).double()
+    tokens, cu, labels = packed_batch(cfg, [37, 1, 90])
+    results = []
+    for backend in ("native", "reference"):
+        model.set_backend(backend)
+        model.zero_grad()
+        out = model(tokens, cu, labels)
+        out["loss"].backward()
+        results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (out, grads), (out_ref, grads_ref) = results
+    for key in ("loss", "lm_loss", "indexer_loss"):
+        assert_close(out[key], out_ref[key], F64, key, table=MODEL_REL_RMS)
+    assert grads.keys() == grads_ref.keys() and len(grads) > 20
+    for name in grads:
+        assert_close(grads[name], grads_ref[name], F64, name, table=MODEL_REL_RMS)
+
+
+def test_lora_training_moves_only_adapters_and_lowers_the_loss():
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    model = HybridModel(cfg, lora_rank=4)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    tokens, cu, labels = packed_batch(cfg, [64, 64])
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = model(tokens, cu, labels)["lm_loss"]
+        loss.backward()
+        opt.step()
+        model.update_router_biases()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n
+
+
+def test_router_bias_moves_toward_balance():
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    model = HybridModel(cfg)
+    tokens, cu, labels = packed_batch(cfg, [100])
+    model(tokens, cu, labels)
+    moe = model.blocks[0].moe
+    load = moe.expert_load.clone()
+    model.update_router_biases()
+    over, under = load > load.mean(), load < load.mean()
+    assert (moe.router_bias[over] < 0).all() and (moe.router_bias[under] > 0).all()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"dsa_topk": 4096}, r"dsa_topk must be in \[1, 2048\]"),
+    ({"moe_topk": 9}, r"moe_topk must be in \[1, experts = 8\]"),
+    ({"pattern": "KKX"}, "pattern must be made of"),
+    ({"kda_value_heads": 3}, "must be a multiple of kda_heads"),
+])
+def test_bad_config_fails_with_a_clear_message(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        get_config("tiny", **overrides)
