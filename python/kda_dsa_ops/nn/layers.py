@@ -194,7 +194,8 @@ class LatentMoE(nn.Module):
             bias_rate
         self.router = nn.Parameter(torch.randn(hidden, experts) / math.sqrt(hidden))
         self.register_buffer("router_bias", torch.zeros(experts))
-        self.register_buffer("expert_load", torch.zeros(experts))
+        self.register_buffer("expert_load", torch.zeros(experts))  # routed copies per expert, last step
+        self.expert_group = None  # set by parallel.shard_experts: experts split over ranks
         self.down = LoRALinear(hidden, latent, lora_rank)
         self.w_gate_up = nn.Parameter(torch.randn(experts, latent, 2 * expert_ffn) / math.sqrt(latent))
         self.w_down = nn.Parameter(torch.randn(experts, expert_ffn, latent) / math.sqrt(expert_ffn))
@@ -211,18 +212,26 @@ class LatentMoE(nn.Module):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         logits = x.to(acc) @ self.router.to(acc)
         weights, ids = backend.route(logits, self.topk, self.router_bias.to(acc))
-        capacity = (None if self.capacity_factor is None
-                    else R.expert_capacity(T, self.topk, self.E, self.capacity_factor))
         z = self.down(x)
-        zs, row_map, offs = backend.permute(z, ids, self.E, weights.detach(), capacity, self.policy)
-        gate, up = backend.grouped_mm(zs, self.w_gate_up.to(z.dtype), offs).chunk(2, dim=-1)
-        ys = backend.grouped_mm((F.silu(gate) * up).contiguous(), self.w_down.to(z.dtype), offs)
-        y = backend.unpermute(ys, row_map, weights, T)
+        if self.expert_group is None:
+            capacity = (None if self.capacity_factor is None
+                        else R.expert_capacity(T, self.topk, self.E, self.capacity_factor))
+            zs, row_map, offs = backend.permute(z, ids, self.E, weights.detach(), capacity, self.policy)
+            y = backend.unpermute(self.experts(zs, offs, backend), row_map, weights, T)
+        else:
+            y = self.expert_group.dispatch_combine(z, ids, weights, self, backend)
         with torch.no_grad():
-            self.expert_load.copy_(torch.diff(offs.long(), prepend=offs.new_zeros(1).long()).to(self.expert_load))
+            load = torch.bincount(ids.flatten().long(), minlength=self.E).to(self.expert_load)
+            self.expert_load.copy_(load if self.expert_group is None else self.expert_group.total_load(load))
         return self.up(self.norm(y.to(x.dtype))) + self.shared(x)
+
+    def experts(self, xs: Tensor, offs: Tensor, backend: Backend) -> Tensor:
+        """The SwiGLU experts held here on rows sorted by expert (offs: cumulative rows per expert)."""
+        gate, up = backend.grouped_mm(xs, self.w_gate_up.to(xs.dtype), offs).chunk(2, dim=-1)
+        return backend.grouped_mm((F.silu(gate) * up).contiguous(), self.w_down.to(xs.dtype), offs)
 
     @torch.no_grad()
     def update_bias(self) -> None:
-        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower the others."""
+        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower the others
+    (loads: routed copies per expert in the last forward, over every rank)."""
         self.router_bias += self.bias_rate * torch.sign(self.expert_load.mean() - self.expert_load)

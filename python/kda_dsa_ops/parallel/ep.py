@@ -1,0 +1,97 @@
+"""Expert parallelism: the experts of every LatentMoE split over the ranks of an `ep` group;
+token copies travel to the rank of their expert and back by all_to_all_single with uneven
+splits (autograd-aware), inside a 2-D mesh (dp, ep) whose ranks each hold their own tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def build_mesh(world_size: int, ep: int, experts: int, device_type: str = "cpu") -> DeviceMesh:
+    """The (dp, ep) mesh over world_size ranks; fails before any work on a bad layout."""
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"the world size ({world_size}) must be a multiple of ep ({ep}): the mesh is dp x ep")
+    if experts % ep:
+        raise ValueError(f"experts ({experts}) must be divisible by ep ({ep}): every rank holds the same number of "
+                         "experts (no expert holes)")
+    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+
+
+@dataclass
+class ExpertGroup:
+    """The ep ranks that exchange tokens; this rank holds experts [rank * local, (rank + 1) * local)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    experts: int
+    world: dist.ProcessGroup  # every rank: the loads of all tokens
+
+    @property
+    def local(self) -> int:
+        return self.experts // self.size
+
+    def total_load(self, load: Tensor) -> Tensor:
+        dist.all_reduce(load, group=self.world)
+        return load
+
+    def dispatch_combine(self, z: Tensor, ids: Tensor, weights: Tensor, moe: nn.Module, backend) -> Tensor:
+        """y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(z[t]), the experts spread over the group."""
+        T, k = ids.shape
+        dest = torch.div(ids.flatten().long(), self.local, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)                 # copies grouped by destination rank
+        send_counts = torch.bincount(dest, minlength=self.size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        received = dist_fn.all_to_all_single(z.new_empty(sum(recv), z.shape[1]), z[order // k], recv, send,
+                                             group=self.group)
+        local_ids = (ids.flatten().long() % self.local)[order].to(torch.int32)
+        received_ids = torch.empty(sum(recv), dtype=torch.int32, device=z.device)
+        dist.all_to_all_single(received_ids, local_ids, recv, send, group=self.group)
+        rows = received.shape[0]
+        if rows:
+            xs, row_map, offs = backend.permute(received, received_ids[:, None], self.local, None, None, "drop_probs")
+            ones = torch.ones(rows, 1, dtype=weights.dtype, device=z.device)
+            out = backend.unpermute(moe.experts(xs, offs, backend), row_map, ones, rows)
+        else:  # nothing routed here: an empty result that still ties the experts into the graph
+            out = received + 0 * (moe.w_gate_up.sum() + moe.w_down.sum()).to(received.dtype)
+        back = dist_fn.all_to_all_single(z.new_empty(sum(send), z.shape[1]), out, send, recv, group=self.group)
+        return backend.unpermute(back, order.to(torch.int32), weights, T)
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep this rank's slice of every LatentMoE's experts and route their tokens over mesh["ep"]."""
+    ep_mesh = mesh["ep"]
+    size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for module in model.modules():
+        if hasattr(module, "expert_group") and hasattr(module, "w_gate_up"):
+            local = module.E // size
+            keep = slice(rank * local, (rank + 1) * local)
+            for name in ("w_gate_up", "w_down"):
+                old = getattr(module, name)
+                setattr(module, name, nn.Parameter(old.detach()[keep].clone(), requires_grad=old.requires_grad))
+            module.expert_group = ExpertGroup(ep_mesh.get_group(), size, rank, module.E, dist.group.WORLD)
+
+
+def is_expert_param(name: str) -> bool:
+    return name.endswith("w_gate_up") or name.endswith("w_down")
+
+
+def average_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Gradients of the mean loss over every rank's tokens: the non-expert ones averaged over all
+    ranks; each expert's summed over its replicas (the dp dimension) and divided by the world
+    size (it saw the tokens of its whole ep group)."""
+    world = dist.get_world_size()
+    dp_group = mesh["dp"].get_group()
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        dist.all_reduce(p.grad, group=dp_group if is_expert_param(name) else dist.group.WORLD)
+        p.grad /= world
