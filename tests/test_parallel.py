@@ -1,6 +1,6 @@
-"""Expert parallelism on CPU (gloo): the model split over a (dp, ep) mesh of processes, each
-with its own tokens, gives the single-process loss and gradients (float64, no capacity drops);
-bad layouts fail before any work."""
+"""Expert parallelism + FSDP2 on CPU (gloo): the model split over a (dp, ep) mesh of processes,
+each with its own tokens, experts split over ep and everything else sharded by FSDP2, gives the
+single-process loss and gradients (float64, no capacity drops); bad layouts fail before any work."""
 
 import os
 import tempfile
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kda_dsa_ops.models import HybridModel, get_config
-from kda_dsa_ops.parallel import average_gradients, build_mesh, is_expert_param, shard_experts
+from kda_dsa_ops.parallel import apply_fsdp, build_mesh, is_expert_param, reduce_expert_gradients, shard_experts
 
 from tolerances import MODEL_REL_RMS, assert_close
 
@@ -47,11 +47,14 @@ def _worker(rank, world, ep, lora_rank, init_file, out_dir):
     model, cfg = make_model(lora_rank)
     mesh = build_mesh(world, ep, cfg.experts)
     shard_experts(model, mesh)
+    apply_fsdp(model)
+    assert type(model.embed.weight).__name__ == "DTensor"  # sharded by FSDP2
     loss = step(model, cfg, rank * SEQS_PER_RANK, SEQS_PER_RANK)
-    average_gradients(model, mesh)
-    dist.all_reduce(loss)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    torch.save({"loss": loss / world, "grads": grads, "ep_rank": mesh["ep"].get_local_rank()},
+    reduce_expert_gradients(model, mesh)
+    dist.all_reduce(loss.detach())
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+             for n, p in model.named_parameters() if p.grad is not None}
+    torch.save({"loss": loss.detach() / world, "grads": grads, "ep_rank": mesh["ep"].get_local_rank()},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

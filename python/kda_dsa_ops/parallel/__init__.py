@@ -1,5 +1,7 @@
-"""Parallel layer: the (dp, ep) device mesh and expert parallelism."""
+"""Parallel layer: the (dp, ep) device mesh, expert parallelism and FSDP2 for the rest."""
 
-from .ep import ExpertGroup, average_gradients, build_mesh, is_expert_param, shard_experts
+from .ep import (ExpertGroup, apply_fsdp, build_mesh, expert_params, is_expert_param, reduce_expert_gradients,
+                 shard_experts)
 
-__all__ = ["ExpertGroup", "average_gradients", "build_mesh", "is_expert_param", "shard_experts"]
+__all__ = ["ExpertGroup", "apply_fsdp", "build_mesh", "expert_params", "is_expert_param", "reduce_expert_gradients",
+           "shard_experts"]

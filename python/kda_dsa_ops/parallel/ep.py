@@ -84,14 +84,29 @@ def is_expert_param(name: str) -> bool:
     return name.endswith("w_gate_up") or name.endswith("w_down")
 
 
-def average_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Gradients of the mean loss over every rank's tokens: the non-expert ones averaged over all
-    ranks; each expert's summed over its replicas (the dp dimension) and divided by the world
-    size (it saw the tokens of its whole ep group)."""
+def expert_params(model: nn.Module) -> set[nn.Parameter]:
+    return {p for name, p in model.named_parameters() if is_expert_param(name)}
+
+
+def apply_fsdp(model: nn.Module) -> None:
+    """FSDP2: every parameter but the experts' sharded over all ranks, one unit per block and the
+    root; gradients of the sharded parameters are averaged over the ranks by the reduce-scatter."""
+    from torch.distributed.fsdp import fully_shard
+
+    device_type = next(model.parameters()).device.type
+    flat = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    experts = expert_params(model)
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=flat, ignored_params=experts)
+    fully_shard(model, mesh=flat, ignored_params=experts)
+
+
+def reduce_expert_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Each expert's gradient, summed over its replicas (the dp dimension of the mesh) and divided
+    by the world size: it saw the tokens of its whole ep group, and the loss is the mean over all
+    ranks' tokens (FSDP averages the other gradients the same way)."""
     world = dist.get_world_size()
-    dp_group = mesh["dp"].get_group()
     for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        dist.all_reduce(p.grad, group=dp_group if is_expert_param(name) else dist.group.WORLD)
-        p.grad /= world
+        if p.grad is not None and is_expert_param(name):
+            dist.all_reduce(p.grad, group=mesh["dp"].get_group())
+            p.grad /= world
