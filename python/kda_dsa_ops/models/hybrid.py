@@ -144,11 +144,17 @@ class HybridModel(nn.Module):
         return self.norm(x), aux
 
     def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor) -> dict:
-        """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss"}; labels [T] int64
-        (-100 = ignored)."""
+        """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss", "accuracy"};
+        labels [T] int64 (-100 = ignored); accuracy: argmax predictions on the labelled tokens."""
         h, aux = self.hidden_states(tokens, cu_seqlens)
-        lm = chunked_linear_cross_entropy(h, self.lm_head.to(h.dtype), labels)
-        return {"loss": lm + self.cfg.indexer_loss_weight * aux.to(lm.dtype), "lm_loss": lm, "indexer_loss": aux}
+        head = self.lm_head.to(h.dtype)
+        lm = chunked_linear_cross_entropy(h, head, labels)
+        with torch.no_grad():
+            labelled = labels != -100
+            hits = ((h[labelled] @ head.t()).argmax(-1) == labels[labelled]).to(torch.float32)
+            accuracy = hits.mean() if hits.numel() else hits.new_zeros(())
+        return {"loss": lm + self.cfg.indexer_loss_weight * aux.to(lm.dtype), "lm_loss": lm, "indexer_loss": aux,
+                "accuracy": accuracy}
 
     def update_router_biases(self) -> None:
         """After an optimizer step: nudge each MoE router's selection bias toward balanced loads."""

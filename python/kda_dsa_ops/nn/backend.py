@@ -35,18 +35,27 @@ def _reference_kda(q, k, v, g, beta, cu_seqlens):
     return R.kda_recurrent(q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens)[0]
 
 
-def _native_sparse_attn(q, kv, indices, scale, dv, gate):
-    o, _, p = ops.sparse_attention(q, kv, indices, scale, dv, gate, return_p=True)
-    return o, p
-
-
 def _reference_sparse_attn(q, kv, indices, scale, dv, gate):
     o, _, p = R.sparse_attn_fwd(q, kv, indices, scale, dv, gate, return_p=True)
     return o, p
 
 
+# The DSA kernels run on the CPU so far: on CUDA tensors the native backend takes their reference
+# definitions (same interface, same results) until the CUDA kernels land.
+def _native_indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
+    fn = R.lightning_indexer if q.is_cuda else ops.lightning_indexer
+    return fn(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
+
+
+def _native_sparse_attn(q, kv, indices, scale, dv, gate):
+    if q.is_cuda:
+        return _reference_sparse_attn(q, kv, indices, scale, dv, gate)
+    o, _, p = ops.sparse_attention(q, kv, indices, scale, dv, gate, return_p=True)
+    return o, p
+
+
 NATIVE = Backend(
-    name="native", kda=_native_kda, indexer=ops.lightning_indexer, sparse_attn=_native_sparse_attn,
+    name="native", kda=_native_kda, indexer=_native_indexer, sparse_attn=_native_sparse_attn,
     route=lambda logits, k, bias: ops.moe_route(logits, k, bias),
     permute=lambda x, ids, E, w, cap, policy: ops.moe_permute(x, ids, E, w, cap, policy=policy),
     grouped_mm=ops.grouped_mm, unpermute=ops.moe_unpermute)

@@ -96,7 +96,10 @@ class KDAAttention(nn.Module):
         self.g_down, self.g_up = nn.Linear(hidden, gate_rank, bias=False), nn.Linear(gate_rank, self.HV * head_dim,
                                                                                         bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(self.HV).uniform_(1.0, 16.0)))
-        self.dt_bias = nn.Parameter(torch.zeros(self.HV * head_dim))
+        # softplus(dt_bias) log-uniform in [1e-3, 1e-1]: decays of exp(-A dt) that keep a state for
+        # tens to thousands of steps at the start (dt_bias = 0 would forget within a step or two).
+        dt = torch.exp(torch.empty(self.HV * head_dim).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
         self.b_proj = nn.Linear(hidden, self.HV, bias=False)
         self.o_norm = nn.RMSNorm(head_dim)
         self.o_gate = lin(hidden, self.HV * head_dim)
@@ -194,7 +197,8 @@ class LatentMoE(nn.Module):
             bias_rate
         self.router = nn.Parameter(torch.randn(hidden, experts) / math.sqrt(hidden))
         self.register_buffer("router_bias", torch.zeros(experts))
-        self.register_buffer("expert_load", torch.zeros(experts))  # routed copies per expert, last step
+        # routed copies per expert in the last forward (not saved: the next forward rewrites it)
+        self.register_buffer("expert_load", torch.zeros(experts), persistent=False)
         self.expert_group = None  # set by parallel.shard_experts: experts split over ranks
         self.down = LoRALinear(hidden, latent, lora_rank)
         self.w_gate_up = nn.Parameter(torch.randn(experts, latent, 2 * expert_ffn) / math.sqrt(latent))

@@ -13,13 +13,18 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-def build_mesh(world_size: int, ep: int, experts: int, device_type: str = "cpu") -> DeviceMesh:
-    """The (dp, ep) mesh over world_size ranks; fails before any work on a bad layout."""
+def check_layout(world_size: int, ep: int, experts: int) -> None:
+    """Raises ValueError unless world_size = dp x ep and every rank can hold experts / ep experts."""
     if ep < 1 or world_size % ep:
         raise ValueError(f"the world size ({world_size}) must be a multiple of ep ({ep}): the mesh is dp x ep")
     if experts % ep:
         raise ValueError(f"experts ({experts}) must be divisible by ep ({ep}): every rank holds the same number of "
                          "experts (no expert holes)")
+
+
+def build_mesh(world_size: int, ep: int, experts: int, device_type: str = "cpu") -> DeviceMesh:
+    """The (dp, ep) mesh over world_size ranks (check_layout first)."""
+    check_layout(world_size, ep, experts)
     return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
 
 

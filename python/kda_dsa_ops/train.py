@@ -1,0 +1,211 @@
+"""Training on the kernels: full or LoRA fine-tuning of the hybrid model on a generated
+multi-query associative-recall task, single-process or under torchrun with FSDP2 + expert
+parallelism; progress lines, torch.distributed.checkpoint checkpoints with exact resume, and a
+loss curve.
+
+    python -m kda_dsa_ops.train --config tiny --out runs/base
+    torchrun --nproc-per-node 2 -m kda_dsa_ops.train --config tiny --ep 2 --lora-rank 16 \\
+        --init-from runs/base/final --task shifted --out runs/lora
+
+The task: each sequence lists key-value pairs, then asks for the values of some of its keys; the
+labels are those values (every other token is unlabelled). --task shifted draws keys and values
+from other parts of the vocabulary (what a LoRA run then adapts the trained model to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from .models import HybridModel, get_config
+from .parallel import apply_fsdp, build_mesh, check_layout, is_expert_param, reduce_expert_gradients, shard_experts
+
+
+def recall_batch(vocab: int, seqs: int, pairs: int, queries: int, seed: int, task: str = "base"):
+    """Packed associative-recall sequences: tokens [T] int64, cu_seqlens [seqs + 1] int32, labels [T]."""
+    g = torch.Generator().manual_seed(seed)
+    quarter = vocab // 4
+    key0, val0 = (0, quarter) if task == "base" else (2 * quarter, 3 * quarter)
+    keys = torch.stack([torch.randperm(quarter, generator=g)[:pairs] for _ in range(seqs)]) + key0
+    values = torch.randint(0, quarter, (seqs, pairs), generator=g) + val0
+    asked = torch.stack([torch.randperm(pairs, generator=g)[:queries] for _ in range(seqs)])
+    context = torch.stack([keys, values], dim=-1).flatten(1)                # k1 v1 k2 v2 ...
+    tokens = torch.cat([context, keys.gather(1, asked)], dim=1)             # ... then the asked keys
+    labels = torch.full_like(tokens, -100)
+    labels[:, 2 * pairs:] = values.gather(1, asked)
+    length = tokens.shape[1]
+    return tokens.flatten(), torch.arange(seqs + 1, dtype=torch.int32) * length, labels.flatten()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", help="HybridConfig preset (tiny, small)")
+    p.add_argument("--backend", choices=["native", "reference"], default="native", help="kernels or reference ops")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the experts and world size)")
+    p.add_argument("--lora-rank", type=int, default=0, help="0: train every parameter; > 0: LoRA adapters only")
+    p.add_argument("--init-from", default=None, help="checkpoint to start from (its model weights)")
+    p.add_argument("--task", choices=["base", "shifted"], default="base", help="key/value vocabulary of the task")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--seqs", type=int, default=32, help="sequences per rank and step")
+    p.add_argument("--pairs", type=int, default=4, help="key-value pairs per sequence")
+    p.add_argument("--queries", type=int, default=4, help="asked keys per sequence")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    p.add_argument("--out", default="runs/train", help="directory for checkpoints, the log and the loss curve")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present")
+    return p.parse_args(argv)
+
+
+def _expert_key(key: str, tag: str) -> str:
+    """Experts are local slices under EP: each rank's own entry in the checkpoint."""
+    return f"{key}@{tag}" if is_expert_param(key.split(".state.")[-1] if ".state." in key else key) else key
+
+
+def _state(model, opt, tag: str, frozen: bool):
+    options = StateDictOptions(ignore_frozen_params=not frozen)
+    if opt is None:
+        model_sd, optim_sd = get_model_state_dict(model, options=options), None
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    model_sd = {_expert_key(k, tag): v for k, v in model_sd.items()}
+    if optim_sd is not None:
+        optim_sd = dict(optim_sd, state={_expert_key(k, tag): v for k, v in optim_sd["state"].items()})
+    return model_sd, optim_sd
+
+
+def _unrename(sd: dict, tag: str) -> dict:
+    return {k.removesuffix(f"@{tag}"): v for k, v in sd.items()}
+
+
+def save_checkpoint(path: str, model, opt, step: int, tag: str) -> None:
+    frozen = not any("lora_" in name for name, _ in model.named_parameters())  # LoRA: adapters only
+    model_sd, optim_sd = _state(model, opt, tag, frozen=frozen)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
+
+
+def load_checkpoint(path: str, model, opt, tag: str) -> int:
+    """Restores what the checkpoint holds (model, and optimizer when opt is given); returns its step."""
+    model_sd, optim_sd = _state(model, opt, tag, frozen=True)
+    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    model_sd = {k: v for k, v in model_sd.items() if f"model.{k}" in saved}
+    state = {"model": model_sd, "step": torch.tensor(0)}
+    if opt is not None:
+        state["optim"] = optim_sd
+    dcp.load(state, checkpoint_id=path)
+    options = StateDictOptions(strict=False)
+    if opt is None:
+        set_model_state_dict(model, _unrename(state["model"], tag), options=options)
+    else:
+        set_state_dict(model, opt, model_state_dict=_unrename(state["model"], tag),
+                       optim_state_dict=dict(state["optim"], state=_unrename(state["optim"]["state"], tag)),
+                       options=options)
+    return int(state["step"])
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def plot_losses(history: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="loss")
+    ax2 = ax.twinx()
+    ax2.plot([h["step"] for h in history], [h["recall"] for h in history], color="tab:orange", label="recall")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax2.set_ylabel("recall")
+    fig.legend(loc="upper right")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = get_config(args.config, capacity_factor=None)
+    try:
+        check_layout(world, args.ep, cfg.experts)  # before any process group or model exists
+    except ValueError as err:
+        raise SystemExit(f"bad layout: {err} (launch with torchrun --nproc-per-node <a multiple of ep>)") from None
+    mesh = None
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        mesh = build_mesh(world, args.ep, cfg.experts, device.type)
+    rank = dist.get_rank() if world > 1 else 0
+    tag = f"ep{mesh['ep'].get_local_rank()}of{args.ep}" if mesh is not None else "ep0of1"
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = HybridModel(cfg, lora_rank=args.lora_rank, backend=args.backend).to(device)
+    if mesh is not None:
+        shard_experts(model, mesh)
+        apply_fsdp(model)
+    if args.init_from:
+        load_checkpoint(args.init_from, model, None, tag)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    os.makedirs(args.out, exist_ok=True)
+    latest = os.path.join(args.out, "latest")
+    start = load_checkpoint(latest, model, opt, tag) if args.resume and os.path.isdir(latest) else 0
+    history = []
+    tokens_seen, clock = 0, time.perf_counter()
+    for step in range(start, args.steps):
+        tokens, cu, labels = recall_batch(cfg.vocab, args.seqs, args.pairs, args.queries,
+                                          seed=args.seed * 1_000_003 + step * 1009 + rank, task=args.task)
+        out = model(tokens.to(device), cu.to(device), labels.to(device))
+        out["loss"].backward()
+        if mesh is not None:
+            reduce_expert_gradients(model, mesh)
+        opt.step()
+        opt.zero_grad()
+        model.update_router_biases()
+        tokens_seen += tokens.numel() * world
+        stats = torch.stack([out["loss"].detach().float(), out["accuracy"].float()])
+        if world > 1:
+            dist.all_reduce(stats)
+            stats /= world
+        load = model.blocks[0].moe.expert_load
+        record = {"step": step + 1, "loss": stats[0].item(), "recall": stats[1].item()}
+        history.append(record)
+        if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            elapsed = time.perf_counter() - clock
+            print(f"step {step + 1:>5}/{args.steps}  loss {record['loss']:.4f}  recall {record['recall']:.3f}  "
+                  f"{tokens_seen / elapsed:,.0f} tok/s  expert load max/mean {(load.max() / load.mean()).item():.2f}  "
+                  f"peak {peak_memory_mb(device):,.0f} MB", flush=True)
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            save_checkpoint(latest, model, opt, step + 1, tag)
+    final = os.path.join(args.out, "final")
+    save_checkpoint(final, model, opt, args.steps, tag)
+    if rank == 0:
+        with open(os.path.join(args.out, "log.json"), "w") as f:
+            json.dump({"args": vars(args), "history": history}, f, indent=1)
+        plot_losses(history, os.path.join(args.out, "loss.png"))
+    if world > 1:
+        dist.destroy_process_group()
+    return {"history": history}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""train.py on CPU: the recall task, exact resume from a checkpoint, LoRA from a trained
+checkpoint under FSDP2 + EP on 2 gloo processes, and layout errors before any work."""
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kda_dsa_ops import train
+from kda_dsa_ops.train import recall_batch
+
+COMMON = ["--config", "tiny", "--seqs", "2", "--pairs", "4", "--queries", "2", "--log-every", "1000"]
+
+
+def test_recall_batch_labels_are_the_asked_values():
+    tokens, cu, labels = recall_batch(256, seqs=3, pairs=5, queries=2, seed=1)
+    length = 2 * 5 + 2
+    assert cu.tolist() == [0, length, 2 * length, 3 * length]
+    for s in range(3):
+        seq, lab = tokens[s * length:(s + 1) * length], labels[s * length:(s + 1) * length]
+        pairs = dict(zip(seq[:10:2].tolist(), seq[1:10:2].tolist()))
+        assert (lab[:10] == -100).all()
+        for key, value in zip(seq[10:].tolist(), lab[10:].tolist()):
+            assert pairs[key] == value
+
+
+def test_resume_reproduces_the_next_steps_exactly():
+    with tempfile.TemporaryDirectory() as d:
+        straight = train.main(COMMON + ["--steps", "6", "--out", os.path.join(d, "a")])["history"]
+        train.main(COMMON + ["--steps", "3", "--checkpoint-every", "3", "--out", os.path.join(d, "b")])
+        resumed = train.main(COMMON + ["--steps", "6", "--resume", "--out", os.path.join(d, "b")])["history"]
+    assert [h["step"] for h in resumed] == [4, 5, 6]
+    assert [h["loss"] for h in resumed] == [h["loss"] for h in straight[3:]]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, argv):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train.main(argv)
+
+
+def test_lora_from_a_checkpoint_under_fsdp_and_ep():
+    with tempfile.TemporaryDirectory() as d:
+        base = os.path.join(d, "base")
+        mp.spawn(_rank_main, args=(2, _free_port(), COMMON + ["--ep", "2", "--steps", "3", "--device", "cpu",
+                                                              "--out", base]), nprocs=2)
+        lora = os.path.join(d, "lora")
+        mp.spawn(_rank_main, args=(2, _free_port(), COMMON + ["--ep", "2", "--steps", "3", "--device", "cpu",
+                                                              "--lora-rank", "4", "--task", "shifted",
+                                                              "--init-from", os.path.join(base, "final"),
+                                                              "--out", lora]), nprocs=2)
+        assert os.path.isfile(os.path.join(lora, "log.json"))
+        saved = train.dcp.FileSystemReader(os.path.join(lora, "final")).read_metadata().state_dict_metadata
+        model_keys = [k for k in saved if k.startswith("model.")]
+        # LoRA checkpoints hold the adapters and the routers' balancing biases (training state), no base weight
+        assert model_keys and all("lora_" in k or k.endswith("router_bias") for k in model_keys)
+
+
+def test_bad_layout_fails_before_any_work():
+    with pytest.raises(SystemExit, match=r"world size \(1\) must be a multiple of ep \(2\)"):
+        train.main(COMMON + ["--ep", "2", "--steps", "1", "--out", "unused"])
