@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--queries", type=int, default=4, help="asked keys per sequence")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--out", default="runs/train", help="directory for checkpoints, the log and the loss curve")
