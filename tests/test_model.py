@@ -84,6 +84,25 @@ def test_model_native_matches_reference_float64():
         assert_close(grads[name], grads_ref[name], F64, name, table=MODEL_REL_RMS)
 
 
+@pytest.mark.parametrize("recompute, offload", [("attention", False), ("block", False), ("none", True),
+                                               ("block", True)])
+def test_recompute_and_offload_change_no_number(recompute, offload):
+    torch.manual_seed(0)
+    cfg = get_config("tiny", dsa_topk=16)
+    model = HybridModel(cfg).double()
+    tokens, cu, labels = packed_batch(cfg, [30, 50])
+    results = []
+    for r, o in (("none", False), (recompute, offload)):
+        model.recompute, model.offload = r, o
+        model.zero_grad()
+        loss = model(tokens, cu, labels)["loss"]
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+
+
 def test_lora_training_moves_only_adapters_and_lowers_the_loss():
     torch.manual_seed(0)
     cfg = get_config("tiny")

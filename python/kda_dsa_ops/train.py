@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the experts and world size)")
     p.add_argument("--lora-rank", type=int, default=0, help="0: train every parameter; > 0: LoRA adapters only")
     p.add_argument("--init-from", default=None, help="checkpoint to start from (its model weights)")
+    p.add_argument("--recompute", choices=HybridModel.RECOMPUTE, default="none",
+                   help="recompute attention or whole blocks in the backward instead of keeping activations")
+    p.add_argument("--offload", action="store_true", help="keep saved activations in pinned host memory")
     p.add_argument("--task", choices=["base", "shifted"], default="base", help="key/value vocabulary of the task")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--seqs", type=int, default=32, help="sequences per rank and step")
@@ -159,7 +162,8 @@ def main(argv=None) -> dict:
     rank = dist.get_rank() if world > 1 else 0
     tag = f"ep{mesh['ep'].get_local_rank()}of{args.ep}" if mesh is not None else "ep0of1"
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = HybridModel(cfg, lora_rank=args.lora_rank, backend=args.backend).to(device)
+    model = HybridModel(cfg, lora_rank=args.lora_rank, backend=args.backend, recompute=args.recompute,
+                        offload=args.offload).to(device)
     if mesh is not None:
         shard_experts(model, mesh)
         apply_fsdp(model)

@@ -3,10 +3,12 @@ LatentMoE feed-forward; packed varlen batches; chunked cross-entropy over the vo
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..nn import GatedSparseAttention, KDAAttention, LatentMoE, chunked_linear_cross_entropy, get_backend
 from ..nn import positions_in_sequence
@@ -101,9 +103,22 @@ class HybridBlock(nn.Module):
         self.moe = LatentMoE(cfg.hidden, cfg.latent, cfg.experts, cfg.moe_topk, cfg.expert_ffn, cfg.shared_ffn,
                              cfg.capacity_factor, cfg.drop_policy, lora_rank=lora_rank)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend) -> tuple[Tensor, Tensor]:
+    def attention(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend) -> tuple[Tensor, Tensor]:
         out = self.attn(self.attn_norm(x), cu_seqlens, pos, backend)
-        attn, aux = out if isinstance(out, tuple) else (out, x.new_zeros((), dtype=torch.float32))
+        return out if isinstance(out, tuple) else (out, x.new_zeros((), dtype=torch.float32))
+
+    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute: str = "none"):
+        """recompute: "attention" keeps only the block's input for the attention half and runs it again
+        in the backward; "block" does so for the whole block; "none" keeps every activation."""
+        if recompute == "block":
+            return checkpoint(self._forward, x, cu_seqlens, pos, backend, use_reentrant=False)
+        return self._forward(x, cu_seqlens, pos, backend, recompute == "attention")
+
+    def _forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute_attention: bool = False):
+        if recompute_attention:
+            attn, aux = checkpoint(self.attention, x, cu_seqlens, pos, backend, use_reentrant=False)
+        else:
+            attn, aux = self.attention(x, cu_seqlens, pos, backend)
         x = x + attn
         return x + self.moe(self.moe_norm(x), backend), aux
 
@@ -113,12 +128,20 @@ class HybridModel(nn.Module):
 
     backend: "native" (the kernels) or "reference" (the same model on reference ops).
     lora_rank > 0 freezes every base weight and trains low-rank adapters on the projections.
+    recompute: "none", "attention" or "block" (see HybridBlock.forward): activations traded for a
+    second forward in the backward. offload: activations saved for the backward go to pinned host
+    memory and come back when the backward needs them.
     """
 
-    def __init__(self, cfg: HybridConfig, lora_rank: int = 0, backend: str = "native"):
+    RECOMPUTE = ("none", "attention", "block")
+
+    def __init__(self, cfg: HybridConfig, lora_rank: int = 0, backend: str = "native", recompute: str = "none",
+                 offload: bool = False):
         super().__init__()
         cfg.validate()
-        self.cfg, self.backend = cfg, get_backend(backend)
+        if recompute not in self.RECOMPUTE:
+            raise ValueError(f"recompute must be one of {self.RECOMPUTE}, got {recompute!r}")
+        self.cfg, self.backend, self.recompute, self.offload = cfg, get_backend(backend), recompute, offload
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.blocks = nn.ModuleList(HybridBlock(cfg, kind, lora_rank) for kind in cfg.kinds())
         self.norm = nn.RMSNorm(cfg.hidden)
@@ -136,12 +159,15 @@ class HybridModel(nn.Module):
     def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
         """Final hidden states [T, hidden] and the summed indexer loss of the DSA blocks."""
         pos = positions_in_sequence(cu_seqlens, tokens.shape[0])
-        x = self.embed(tokens)
-        aux = x.new_zeros((), dtype=torch.float32)
-        for block in self.blocks:
-            x, block_aux = block(x, cu_seqlens, pos, self.backend)
-            aux = aux + block_aux.to(aux.dtype)
-        return self.norm(x), aux
+        saving = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if self.offload
+                  else contextlib.nullcontext())
+        with saving:
+            x = self.embed(tokens)
+            aux = x.new_zeros((), dtype=torch.float32)
+            for block in self.blocks:
+                x, block_aux = block(x, cu_seqlens, pos, self.backend, self.recompute)
+                aux = aux + block_aux.to(aux.dtype)
+            return self.norm(x), aux
 
     def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor) -> dict:
         """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss", "accuracy"};
