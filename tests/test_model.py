@@ -148,3 +148,39 @@ def test_router_bias_moves_toward_balance():
 def test_bad_config_fails_with_a_clear_message(overrides, message):
     with pytest.raises(ValueError, match=message):
         get_config("tiny", **overrides)
+
+
+def image_batch(cfg, seed=0):
+    """Two sequences mixing text and images: [text, image, text] and [image, text]."""
+    g = torch.Generator().manual_seed(seed)
+    patches = (cfg.image_size // cfg.patch) ** 2
+    img = torch.full((patches,), cfg.image_token)
+    seq1 = torch.cat([torch.randint(0, cfg.vocab - 1, (5,), generator=g), img,
+                      torch.randint(0, cfg.vocab - 1, (7,), generator=g)])
+    seq2 = torch.cat([img, torch.randint(0, cfg.vocab - 1, (9,), generator=g)])
+    tokens = torch.cat([seq1, seq2])
+    labels = torch.where(tokens == cfg.image_token, -100, torch.roll(tokens, -1))
+    cu = torch.tensor([0, len(seq1), len(seq1) + len(seq2)], dtype=torch.int32)
+    images = torch.rand(2, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+    return tokens, cu, labels, images
+
+
+def test_images_pack_with_text_and_train_the_front_end():
+    torch.manual_seed(0)
+    cfg = get_config("tiny", image_size=16, patch=8, dsa_topk=16)
+    model = HybridModel(cfg).double()
+    tokens, cu, labels, images = image_batch(cfg)
+    results = []
+    for backend in ("native", "reference"):
+        model.set_backend(backend)
+        model.zero_grad()
+        out = model(tokens, cu, labels, images.double())
+        out["loss"].backward()
+        results.append((out["loss"].detach(), model.vision.embed.weight.grad.clone()))
+    assert results[0][1].abs().sum() > 0  # the images reach the loss
+    assert_close(results[0][0], results[1][0], F64, "loss", table=MODEL_REL_RMS)
+    assert_close(results[0][1], results[1][1], F64, "patch embedding grad", table=MODEL_REL_RMS)
+    other = model(tokens, cu, labels, torch.rand_like(images).double())["loss"]
+    assert other.item() != results[0][0].item()  # other images, other loss
+    with pytest.raises(ValueError, match=r"1 images need 4 image tokens \(4 each\), the batch has 8"):
+        model(tokens, cu, labels, images[:1].double())

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..nn import GatedSparseAttention, KDAAttention, LatentMoE, chunked_linear_cross_entropy, get_backend
 from ..nn import positions_in_sequence
+from ..nn.vision import PatchEmbed
 from ..reference.dsa import MAX_TOPK
 
 
@@ -40,6 +41,13 @@ class HybridConfig:
     capacity_factor: float | None = 1.25
     drop_policy: str = "drop_probs"
     indexer_loss_weight: float = 0.1
+    image_size: int = 0  # > 0: an image front end; the last vocabulary id marks where an image's patches go
+    patch: int = 8
+    channels: int = 3
+
+    @property
+    def image_token(self) -> int:
+        return self.vocab - 1
 
     def validate(self) -> None:
         """Raises ValueError on a configuration no kernel or layer could run."""
@@ -57,6 +65,8 @@ class HybridConfig:
             problems.append(f"kda_head_dim must be <= 128, got {self.kda_head_dim}")
         if self.dsa_rope_dim % 2:
             problems.append(f"dsa_rope_dim must be even (rotary pairs), got {self.dsa_rope_dim}")
+        if self.image_size and self.image_size % self.patch:
+            problems.append(f"image_size ({self.image_size}) must be a multiple of patch ({self.patch})")
         if problems:
             raise ValueError("bad HybridConfig: " + "; ".join(problems))
 
@@ -143,6 +153,7 @@ class HybridModel(nn.Module):
             raise ValueError(f"recompute must be one of {self.RECOMPUTE}, got {recompute!r}")
         self.cfg, self.backend, self.recompute, self.offload = cfg, get_backend(backend), recompute, offload
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.vision = PatchEmbed(cfg.image_size, cfg.patch, cfg.channels, cfg.hidden) if cfg.image_size else None
         self.blocks = nn.ModuleList(HybridBlock(cfg, kind, lora_rank) for kind in cfg.kinds())
         self.norm = nn.RMSNorm(cfg.hidden)
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) / cfg.hidden ** 0.5)
@@ -156,23 +167,37 @@ class HybridModel(nn.Module):
     def set_backend(self, name: str) -> None:
         self.backend = get_backend(name)
 
-    def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    def embed_inputs(self, tokens: Tensor, images: Tensor | None) -> Tensor:
+        """Token embeddings, with the patches of `images` (in order) at the image placeholder tokens."""
+        x = self.embed(tokens)
+        if images is None:
+            return x
+        if self.vision is None:
+            raise ValueError("this model has no image front end (HybridConfig.image_size = 0)")
+        slots = (tokens == self.cfg.image_token).nonzero().squeeze(1)
+        if slots.numel() != images.shape[0] * self.vision.patches:
+            raise ValueError(f"{images.shape[0]} images need {images.shape[0] * self.vision.patches} image tokens "
+                             f"({self.vision.patches} each), the batch has {slots.numel()}")
+        return x.index_copy(0, slots, self.vision(images).to(x.dtype))
+
+    def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Final hidden states [T, hidden] and the summed indexer loss of the DSA blocks."""
         pos = positions_in_sequence(cu_seqlens, tokens.shape[0])
         saving = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if self.offload
                   else contextlib.nullcontext())
         with saving:
-            x = self.embed(tokens)
+            x = self.embed_inputs(tokens, images)
             aux = x.new_zeros((), dtype=torch.float32)
             for block in self.blocks:
                 x, block_aux = block(x, cu_seqlens, pos, self.backend, self.recompute)
                 aux = aux + block_aux.to(aux.dtype)
             return self.norm(x), aux
 
-    def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor) -> dict:
+    def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor, images: Tensor | None = None) -> dict:
         """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss", "accuracy"};
-        labels [T] int64 (-100 = ignored); accuracy: argmax predictions on the labelled tokens."""
-        h, aux = self.hidden_states(tokens, cu_seqlens)
+        labels [T] int64 (-100 = ignored); accuracy: argmax predictions on the labelled tokens.
+        images [n, channels, image_size, image_size]: their patches replace the image tokens."""
+        h, aux = self.hidden_states(tokens, cu_seqlens, images)
         head = self.lm_head.to(h.dtype)
         lm = chunked_linear_cross_entropy(h, head, labels)
         with torch.no_grad():
