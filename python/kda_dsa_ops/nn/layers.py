@@ -224,9 +224,10 @@ class LatentMoE(nn.Module):
             y = backend.unpermute(self.experts(zs, offs, backend), row_map, weights, T)
         else:
             y = self.expert_group.dispatch_combine(z, ids, weights, self, backend)
-        with torch.no_grad():
-            load = torch.bincount(ids.flatten().long(), minlength=self.E).to(self.expert_load)
-            self.expert_load.copy_(load if self.expert_group is None else self.expert_group.total_load(load))
+        if not ids.is_meta:  # meta tensors (memory planning) have no values to count
+            with torch.no_grad():
+                load = torch.bincount(ids.flatten().long(), minlength=self.E).to(self.expert_load)
+                self.expert_load.copy_(load if self.expert_group is None else self.expert_group.total_load(load))
         return self.up(self.norm(y.to(x.dtype))) + self.shared(x)
 
     def experts(self, xs: Tensor, offs: Tensor, backend: Backend) -> Tensor:

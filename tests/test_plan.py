@@ -1,0 +1,75 @@
+"""The parallel-plan search and memory planner: its arithmetic for one plan by hand, its
+activation count (meta device) against a real forward, the source material's plan (FSDP2 + EP64
+on 128 devices, LoRA on the 2.8 T model) fitting, and no plan with expert holes."""
+
+import torch
+
+from kda_dsa_ops import plan as P
+from kda_dsa_ops.models import HybridModel, get_config
+from kda_dsa_ops.parallel import is_expert_param
+from kda_dsa_ops.plan import Cluster, block_activation_bytes, evaluate, parameter_counts, saved_bytes, search
+
+
+def test_one_plan_by_hand():
+    cfg = get_config("tiny")
+    cluster = Cluster(devices=4, memory_gb=1.0, link_gbps=100.0, tflops=10.0, efficiency=0.5)
+    p = evaluate(cfg, cluster, ep=2, tokens=64, recompute="none", offload=False, lora_rank=0)
+    model = HybridModel(cfg)
+    params = sum(q.numel() for q in model.parameters())
+    experts = sum(q.numel() for n, q in model.named_parameters() if is_expert_param(n))
+    unit = max(sum(q.numel() for n, q in b.named_parameters() if not is_expert_param(n)) for b in model.blocks)
+    act = block_activation_bytes(cfg, 64, 0, "none")
+    copies = 64 * cfg.moe_topk
+    assert p.dp == 2
+    assert p.memory == {
+        "weights (bf16, sharded)": params * 2 / 4,
+        "gathered FSDP unit + local experts": (2 * unit + experts / cfg.layers / 2) * 2,
+        "trainable state": params * 16 / 4,                      # lora 0: everything trains
+        "activations": 3 * act["K"] + act["D"],                   # KKKD, every block's activations kept
+        "all-to-all buffers": 4 * copies * cfg.latent * 2,
+    }
+    assert p.a2a_bytes == cfg.layers * 4 * copies * cfg.latent * 2 / 2  # half the copies leave the rank
+    active = params - experts + experts * cfg.moe_topk / cfg.experts
+    compute = 6 * active * 64 / (10e12 * 0.5)
+    gathered = (params - experts) * 2 * 3 / 4 + experts / 2 * 2 * 1 / 2
+    fsdp = (2 * gathered + params * 4 * 3 / 4) / 100e9
+    assert abs(p.step_s - (max(compute, fsdp) + p.a2a_bytes / 100e9)) < 1e-12
+    assert p.fits == (p.total <= 1e9)
+
+
+def test_meta_activation_count_matches_a_real_forward():
+    cfg = get_config("tiny")
+    torch.manual_seed(0)
+    model = HybridModel(cfg).to(torch.bfloat16)
+    T = 48
+    cu, pos = torch.tensor([0, T], dtype=torch.int32), torch.arange(T)
+    x = torch.randn(T, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
+    for recompute in HybridModel.RECOMPUTE:
+        meta = block_activation_bytes(cfg, T, 0, recompute)
+        for block in model.blocks:
+            real = saved_bytes(lambda: block(x, cu, pos, model.backend, recompute), list(model.parameters()))
+            assert real == meta[block.kind], (recompute, block.kind)
+
+
+def test_the_source_plan_fits():
+    """FSDP2 + EP64 on 128 devices of 141 GB, LoRA fine-tuning of the 2.8 T model."""
+    cfg = get_config("k3-2.8t")
+    counts = parameter_counts(cfg, 16)
+    assert 2.7e12 < counts.params < 2.9e12 and counts.trainable < 1e9
+    cluster = Cluster(devices=128, memory_gb=141, link_gbps=400)
+    plans = search(cfg, cluster, lora_rank=16, seq_lens=[8192])
+    ep64 = [p for p in plans if p.ep == 64 and p.fits]
+    assert ep64, "FSDP2 + EP64 on 128 x 141 GB must fit"
+    assert all(p.dp == 2 for p in ep64)
+
+
+def test_no_plan_has_expert_holes():
+    cfg = get_config("tiny")  # 8 experts
+    plans = search(cfg, Cluster(devices=6, memory_gb=100, link_gbps=10), lora_rank=0, seq_lens=[32])
+    assert {p.ep for p in plans} == {1, 2}  # 3 and 6 would leave expert holes
+
+
+def test_cli_prints_the_ranked_plans(capsys):
+    P.main(["--config", "tiny", "--devices", "2", "--memory-gb", "1", "--seq-lens", "32", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "plans without expert holes" in out and "fits" in out
