@@ -1,0 +1,120 @@
+"""Onboarding: checkpoints the tests write in the kimi-hybrid layout (config.json + sharded
+safetensors) map onto HybridModel (round trip: identical outputs), a rank under expert
+parallelism reads only its experts (counted in bytes), and bad checkpoints fail with a clear
+message and leave the model untouched."""
+
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kda_dsa_ops import onboard
+from kda_dsa_ops.models import HybridModel, get_config
+from kda_dsa_ops.safetensors_io import CheckpointError, Reader, write_file
+
+from test_model import packed_batch
+
+
+@pytest.fixture
+def checkpoint():
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    model = HybridModel(cfg)
+    with tempfile.TemporaryDirectory() as d:
+        onboard.export(model, d, shard_bytes=150_000)
+        yield model, d
+
+
+def fresh(cfg, seed=1):
+    torch.manual_seed(seed)
+    return HybridModel(cfg)
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_round_trip_gives_identical_outputs(checkpoint):
+    model, d = checkpoint
+    assert len([f for f in os.listdir(d) if f.endswith(".safetensors")]) > 1  # sharded
+    cfg = onboard.read_config(d)
+    assert cfg == model.cfg
+    other = fresh(cfg)
+    report = onboard.load(other, d)
+    assert report.ok and not report.unmapped and not report.conversions
+    tokens, cu, labels = packed_batch(cfg, [20, 33])
+    assert torch.equal(other(tokens, cu, labels)["loss"], model(tokens, cu, labels)["loss"])
+
+
+def test_bf16_checkpoint_reports_the_conversion():
+    torch.manual_seed(0)
+    model = HybridModel(get_config("tiny"))
+    with tempfile.TemporaryDirectory() as d:
+        onboard.export(model, d, dtype=torch.bfloat16)
+        report = onboard.load(fresh(model.cfg), d)
+    assert report.conversions == {"bfloat16 -> float32": report.mapped}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_expert_parallel_rank_reads_only_its_experts(checkpoint, rank):
+    model, d = checkpoint
+    cfg, ep = model.cfg, 2
+    local = cfg.experts // ep
+    shard = fresh(cfg)
+    for block in shard.blocks:  # this rank's slice of the experts, as parallel.shard_experts leaves it
+        moe = block.moe
+        moe.w_gate_up = torch.nn.Parameter(moe.w_gate_up.detach()[:local].clone())
+        moe.w_down = torch.nn.Parameter(moe.w_down.detach()[:local].clone())
+        moe.expert_group = SimpleNamespace(rank=rank)
+    report = onboard.load(shard, d)
+    entries = Reader(d).entries
+    mine = [n for n in entries if ".experts." not in n or rank * local <= int(n.split(".experts.")[1].split(".")[0])
+            < (rank + 1) * local]
+    assert report.bytes_read == sum(entries[n].end - entries[n].begin for n in mine)
+    assert report.bytes_read < sum(e.end - e.begin for e in entries.values())
+    for full, part in zip(model.blocks, shard.blocks):
+        assert torch.equal(part.moe.w_gate_up, full.moe.w_gate_up[rank * local:(rank + 1) * local])
+        assert torch.equal(part.moe.w_down, full.moe.w_down[rank * local:(rank + 1) * local])
+
+
+def rewrite(directory, name, tensor=None):
+    """Rewrite the shard holding `name` with that tensor replaced (or dropped when tensor is None)."""
+    reader = Reader(directory)
+    file = reader.entries[name].file
+    tensors = {n: reader.read(n) for n, e in reader.entries.items() if e.file == file and n != name}
+    if tensor is not None:
+        tensors[name] = tensor
+    write_file(file, tensors)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", "truncated"),
+    ("shape", r"shape mismatch \(1\): model.layers.0.self_attn.q_proj.weight: \[3, 3\], expected \[32, 64\]"),
+    ("missing", r"missing \(1\): model.layers.3.self_attn.indexer.wk.weight"),
+])
+def test_bad_checkpoints_fail_and_leave_nothing_half_loaded(checkpoint, damage, message):
+    model, d = checkpoint
+    if damage == "truncate":
+        last = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[-1]
+        path = os.path.join(d, last)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 100)
+    elif damage == "shape":
+        rewrite(d, "model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))
+    else:
+        rewrite(d, "model.layers.3.self_attn.indexer.wk.weight")
+    target = fresh(model.cfg)
+    before = snapshot(target)
+    with pytest.raises(CheckpointError, match=message):
+        onboard.load(target, d)
+    after = snapshot(target)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_cli_reports_ops_per_block(checkpoint, capsys):
+    _, d = checkpoint
+    report = onboard.main([d, "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert report.ok and "preset tiny" in out and "layer   3: LI + SFA" in out
