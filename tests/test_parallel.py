@@ -41,12 +41,12 @@ def step(model, cfg, first_seq, seqs):
     return loss
 
 
-def _worker(rank, world, ep, lora_rank, init_file, out_dir):
+def _worker(rank, world, ep, lora_rank, init_file, out_dir, micro_batches=1):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model, cfg = make_model(lora_rank)
     mesh = build_mesh(world, ep, cfg.experts)
-    shard_experts(model, mesh)
+    shard_experts(model, mesh, micro_batches)
     apply_fsdp(model)
     assert type(model.embed.weight).__name__ == "DTensor"  # sharded by FSDP2
     loss = step(model, cfg, rank * SEQS_PER_RANK, SEQS_PER_RANK)
@@ -59,13 +59,16 @@ def _worker(rank, world, ep, lora_rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, ep, lora_rank", [(2, 2, 0), (4, 2, 0), (2, 2, 4)])
-def test_expert_parallel_matches_single_process(world, ep, lora_rank):
+@pytest.mark.parametrize("world, ep, lora_rank, micro_batches", [(2, 2, 0, 1), (4, 2, 0, 1), (2, 2, 4, 1),
+                                                                   (2, 2, 0, 2)])
+def test_expert_parallel_matches_single_process(world, ep, lora_rank, micro_batches):
+    """micro_batches = 2: the dispatch of the second half travels while the experts compute the first."""
     model, cfg = make_model(lora_rank)
     loss = step(model, cfg, 0, world * SEQS_PER_RANK)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, ep, lora_rank, os.path.join(out_dir, "init"), out_dir), nprocs=world)
+        mp.spawn(_worker, args=(world, ep, lora_rank, os.path.join(out_dir, "init"), out_dir, micro_batches),
+                 nprocs=world)
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
     assert_close(ranks[0]["loss"], loss, F64, "loss", table=MODEL_REL_RMS)
     local = cfg.experts // ep

@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default="tiny", help="HybridConfig preset (tiny, small)")
     p.add_argument("--backend", choices=["native", "reference"], default="native", help="kernels or reference ops")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the experts and world size)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="with --ep: split each MoE layer's tokens so that all-to-all overlaps expert compute")
     p.add_argument("--lora-rank", type=int, default=0, help="0: train every parameter; > 0: LoRA adapters only")
     p.add_argument("--init-from", default=None, help="checkpoint to start from (its model weights)")
     p.add_argument("--recompute", choices=HybridModel.RECOMPUTE, default="none",
@@ -165,7 +167,7 @@ def main(argv=None) -> dict:
     model = HybridModel(cfg, lora_rank=args.lora_rank, backend=args.backend, recompute=args.recompute,
                         offload=args.offload).to(device)
     if mesh is not None:
-        shard_experts(model, mesh)
+        shard_experts(model, mesh, args.micro_batches)
         apply_fsdp(model)
     if args.init_from:
         load_checkpoint(args.init_from, model, None, tag)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -28,15 +27,64 @@ def build_mesh(world_size: int, ep: int, experts: int, device_type: str = "cpu")
     return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
 
 
+class _Pending:
+    """An all-to-all in flight."""
+
+    work = None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Launches an all_to_all_single without waiting (the result must pass _AllToAllWait before it
+    is read); its backward sends the gradient back the reverse way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, pending):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        pending.work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pending):
+        pending.work.wait()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@dataclass
+class _Route:
+    """Where the copies of one micro-batch go: destination-sorted order and the split sizes."""
+
+    order: Tensor
+    send: list
+    recv: list
+    received_ids: Tensor
+
+
 @dataclass
 class ExpertGroup:
-    """The ep ranks that exchange tokens; this rank holds experts [rank * local, (rank + 1) * local)."""
+    """The ep ranks that exchange tokens; this rank holds experts [rank * local, (rank + 1) * local).
+    micro_batches > 1 splits each layer's tokens so that the all-to-all of micro-batch i + 1
+    travels while the experts compute micro-batch i (and its combine while i + 1 computes)."""
 
     group: dist.ProcessGroup
     size: int
     rank: int
     experts: int
     world: dist.ProcessGroup  # every rank: the loads of all tokens
+    micro_batches: int = 1
 
     @property
     def local(self) -> int:
@@ -46,33 +94,51 @@ class ExpertGroup:
         dist.all_reduce(load, group=self.world)
         return load
 
-    def dispatch_combine(self, z: Tensor, ids: Tensor, weights: Tensor, moe: nn.Module, backend) -> Tensor:
-        """y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(z[t]), the experts spread over the group."""
-        T, k = ids.shape
+    def _route(self, ids: Tensor) -> _Route:
         dest = torch.div(ids.flatten().long(), self.local, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)                 # copies grouped by destination rank
         send_counts = torch.bincount(dest, minlength=self.size)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
-        received = dist_fn.all_to_all_single(z.new_empty(sum(recv), z.shape[1]), z[order // k], recv, send,
-                                             group=self.group)
         local_ids = (ids.flatten().long() % self.local)[order].to(torch.int32)
-        received_ids = torch.empty(sum(recv), dtype=torch.int32, device=z.device)
+        received_ids = torch.empty(sum(recv), dtype=torch.int32, device=ids.device)
         dist.all_to_all_single(received_ids, local_ids, recv, send, group=self.group)
+        return _Route(order, send, recv, received_ids)
+
+    def _experts(self, received: Tensor, route: _Route, moe: nn.Module, backend, dtype) -> Tensor:
         rows = received.shape[0]
-        if rows:
-            xs, row_map, offs = backend.permute(received, received_ids[:, None], self.local, None, None, "drop_probs")
-            ones = torch.ones(rows, 1, dtype=weights.dtype, device=z.device)
-            out = backend.unpermute(moe.experts(xs, offs, backend), row_map, ones, rows)
-        else:  # nothing routed here: an empty result that still ties the experts into the graph
-            out = received + 0 * (moe.w_gate_up.sum() + moe.w_down.sum()).to(received.dtype)
-        back = dist_fn.all_to_all_single(z.new_empty(sum(send), z.shape[1]), out, send, recv, group=self.group)
-        return backend.unpermute(back, order.to(torch.int32), weights, T)
+        if not rows:  # nothing routed here: an empty result that still ties the experts into the graph
+            return received + 0 * (moe.w_gate_up.sum() + moe.w_down.sum()).to(received.dtype)
+        xs, row_map, offs = backend.permute(received, route.received_ids[:, None], self.local, None, None,
+                                            "drop_probs")
+        ones = torch.ones(rows, 1, dtype=dtype, device=received.device)
+        return backend.unpermute(moe.experts(xs, offs, backend), row_map, ones, rows)
+
+    def dispatch_combine(self, z: Tensor, ids: Tensor, weights: Tensor, moe: nn.Module, backend) -> Tensor:
+        """y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(z[t]), the experts spread over the group."""
+        T, k = ids.shape
+        bounds = [T * i // self.micro_batches for i in range(self.micro_batches + 1)]
+        parts = list(zip(bounds[:-1], bounds[1:]))
+        routes = [self._route(ids[a:b]) for a, b in parts]
+        dispatched = []
+        for (a, b), r in zip(parts, routes):  # every dispatch in flight at once
+            pending = _Pending()
+            dispatched.append((_AllToAllStart.apply(z[a:b][r.order // k], r.recv, r.send, self.group, pending),
+                               pending))
+        combined = []
+        for (received, pending), r in zip(dispatched, routes):
+            out = self._experts(_AllToAllWait.apply(received, pending), r, moe, backend, weights.dtype)
+            back = _Pending()
+            combined.append((_AllToAllStart.apply(out, r.send, r.recv, self.group, back), back))
+        ys = [backend.unpermute(_AllToAllWait.apply(back, pending), r.order.to(torch.int32), weights[a:b], b - a)
+              for (back, pending), r, (a, b) in zip(combined, routes, parts)]
+        return torch.cat(ys) if len(ys) > 1 else ys[0]
 
 
-def shard_experts(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Keep this rank's slice of every LatentMoE's experts and route their tokens over mesh["ep"]."""
+def shard_experts(model: nn.Module, mesh: DeviceMesh, micro_batches: int = 1) -> None:
+    """Keep this rank's slice of every LatentMoE's experts and route their tokens over mesh["ep"]
+    (micro_batches: see ExpertGroup)."""
     ep_mesh = mesh["ep"]
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for module in model.modules():
@@ -82,7 +148,8 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> None:
             for name in ("w_gate_up", "w_down"):
                 old = getattr(module, name)
                 setattr(module, name, nn.Parameter(old.detach()[keep].clone(), requires_grad=old.requires_grad))
-            module.expert_group = ExpertGroup(ep_mesh.get_group(), size, rank, module.E, dist.group.WORLD)
+            module.expert_group = ExpertGroup(ep_mesh.get_group(), size, rank, module.E, dist.group.WORLD,
+                                              micro_batches)
 
 
 def is_expert_param(name: str) -> bool:
