@@ -3,7 +3,7 @@
 # every kernel, run the benchmarks; logs and results go to $OUT (default ./gpu_out), a short
 # table is printed last.
 #
-#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [bench|bench-quick] ...   (default: all, full bench)
+#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [bench|bench-quick] ...   (default: all, full bench)
 #
 # Environment: KDA_DSA_OPS_COMMIT (commit id recorded in the results when .git is absent),
 # TEST_ARGS (extra pytest arguments), BENCH_ONLY (families for bench/run_all.py --only),
@@ -21,7 +21,7 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .pydeps ]; then
   pip install -q --no-index --no-deps --target .pydeps .whl/*.whl
 fi
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize demo bench)
+[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize demo train bench)
 summary="$OUT/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
@@ -64,6 +64,10 @@ for step in "${steps[@]}"; do
       for config in tiny small; do
         timeout 300 python3 -m kda_dsa_ops.demo --config "$config" 2>&1 | tee -a "$summary"
       done
+      ;;
+    train)  # the tiny model trained on the GPU (one process), progress lines into the summary
+      run_step train 300 python3 -m kda_dsa_ops.train --config tiny --steps 300 --log-every 50 --out "$OUT/train"
+      grep -E "^step" "$OUT/train.log" | tee -a "$summary"
       ;;
     bench | bench-quick)
       quick=()
