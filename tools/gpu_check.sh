@@ -66,7 +66,7 @@ for step in "${steps[@]}"; do
       done
       ;;
     train)  # the tiny model trained on the GPU (one process), progress lines into the summary
-      run_step train 300 python3 -m kda_dsa_ops.train --config tiny --steps 300 --log-every 50 --out "$OUT/train"
+      run_step train 300 python3 -m kda_dsa_ops.train --config tiny --steps 300 --log-every 50 --out runs/gpu_check
       grep -E "^step" "$OUT/train.log" | tee -a "$summary"
       ;;
     bench | bench-quick)
