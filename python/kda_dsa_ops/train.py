@@ -75,11 +75,11 @@ def parse_args(argv=None):
 
 def _expert_key(key: str, tag: str) -> str:
     """Experts are local slices under EP: each rank's own entry in the checkpoint."""
-    return f"{key}@{tag}" if is_expert_param(key.split(".state.")[-1] if ".state." in key else key) else key
+    return f"{key}@{tag}" if is_expert_param(key) else key
 
 
-def _state(model, opt, tag: str, frozen: bool):
-    options = StateDictOptions(ignore_frozen_params=not frozen)
+def _state(model, opt, tag: str, include_frozen: bool):
+    options = StateDictOptions(ignore_frozen_params=not include_frozen)
     if opt is None:
         model_sd, optim_sd = get_model_state_dict(model, options=options), None
     else:
@@ -95,14 +95,14 @@ def _unrename(sd: dict, tag: str) -> dict:
 
 
 def save_checkpoint(path: str, model, opt, step: int, tag: str) -> None:
-    frozen = not any("lora_" in name for name, _ in model.named_parameters())  # LoRA: adapters only
-    model_sd, optim_sd = _state(model, opt, tag, frozen=frozen)
+    lora = any("lora_" in name for name, _ in model.named_parameters())  # LoRA checkpoints: adapters only
+    model_sd, optim_sd = _state(model, opt, tag, include_frozen=not lora)
     dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
 
 
 def load_checkpoint(path: str, model, opt, tag: str) -> int:
     """Restores what the checkpoint holds (model, and optimizer when opt is given); returns its step."""
-    model_sd, optim_sd = _state(model, opt, tag, frozen=True)
+    model_sd, optim_sd = _state(model, opt, tag, include_frozen=True)
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     model_sd = {k: v for k, v in model_sd.items() if f"model.{k}" in saved}
     state = {"model": model_sd, "step": torch.tensor(0)}
