@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass, field, fields
 
 import torch
-from torch import nn
 
 from .models import HybridConfig, HybridModel
 from .models.hybrid import PRESETS

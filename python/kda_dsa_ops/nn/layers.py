@@ -193,8 +193,8 @@ class LatentMoE(nn.Module):
         super().__init__()
         if not 0 < topk <= experts:
             raise ValueError(f"topk must be in [1, experts = {experts}], got {topk}")
-        self.E, self.topk, self.capacity_factor, self.policy, self.bias_rate = experts, topk, capacity_factor, policy, \
-            bias_rate
+        self.E, self.topk, self.bias_rate = experts, topk, bias_rate
+        self.capacity_factor, self.policy = capacity_factor, policy
         self.router = nn.Parameter(torch.randn(hidden, experts) / math.sqrt(hidden))
         self.register_buffer("router_bias", torch.zeros(experts))
         # routed copies per expert in the last forward (not saved: the next forward rewrites it)
