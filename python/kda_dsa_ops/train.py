@@ -15,6 +15,7 @@ from other parts of the vocabulary (what a LoRA run then adapts the trained mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -175,12 +176,16 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     latest = os.path.join(args.out, "latest")
     start = load_checkpoint(latest, model, opt, tag) if args.resume and os.path.isdir(latest) else 0
+    # On CUDA: fp32 master weights, products in bf16 (the CUDA grouped GEMM takes bf16/fp16).
+    precision = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                 else contextlib.nullcontext())
     history = []
     tokens_seen, clock = 0, time.perf_counter()
     for step in range(start, args.steps):
         tokens, cu, labels = recall_batch(cfg.vocab, args.seqs, args.pairs, args.queries,
                                           seed=args.seed * 1_000_003 + step * 1009 + rank, task=args.task)
-        out = model(tokens.to(device), cu.to(device), labels.to(device))
+        with precision:
+            out = model(tokens.to(device), cu.to(device), labels.to(device))
         out["loss"].backward()
         if mesh is not None:
             reduce_expert_gradients(model, mesh)
