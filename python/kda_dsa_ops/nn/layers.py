@@ -214,7 +214,8 @@ class LatentMoE(nn.Module):
     def forward(self, x: Tensor, backend: Backend) -> Tensor:
         T = x.shape[0]
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        logits = x.to(acc) @ self.router.to(acc)
+        with torch.autocast(x.device.type, enabled=False):  # the router stays in fp32 under autocast
+            logits = x.to(acc) @ self.router.to(acc)
         weights, ids = backend.route(logits, self.topk, self.router_bias.to(acc))
         z = self.down(x)
         if self.expert_group is None:
