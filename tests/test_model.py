@@ -184,3 +184,17 @@ def test_images_pack_with_text_and_train_the_front_end():
     assert other.item() != results[0][0].item()  # other images, other loss
     with pytest.raises(ValueError, match=r"1 images need 4 image tokens \(4 each\), the batch has 8"):
         model(tokens, cu, labels, images[:1].double())
+
+
+def test_model_trains_under_bf16_autocast():
+    """The precision train.py uses on CUDA (bf16 products, fp32 master weights and router)."""
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    model = HybridModel(cfg)
+    tokens, cu, labels = packed_batch(cfg, [40, 25])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens, cu, labels)
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and all(p.dtype == torch.float32 for p in model.parameters())
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
