@@ -6,6 +6,7 @@ Every attention and MoE layer takes packed tokens x [T, hidden] with cu_seqlens 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -214,7 +215,10 @@ class LatentMoE(nn.Module):
     def forward(self, x: Tensor, backend: Backend) -> Tensor:
         T = x.shape[0]
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        with torch.autocast(x.device.type, enabled=False):  # the router stays in fp32 under autocast
+        # the router stays in fp32 under autocast (meta tensors, for planning, have no autocast)
+        no_autocast = (torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu")
+                       else contextlib.nullcontext())
+        with no_autocast:
             logits = x.to(acc) @ self.router.to(acc)
         weights, ids = backend.route(logits, self.topk, self.router_bias.to(acc))
         z = self.down(x)
