@@ -61,14 +61,22 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   m.def("grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
-  using namespace kda_dsa_ops::moe;
+namespace {
+// Entry points that check their arguments once and pick the backend by the inputs' device:
+// the same functions serve the CPU and the CUDA keys.
+void register_device_dispatching(torch::Library& m) {
   m.impl("kda_fwd", &kda_dsa_ops::kda::kda_fwd);
   m.impl("kda_bwd", &kda_dsa_ops::kda::kda_bwd);
   m.impl("lightning_indexer_fwd", &kda_dsa_ops::dsa::lightning_indexer_fwd);
   m.impl("lightning_indexer_bwd", &kda_dsa_ops::dsa::lightning_indexer_bwd);
   m.impl("sparse_attn_fwd", &kda_dsa_ops::dsa::sparse_attn_fwd);
   m.impl("sparse_attn_bwd", &kda_dsa_ops::dsa::sparse_attn_bwd);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
+  using namespace kda_dsa_ops::moe;
+  register_device_dispatching(m);
   m.impl("moe_route", &route_cpu);
   m.impl("moe_route_bwd", &route_bwd_cpu);
   m.impl("moe_permute", &permute_cpu);
@@ -81,12 +89,7 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
 #ifdef KDA_DSA_OPS_WITH_CUDA
 TORCH_LIBRARY_IMPL(kda_dsa_ops, CUDA, m) {
   using namespace kda_dsa_ops::moe;
-  m.impl("kda_fwd", &kda_dsa_ops::kda::kda_fwd);
-  m.impl("kda_bwd", &kda_dsa_ops::kda::kda_bwd);
-  m.impl("lightning_indexer_fwd", &kda_dsa_ops::dsa::lightning_indexer_fwd);
-  m.impl("lightning_indexer_bwd", &kda_dsa_ops::dsa::lightning_indexer_bwd);
-  m.impl("sparse_attn_fwd", &kda_dsa_ops::dsa::sparse_attn_fwd);
-  m.impl("sparse_attn_bwd", &kda_dsa_ops::dsa::sparse_attn_bwd);
+  register_device_dispatching(m);
   m.impl("moe_route", &route_cuda);
   m.impl("moe_route_bwd", &route_bwd_cuda);
   m.impl("moe_permute", &permute_cuda);

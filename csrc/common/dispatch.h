@@ -2,7 +2,15 @@
 // compare exactly against the reference); CUDA kernels take the types they are built for.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+
+namespace kda_dsa_ops {
+// The type kernels accumulate in: float64 for float64 inputs (CPU), float32 otherwise.
+inline at::ScalarType accumulation_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+}  // namespace kda_dsa_ops
 
 #define KDA_DISPATCH_CPU_FLOATING(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)

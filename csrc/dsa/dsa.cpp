@@ -4,14 +4,13 @@
 #include <cmath>
 
 #include "common/checks.h"
+#include "common/dispatch.h"
 
 namespace kda_dsa_ops::dsa {
 
 namespace {
 
 constexpr auto kFloating = {at::kBFloat16, at::kHalf, at::kFloat, at::kDouble};
-
-at::ScalarType acc_type(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 at::Tensor to_acc(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
@@ -91,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> lightning_indexer_fwd(const at::Tensor& q, co
               ": cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got ", N, " and ",
               cu_seqlens_k.size(0) - 1);
   check_cpu(q, op);
-  const auto acc = acc_type(q);
+  const auto acc = accumulation_type(q);
   const IndexerProblem p{s.T, s.Tk, s.Hi, s.Di, N, topk, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()};
   at::Tensor indices = at::empty({s.T, topk}, q.options().dtype(at::kInt));
   at::Tensor scores = at::empty({s.T, topk}, q.options().dtype(acc));
@@ -114,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lightning_indexer_bwd(const at::T
   check_topk(indices.size(1), op);
   check_index_range(indices, -1, s.Tk, op, "indices");
   check_cpu(q, op);
-  const auto acc = acc_type(q);
+  const auto acc = accumulation_type(q);
   at::Tensor dq = at::zeros({s.T, s.Hi, s.Di}, q.options().dtype(acc));
   at::Tensor dk = at::zeros({s.Tk, s.Di}, q.options().dtype(acc));
   at::Tensor dw = at::zeros({s.T, s.Hi}, q.options().dtype(acc));
@@ -129,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd(const at::Tensor&
   constexpr const char* op = "sparse_attn_fwd";
   const AttnProblem p = check_attn_inputs(q, kv, indices, scale, dv, gate, op);
   check_cpu(q, op);
-  const auto acc = acc_type(q);
+  const auto acc = accumulation_type(q);
   at::Tensor o = at::empty({p.T, p.H, dv}, q.options().dtype(acc));
   at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(acc));
   at::Tensor probs = return_p ? at::zeros({p.T, p.Hkv, p.topk}, q.options().dtype(acc)) : at::Tensor();
@@ -156,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd(const at::Tensor&
   check_same_device(lse, q, "lse", "q");
   check_cpu(q, op);
   (void)deterministic;  // the CPU kernel accumulates dkv in one fixed order: always deterministic
-  const auto acc = acc_type(q);
+  const auto acc = accumulation_type(q);
   at::Tensor dq = at::zeros({p.T, p.H, p.Dqk}, q.options().dtype(acc));
   at::Tensor dkv = at::zeros({p.Tk, p.Hkv, p.Dqk}, q.options().dtype(acc));
   at::Tensor dgate = gate.has_value() ? at::empty({p.T, p.H, dv}, q.options().dtype(acc)) : at::Tensor();

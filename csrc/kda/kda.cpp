@@ -5,14 +5,13 @@
 #include <cmath>
 
 #include "common/checks.h"
+#include "common/dispatch.h"
 
 namespace kda_dsa_ops::kda {
 
 namespace {
 
 constexpr double kL2NormEps = 1e-6;  // x / sqrt(sum(x^2) + eps), as reference/kda.py
-
-at::ScalarType acc_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                      const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
@@ -55,8 +54,8 @@ Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (initial_state.has_value()) {
     const at::Tensor& h0 = *initial_state;
     check_same_device(h0, q, "initial_state", "q");
-    TORCH_CHECK(h0.scalar_type() == acc_type(q), "kda: initial_state must be ",
-                acc_type(q) == at::kDouble ? "float64" : "float32", " (the state's dtype), got ", h0.scalar_type());
+    TORCH_CHECK(h0.scalar_type() == accumulation_type(q), "kda: initial_state must be ",
+                accumulation_type(q) == at::kDouble ? "float64" : "float32", " (the state's dtype), got ", h0.scalar_type());
     TORCH_CHECK(h0.sizes() == at::IntArrayRef({N, HV, K, V}), "kda: initial_state must be [N, HV, K, V] = [", N, ", ",
                 HV, ", ", K, ", ", V, "] (N = number of sequences), got ", shape_str(h0));
   }
@@ -67,7 +66,7 @@ Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, const std::optional<at::Tensor>& initial_state, bool use_qk_l2norm,
                at::Tensor* rinv_q = nullptr, at::Tensor* rinv_k = nullptr) {
-  const auto acc = acc_type(q);
+  const auto acc = accumulation_type(q);
   auto norm = [&](const at::Tensor& x, at::Tensor* rinv) {
     at::Tensor xa = x.to(acc);
     if (!use_qk_l2norm) return xa.contiguous();
@@ -102,18 +101,16 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor
                                            bool use_qk_l2norm) {
   const Problem p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens);
   const Inputs in = prepare(q, k, v, g, beta, initial_state, use_qk_l2norm);
-  const auto acc = acc_type(q);
+  const auto acc = accumulation_type(q);
   at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, q.options().dtype(acc));
   at::Tensor final_state =
       output_final_state ? at::empty({p.N, p.HV, p.K, p.V}, q.options().dtype(acc)) : at::empty({0}, q.options().dtype(acc));
   at::Tensor ht = output_final_state ? final_state : at::Tensor();
 #ifdef KDA_DSA_OPS_WITH_CUDA
-  if (q.is_cuda()) {
-    fwd_cuda(p, in, o, ht);
-    return {o.to(q.scalar_type()), final_state};
-  }
-#endif
+  (q.is_cuda() ? fwd_cuda : fwd_cpu)(p, in, o, ht);
+#else
   fwd_cpu(p, in, o, ht);
+#endif
   return {o.to(q.scalar_type()), final_state};
 }
 
@@ -125,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   TORCH_CHECK(grad_o.sizes() == v.sizes(), "kda_bwd: grad_o must have the shape of o ", shape_str(v), ", got ",
               shape_str(grad_o));
   check_same_device(grad_o, q, "grad_o", "q");
-  const auto acc = acc_type(q);
+  const auto acc = accumulation_type(q);
   at::Tensor dht;
   if (grad_final_state.has_value() && grad_final_state->numel() > 0) {
     TORCH_CHECK(grad_final_state->sizes() == at::IntArrayRef({p.N, p.HV, p.K, p.V}),
@@ -146,11 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   gr.dbeta = at::empty({p.B, p.T, p.HV}, opts);
   gr.dinitial_state = at::empty({p.N, p.HV, p.K, p.V}, opts);
 #ifdef KDA_DSA_OPS_WITH_CUDA
-  if (q.is_cuda()) {
-    bwd_cuda(p, in, dO, dht, gr);
-  } else {
-    bwd_cpu(p, in, dO, dht, gr);
-  }
+  (q.is_cuda() ? bwd_cuda : bwd_cpu)(p, in, dO, dht, gr);
 #else
   bwd_cpu(p, in, dO, dht, gr);
 #endif

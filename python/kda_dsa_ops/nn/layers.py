@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import reference as R
+from .._dtypes import accumulation_dtype
 from .backend import Backend
 
 
@@ -111,7 +112,7 @@ class KDAAttention(nn.Module):
         q = self.q_conv(self.q_proj(x), pos).view(1, T, self.H, self.D)
         k = self.k_conv(self.k_proj(x), pos).view(1, T, self.H, self.D)
         v = self.v_conv(self.v_proj(x), pos).view(1, T, self.HV, self.D)
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # gates in fp32 (fp64 for fp64 models)
+        acc = accumulation_dtype(x)  # gates in fp32 (fp64 for fp64 models)
         a = self.g_up(self.g_down(x)).to(acc) + self.dt_bias.to(acc)
         g = (-self.A_log.to(acc).exp().repeat_interleave(self.D) * F.softplus(a)).view(1, T, self.HV, self.D)
         beta = torch.sigmoid(self.b_proj(x).to(acc)).view(1, T, self.HV)
@@ -214,7 +215,7 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: Tensor, backend: Backend) -> Tensor:
         T = x.shape[0]
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(x)
         # the router stays in fp32 under autocast (meta tensors, for planning, have no autocast)
         no_autocast = (torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu")
                        else contextlib.nullcontext())

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._dtypes import accumulation_dtype
+
 _ops = torch.ops.kda_dsa_ops
 
 
@@ -50,14 +52,10 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     return o, lse, (p if return_p else None)
 
 
-def _acc(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 @torch.library.register_fake("kda_dsa_ops::lightning_indexer_fwd")
 def _(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
     T = q.shape[0]
-    return q.new_empty(T, topk, dtype=torch.int32), q.new_empty(T, topk, dtype=_acc(q))
+    return q.new_empty(T, topk, dtype=torch.int32), q.new_empty(T, topk, dtype=accumulation_dtype(q))
 
 
 @torch.library.register_fake("kda_dsa_ops::lightning_indexer_bwd")
@@ -69,7 +67,7 @@ def _(q, k, w, indices, grad_scores):
 def _(q, kv, indices, scale, dv, gate, return_p):
     T, H, _ = q.shape
     p_shape = (T, kv.shape[1], indices.shape[2]) if return_p else (0,)
-    return q.new_empty(T, H, dv), q.new_empty(T, H, dtype=_acc(q)), q.new_empty(p_shape, dtype=_acc(q))
+    return q.new_empty(T, H, dv), q.new_empty(T, H, dtype=accumulation_dtype(q)), q.new_empty(p_shape, dtype=accumulation_dtype(q))
 
 
 @torch.library.register_fake("kda_dsa_ops::sparse_attn_bwd")

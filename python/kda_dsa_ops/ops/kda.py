@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._dtypes import accumulation_dtype
+
 _ops = torch.ops.kda_dsa_ops
 
 
@@ -39,10 +41,6 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     return o, (final_state if output_final_state else None)
 
 
-def _state_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _num_sequences(q: Tensor, cu_seqlens: Tensor | None) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
@@ -52,12 +50,12 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, us
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     shape = (_num_sequences(q, cu_seqlens), HV, K, V) if output_final_state else (0,)
-    return q.new_empty(B, T, HV, V), q.new_empty(shape, dtype=_state_dtype(q))
+    return q.new_empty(B, T, HV, V), q.new_empty(shape, dtype=accumulation_dtype(q))
 
 
 @torch.library.register_fake("kda_dsa_ops::kda_bwd")
 def _(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=_state_dtype(q))
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=accumulation_dtype(q))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0)
 

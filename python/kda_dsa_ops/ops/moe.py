@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._dtypes import accumulation_dtype
 from ..reference.moe import expert_capacity
 
 _ops = torch.ops.kda_dsa_ops
@@ -74,14 +75,10 @@ def grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     return _ops.grouped_mm_wgrad(a, dy, offs)
 
 
-def _weights_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 @torch.library.register_fake("kda_dsa_ops::moe_route")
 def _(logits, bias, k, score_fn, renorm, scale):
     T = logits.shape[0]
-    return logits.new_empty(T, k, dtype=_weights_dtype(logits)), logits.new_empty(T, k, dtype=torch.int32)
+    return logits.new_empty(T, k, dtype=accumulation_dtype(logits)), logits.new_empty(T, k, dtype=torch.int32)
 
 
 @torch.library.register_fake("kda_dsa_ops::moe_route_bwd")

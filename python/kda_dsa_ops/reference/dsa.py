@@ -11,11 +11,9 @@ import math
 
 import torch
 
+from .._dtypes import accumulation_dtype
+
 MAX_TOPK = 2048
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
@@ -25,7 +23,7 @@ def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s]) for every pair: [T, Tk], accumulation dtype."""
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q)
     qk = torch.einsum("thd,sd->ths", q.to(acc), k.to(acc))
     return torch.einsum("ths,th->ts", qk.relu(), w.to(acc))
 
@@ -41,7 +39,7 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seql
     if not 0 < topk <= MAX_TOPK:
         raise ValueError(f"topk must be in [1, {MAX_TOPK}], got {topk}")
     T = q.shape[0]
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q)
     indices = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.full((T, topk), -math.inf, dtype=acc, device=q.device)
     for (qs, qe), (ks, ke) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
@@ -62,7 +60,7 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seql
 def lightning_indexer_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor,
                           grad_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dw) of sum(grad_scores * I[t, indices[t]]), -1 entries ignored."""
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q)
     qa, ka, wa, ga = q.to(acc), k.to(acc), w.to(acc), grad_scores.to(acc)
     valid = indices >= 0
     rows = indices.clamp(min=0).long()
@@ -85,7 +83,7 @@ def indexer_kl_loss(attn_p: torch.Tensor, scores: torch.Tensor, indices: torch.T
     heads); it is renormalised over the valid (index >= 0) entries here. Queries with no valid
     entry contribute zero.
     """
-    acc = _acc_dtype(scores)
+    acc = accumulation_dtype(scores)
     valid = indices >= 0
     p = torch.where(valid, attn_p.to(acc), torch.zeros((), dtype=acc, device=scores.device))
     p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
@@ -99,7 +97,7 @@ def _selected_logits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     [T,Hkv,topk,dv] (the values are kv[..., :dv]) and logits [T,Hkv,G,topk] (-1 entries: -inf)."""
     T, H, _ = q.shape
     Hkv = kv.shape[1]
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q)
     rows = indices.clamp(min=0).long()                                      # [T, Hkv, topk]
     k_sel = kv.to(acc)[rows, torch.arange(Hkv, device=kv.device)[None, :, None]]
     qg = q.to(acc).reshape(T, Hkv, H // Hkv, -1)
@@ -117,7 +115,7 @@ def sparse_attn_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sc
     p [T,Hkv,topk] probabilities summed over the heads of each kv head, or None).
     """
     T, H, _ = q.shape
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q)
     _, _, v_sel, logits = _selected_logits(q, kv, indices, scale, dv)
     lse = torch.logsumexp(logits, dim=-1)                                   # [T, Hkv, G]
     probs = torch.where(torch.isfinite(lse)[..., None], torch.exp(logits - lse[..., None]),
@@ -135,7 +133,7 @@ def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices
     T, H, _ = q.shape
     Hkv = kv.shape[1]
     G = H // Hkv
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q)
     qg, k_sel, v_sel, logits = _selected_logits(q, kv, indices, scale, dv)
     lse_g = lse.to(acc).reshape(T, Hkv, G)
     live = (indices >= 0)[:, :, None, :] & torch.isfinite(lse_g)[..., None]

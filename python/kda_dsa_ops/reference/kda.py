@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .._dtypes import accumulation_dtype
+
 L2NORM_EPS = 1e-6
 
 
@@ -42,7 +44,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     HV, V = v.shape[2], v.shape[3]
     if HV % H:
         raise ValueError(f"value heads ({HV}) must be a multiple of query/key heads ({H})")
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q)
     scale = K ** -0.5 if scale is None else scale
     group = HV // H
     qa, ka = q.to(acc), k.to(acc)

@@ -10,13 +10,11 @@ import math
 
 import torch
 
+from .._dtypes import accumulation_dtype
+
 POLICIES = ("drop_probs", "drop_position", "reroute")
 SCORE_FNS = ("sigmoid", "softmax")
 RENORM_EPS = 1e-20
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -28,7 +26,7 @@ def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_facto
 
 def route_scores(logits: torch.Tensor, score_fn: str) -> torch.Tensor:
     """Routing scores in the accumulation dtype (fp32, or fp64 for fp64 logits)."""
-    x = logits.to(_acc_dtype(logits))
+    x = logits.to(accumulation_dtype(logits))
     if score_fn == "sigmoid":
         return torch.sigmoid(x)
     if score_fn == "softmax":
@@ -135,7 +133,7 @@ def moe_permute(x: torch.Tensor, ids: torch.Tensor, num_experts: int, weights: t
 def moe_unpermute(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """y[t] = sum_j weights[t, j] * y_sorted[row of copy t*k+j]; dropped copies add nothing."""
     k = weights.shape[1]
-    acc = _acc_dtype(y_sorted)
+    acc = accumulation_dtype(y_sorted)
     used = row_map >= 0
     copies = row_map[used].long()
     contrib = y_sorted[used].to(acc) * weights.reshape(-1)[copies].to(acc)[:, None]
@@ -147,7 +145,7 @@ def moe_unpermute(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """out[rows of expert e] = a[rows] @ b[e]; rows of expert e are [offs[e-1], offs[e]); rows
     past offs[-1] are zero. a [M,K], b [E,K,N] (any strides), offs [E] int32."""
-    acc = _acc_dtype(a)
+    acc = accumulation_dtype(a)
     out = torch.zeros(a.shape[0], b.shape[2], dtype=acc, device=a.device)
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -158,7 +156,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 def grouped_mm_wgrad(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """out[e] = a[rows of e]^T @ dy[rows of e]: the weight gradient of grouped_mm, [E, K, N]."""
-    acc = _acc_dtype(a)
+    acc = accumulation_dtype(a)
     out = torch.zeros(offs.shape[0], a.shape[1], dy.shape[1], dtype=acc, device=a.device)
     start = 0
     for e, end in enumerate(offs.tolist()):
