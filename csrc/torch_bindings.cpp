@@ -43,7 +43,9 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   m.def("lightning_indexer_bwd(Tensor q, Tensor k, Tensor w, Tensor indices, Tensor grad_scores) "
         "-> (Tensor, Tensor, Tensor)");
   // Sparse attention: o [T,H,dv], lse [T,H] fp32, p [T,Hkv,topk] fp32 ([0] unless return_p).
-  m.def("sparse_attn_fwd(Tensor q, Tensor kv, Tensor indices, float scale, int dv, Tensor? gate, bool return_p) "
+  // deterministic only travels to the backward: bitwise-reproducible dkv.
+  m.def("sparse_attn_fwd(Tensor q, Tensor kv, Tensor indices, float scale, int dv, Tensor? gate, bool return_p, "
+        "bool deterministic=False) "
         "-> (Tensor, Tensor, Tensor)");
   // (dq, dkv, dgate); dgate is [0] without a gate.
   m.def("sparse_attn_bwd(Tensor grad_o, Tensor q, Tensor kv, Tensor indices, Tensor o, Tensor lse, float scale, "

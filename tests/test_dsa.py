@@ -1,7 +1,8 @@
 """DSA ops (lightning indexer, sparse attention and their gradients) against the float64
 reference and dense masked attention: varlen, fewer visible keys than topk, repeated keys, rows
 without keys, GQA and MQA layouts, opcheck, torch.compile(fullgraph=True), the indexer's KL loss,
-and bad inputs. CPU kernels in this release (CUDA tensors raise a clear error)."""
+and bad inputs; the CUDA kernels (bf16/fp16) against the same reference, their deterministic dkv
+and their limits."""
 
 import math
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 import kda_dsa_ops as K
 from kda_dsa_ops import reference as R
 
-from helpers import opcheck
+from helpers import opcheck, poison
 from strategies import SEEDS, seqlens
 from tolerances import assert_close
 
@@ -225,8 +226,131 @@ def test_dsa_bad_inputs_raise():
         li(qi, ki, w, cu, cu_of([5]), 2)
 
 
+# ---- CUDA kernels (bf16/fp16 operands) against the float64 reference on the same rounded inputs ----
+
+HALF = [torch.bfloat16, torch.float16]
+
+
 @pytest.mark.cuda
-def test_dsa_cuda_says_not_built_yet():
+@given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=300), extra_keys=st.lists(st.integers(0, 40), min_size=3,
+       max_size=3), topk=st.sampled_from([1, 7, 64, 200, 2048]), Hi=st.sampled_from([1, 5, 64]),
+       Di=st.sampled_from([8, 40, 128]), dtype=st.sampled_from(HALF))
+def test_lightning_indexer_cuda_matches_reference(seed, lens, extra_keys, topk, Hi, Di, dtype):
+    """Integer inputs make every score exact, so indices (ties included) and scores must match
+    exactly; sequences longer than the candidate buffer exercise its cut back to top-k."""
+    torch.manual_seed(seed)
+    klens = [n + e for n, e in zip(lens, extra_keys)]
+    T, Tk = sum(lens), sum(klens)
+    q, k, w = small_ints(T, Hi, Di, dtype=dtype), small_ints(Tk, Di, dtype=dtype), small_ints(T, Hi, dtype=dtype)
+    poison("cuda")
+    idx, sc = K.lightning_indexer(q.cuda(), k.cuda(), w.cuda(), cu_of(lens).cuda(), cu_of(klens).cuda(), topk)
+    idx_ref, sc_ref = R.lightning_indexer(q.to(F64), k.to(F64), w.to(F64), cu_of(lens), cu_of(klens), topk)
+    assert idx.dtype == torch.int32 and sc.dtype == torch.float32
+    assert torch.equal(idx.cpu(), idx_ref)
+    assert torch.equal(sc.cpu().to(F64), sc_ref)
+
+
+@pytest.mark.cuda
+@given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=120), topk=st.sampled_from([1, 30, 64, 100]),
+       Hi=st.sampled_from([3, 64]), Di=st.sampled_from([16, 128]), dtype=st.sampled_from(HALF))
+def test_lightning_indexer_bwd_cuda_matches_reference(seed, lens, topk, Hi, Di, dtype):
+    torch.manual_seed(seed)
+    T = sum(lens)
+    q, k, w = torch.randn(T, Hi, Di).to(dtype), torch.randn(T, Di).to(dtype), torch.randn(T, Hi).to(dtype)
+    ins = [t.cuda().requires_grad_() for t in (q, k, w)]
+    poison("cuda")
+    idx, sc = K.lightning_indexer(*ins, cu_of(lens).cuda(), cu_of(lens).cuda(), topk)
+    g = torch.randn(sc.shape, dtype=sc.dtype, device="cuda").masked_fill(idx < 0, 0)
+    grads = torch.autograd.grad(sc.masked_fill(idx < 0, 0), ins, g)
+    ref = R.lightning_indexer_bwd(q.to(F64), k.to(F64), w.to(F64), idx.cpu(), g.cpu().to(F64))
+    # dk sums terms of both signs over many queries: measured against the size of those terms.
+    dk_terms = (g.abs().cpu().to(F64)[:, None, :, None] * w.abs().to(F64)[:, :, None, None]
+                * q.abs().to(F64)[:, :, None, :]).sum((0, 1, 2)).norm()
+    for name, a, b in zip(["dq", "dk", "dw"], grads, ref):
+        assert a.dtype == dtype
+        assert_close(a, b, dtype, name, scale=dk_terms if name == "dk" else None)
+
+
+MLA = (1, 576, 512)
+
+
+@pytest.mark.cuda
+@given(seed=SEEDS, T=st.integers(1, 20), Tk=st.integers(1, 300),
+       layout=st.sampled_from([MLA, (2, 128, 128), (4, 64, 48), (1, 32, 32)]), G=st.sampled_from([1, 5, 16, 64, 128]),
+       topk=st.sampled_from([1, 37, 64, 2048]), gated=st.booleans(), dtype=st.sampled_from(HALF))
+def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, gated, dtype):
+    torch.manual_seed(seed)
+    Hkv, D, dv = layout
+    q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated)
+    ins = [t.cuda().requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
+    poison("cuda")
+    o, lse, p = K.sparse_attention(ins[0], ins[1], idx.cuda(), 0.1, dv, ins[2] if gated else None, return_p=True)
+    ref_ins = [t.to(F64).requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
+    o_ref, lse_ref, p_ref = R.sparse_attn_fwd(ref_ins[0], ref_ins[1], idx, 0.1, dv, ref_ins[2] if gated else None,
+                                              return_p=True)
+    assert o.dtype == dtype and lse.dtype == torch.float32 and p.dtype == torch.float32
+    assert_close(o, o_ref, dtype, "o")
+    assert torch.equal(torch.isinf(lse).cpu(), torch.isinf(lse_ref))
+    lse_terms = 0.1 * ref_ins[0].detach().norm(dim=-1) * ref_ins[1].detach().norm(dim=-1).max()
+    assert_close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), dtype, "lse", scale=lse_terms)
+    assert_close(p, p_ref, dtype, "p")
+    do = torch.randn(o.shape).to(dtype)
+    grads = torch.autograd.grad(o, ins, do.cuda())
+    ref_grads = torch.autograd.grad(o_ref, ref_ins, do.to(F64))
+    scales = attn_grad_scales(ref_ins[0].detach(), ref_ins[1].detach(), do.to(F64), 0.1)
+    for name, a, b in zip(["dq", "dkv", "dgate"], grads, ref_grads):
+        assert a.dtype == dtype
+        assert_close(a, b, dtype, name, scale=scales.get(name))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", [MLA, (2, 128, 128)])
+def test_sparse_attention_cuda_deterministic_dkv(layout):
+    """deterministic=True: dkv bitwise equal over repeated runs, and equal to the atomic path
+    within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters."""
+    Hkv, D, dv = layout
+    q, kv, idx, gate = attn_case(64, 40, Hkv * 64, Hkv, D, dv, 256, torch.bfloat16, True)
+    q, kv, idx, gate = q.cuda().requires_grad_(), kv.cuda().requires_grad_(), idx.cuda(), gate.cuda()
+    do = torch.randn(64, Hkv * 64, dv, device="cuda").to(torch.bfloat16)
+
+    def dkv(deterministic):
+        o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, deterministic=deterministic)
+        return torch.autograd.grad(o, kv, do)[0]
+
+    first = dkv(True)
+    assert all(torch.equal(first, dkv(True)) for _ in range(3))
+    assert_close(dkv(False), first, torch.bfloat16, "dkv (atomic vs deterministic)")
+
+
+@pytest.mark.cuda
+def test_dsa_cuda_bad_inputs_raise():
     q, kv, idx, _ = attn_case(4, 6, 4, 2, 8, 8, 3, torch.float32, False)
-    with pytest.raises(RuntimeError, match="CUDA kernel is not in this build yet"):
-        K.sparse_attention(q.cuda(), kv.cuda(), idx.cuda(), 0.5, 8)
+    q, kv, idx = q.cuda(), kv.cuda(), idx.cuda()
+    with pytest.raises(RuntimeError, match="CUDA kernel takes bfloat16 or float16"):
+        K.sparse_attention(q, kv, idx, 0.5, 8)
+    with pytest.raises(RuntimeError, match="Dqk a multiple of 8"):
+        K.sparse_attention(torch.randn(4, 4, 136, device="cuda").half(), torch.randn(6, 2, 136, device="cuda").half(),
+                           idx, 0.5, 136)
+    qi, ki, w = torch.randn(6, 65, 8, device="cuda").half(), torch.randn(6, 8, device="cuda").half(), torch.randn(6, 65, device="cuda")
+    cu = cu_of([6]).cuda()
+    with pytest.raises(RuntimeError, match="up to 64 indexer heads"):
+        K.lightning_indexer(qi, ki, w, cu, cu, 2)
+    with pytest.raises(RuntimeError, match="Di a multiple of 8"):
+        K.lightning_indexer(qi[:, :4, :6].contiguous(), ki[:, :6].contiguous(), w[:, :4], cu, cu, 2)
+
+
+@pytest.mark.cuda
+def test_dsa_cuda_out_of_range_values_are_checked_or_ignored(value_checks):
+    """With value checks on, an out-of-range index raises; off, the kernels treat it as -1 and
+    read nothing outside kv."""
+    q, kv, idx, _ = attn_case(4, 6, 4, 1, 32, 32, 3, torch.bfloat16, False, empty_rows=False)
+    q, kv, bad = q.cuda(), kv.cuda(), idx.cuda().clone()
+    bad[0, 0, 0] = 6
+    with pytest.raises(RuntimeError, match=r"indices values must lie in \[-1, 6\)"):
+        K.sparse_attention(q, kv, bad, 0.5, 32)
+    K.set_value_checks(False)
+    minus = bad.clone()
+    minus[0, 0, 0] = -1
+    o_bad, _, _ = K.sparse_attention(q, kv, bad, 0.5, 32)
+    o_ref, _, _ = K.sparse_attention(q, kv, minus, 0.5, 32)
+    assert torch.equal(o_bad, o_ref)

@@ -6,7 +6,8 @@
 #   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [bench|bench-quick] ...   (default: all, full bench)
 #
 # Environment: KDA_DSA_OPS_COMMIT (commit id recorded in the results when .git is absent),
-# TEST_ARGS (extra pytest arguments), BENCH_ONLY (families for bench/run_all.py --only),
+# TEST_ARGS (extra pytest arguments), SANITIZE (scripts for compute-sanitizer, default
+# tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only),
 # MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline) are
 # installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
 # keeps fla's autotuning between calls.
@@ -55,7 +56,7 @@ for step in "${steps[@]}"; do
       tail -15 "$OUT/tests.log" | tee -a "$summary"
       ;;
     sanitize)
-      run_step sanitize 400 bash -c 'for script in tools/sanitize_*.py; do for tool in memcheck racecheck; do
+      run_step sanitize 400 bash -c 'for script in ${SANITIZE:-tools/sanitize_*.py}; do for tool in memcheck racecheck; do
           echo "== $tool $script"; compute-sanitizer --tool $tool --error-exitcode 9 python3 $script || exit $?
         done; done'
       grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|sanitize_" "$OUT/sanitize.log" | tee -a "$summary"

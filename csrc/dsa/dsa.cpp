@@ -14,10 +14,11 @@ constexpr auto kFloating = {at::kBFloat16, at::kHalf, at::kFloat, at::kDouble};
 
 at::Tensor to_acc(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
-// The CUDA kernels of this family are not built yet: say so instead of the dispatcher's message.
-void check_cpu(const at::Tensor& t, const char* op) {
-  TORCH_CHECK(!t.is_cuda(), op, ": the CUDA kernel is not in this build yet; run it on CPU tensors or use "
-              "kda_dsa_ops.reference");
+// The CUDA kernels take 16-bit operands (fp32 accumulation) and these head sizes.
+void check_cuda_dtype(const at::Tensor& q, const char* op) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, op,
+              ": the CUDA kernel takes bfloat16 or float16 inputs, got ", q.scalar_type(),
+              " (float32/float64 run on CPU tensors or through kda_dsa_ops.reference)");
 }
 
 void check_topk(int64_t topk, const char* op) {
@@ -44,6 +45,19 @@ IndexerShapes check_indexer_inputs(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(w.size(0) == s.T && w.size(1) == s.Hi, op, ": w must be [T, Hi] = [", s.T, ", ", s.Hi, "], got ",
               shape_str(w));
   return s;
+}
+
+void check_indexer_cuda(const IndexerShapes& s, const at::Tensor& q, const char* op) {
+  check_cuda_dtype(q, op);
+  TORCH_CHECK(s.Hi <= 64, op, ": the CUDA kernel takes up to 64 indexer heads, got Hi = ", s.Hi);
+  TORCH_CHECK(s.Di % 8 == 0 && s.Di <= 128, op, ": the CUDA kernel takes Di a multiple of 8 up to 128, got Di = ", s.Di);
+}
+
+void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) {
+  check_cuda_dtype(q, op);
+  TORCH_CHECK(p.Dqk % 8 == 0 && (p.Dqk <= 128 || (p.Dqk <= 576 && p.dv <= 512)), op,
+              ": the CUDA kernel takes Dqk a multiple of 8, up to 128 (GQA) or up to 576 with dv <= 512 (MLA), "
+              "got Dqk = ", p.Dqk, ", dv = ", p.dv);
 }
 
 AttnProblem check_attn_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices, double scale,
@@ -89,11 +103,17 @@ std::tuple<at::Tensor, at::Tensor> lightning_indexer_fwd(const at::Tensor& q, co
   TORCH_CHECK(check_cu_seqlens(cu_seqlens_k, s.Tk, q, op, "cu_seqlens_k", "Tk") == N, op,
               ": cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got ", N, " and ",
               cu_seqlens_k.size(0) - 1);
-  check_cpu(q, op);
   const auto acc = accumulation_type(q);
   const IndexerProblem p{s.T, s.Tk, s.Hi, s.Di, N, topk, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()};
   at::Tensor indices = at::empty({s.T, topk}, q.options().dtype(at::kInt));
   at::Tensor scores = at::empty({s.T, topk}, q.options().dtype(acc));
+#ifdef KDA_DSA_OPS_WITH_CUDA
+  if (q.is_cuda()) {
+    check_indexer_cuda(s, q, op);
+    indexer_fwd_cuda(p, q.contiguous(), k.contiguous(), to_acc(w, at::kFloat), indices, scores);
+    return {indices, scores};
+  }
+#endif
   indexer_fwd_cpu(p, to_acc(q, acc), to_acc(k, acc), to_acc(w, acc), indices, scores);
   return {indices, scores};
 }
@@ -112,11 +132,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lightning_indexer_bwd(const at::T
               shape_str(indices), ", got ", shape_str(grad_scores));
   check_topk(indices.size(1), op);
   check_index_range(indices, -1, s.Tk, op, "indices");
-  check_cpu(q, op);
   const auto acc = accumulation_type(q);
-  at::Tensor dq = at::zeros({s.T, s.Hi, s.Di}, q.options().dtype(acc));
   at::Tensor dk = at::zeros({s.Tk, s.Di}, q.options().dtype(acc));
   at::Tensor dw = at::zeros({s.T, s.Hi}, q.options().dtype(acc));
+#ifdef KDA_DSA_OPS_WITH_CUDA
+  if (q.is_cuda()) {
+    check_indexer_cuda(s, q, op);
+    at::Tensor dq = at::empty({s.T, s.Hi, s.Di}, q.options());
+    indexer_bwd_cuda(q.contiguous(), k.contiguous(), to_acc(w, at::kFloat), indices.contiguous(),
+                     to_acc(grad_scores, at::kFloat), dq, dk, dw);
+    return {dq, dk.to(k.scalar_type()), dw.to(w.scalar_type())};
+  }
+#endif
+  at::Tensor dq = at::zeros({s.T, s.Hi, s.Di}, q.options().dtype(acc));
   indexer_bwd_cpu(to_acc(q, acc), to_acc(k, acc), to_acc(w, acc), indices.contiguous(), to_acc(grad_scores, acc), dq,
                   dk, dw);
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dw.to(w.scalar_type())};
@@ -124,11 +152,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lightning_indexer_bwd(const at::T
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd(const at::Tensor& q, const at::Tensor& kv,
                                                                const at::Tensor& indices, double scale, int64_t dv,
-                                                               const std::optional<at::Tensor>& gate, bool return_p) {
+                                                               const std::optional<at::Tensor>& gate, bool return_p,
+                                                               bool deterministic) {
   constexpr const char* op = "sparse_attn_fwd";
   const AttnProblem p = check_attn_inputs(q, kv, indices, scale, dv, gate, op);
-  check_cpu(q, op);
+  (void)deterministic;  // a flag for the backward (autograd keeps it); the forward always is
   const auto acc = accumulation_type(q);
+#ifdef KDA_DSA_OPS_WITH_CUDA
+  if (q.is_cuda()) {
+    check_attn_cuda(p, q, op);
+    at::Tensor o = at::empty({p.T, p.H, dv}, q.options());
+    at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(at::kFloat));
+    at::Tensor probs = return_p ? at::zeros({p.T, p.Hkv, p.topk}, q.options().dtype(at::kFloat)) : at::Tensor();
+    attn_fwd_cuda(p, q.contiguous(), kv.contiguous(), indices.contiguous(),
+                  gate.has_value() ? gate->to(q.scalar_type()).contiguous() : at::Tensor(), o, lse, probs);
+    return {o, lse, return_p ? probs : at::empty({0}, q.options().dtype(at::kFloat))};
+  }
+#endif
   at::Tensor o = at::empty({p.T, p.H, dv}, q.options().dtype(acc));
   at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(acc));
   at::Tensor probs = return_p ? at::zeros({p.T, p.Hkv, p.topk}, q.options().dtype(acc)) : at::Tensor();
@@ -153,7 +193,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd(const at::Tensor&
   TORCH_CHECK(lse.sizes() == at::IntArrayRef({p.T, p.H}), op, ": lse must be [T, H] = [", p.T, ", ", p.H, "], got ",
               shape_str(lse));
   check_same_device(lse, q, "lse", "q");
-  check_cpu(q, op);
+#ifdef KDA_DSA_OPS_WITH_CUDA
+  if (q.is_cuda()) {
+    check_attn_cuda(p, q, op);
+    const auto half = q.scalar_type();
+    at::Tensor dq = at::empty({p.T, p.H, p.Dqk}, q.options());
+    at::Tensor dkv = at::zeros({p.Tk * p.Hkv + 1, p.Dqk}, q.options().dtype(at::kFloat));
+    at::Tensor dgate = gate.has_value() ? at::empty({p.T, p.H, dv}, q.options()) : at::Tensor();
+    attn_bwd_cuda(p, grad_o.to(half).contiguous(), q.contiguous(), kv.contiguous(), indices.contiguous(),
+                  o.to(half).contiguous(), lse.to(at::kFloat).contiguous(),
+                  gate.has_value() ? gate->to(half).contiguous() : at::Tensor(), deterministic, dq, dkv, dgate);
+    return {dq, dkv.narrow(0, 0, p.Tk * p.Hkv).view({p.Tk, p.Hkv, p.Dqk}).to(kv.scalar_type()),
+            gate.has_value() ? dgate.to(gate->scalar_type()) : at::empty({0}, q.options())};
+  }
+#endif
   (void)deterministic;  // the CPU kernel accumulates dkv in one fixed order: always deterministic
   const auto acc = accumulation_type(q);
   at::Tensor dq = at::zeros({p.T, p.H, p.Dqk}, q.options().dtype(acc));

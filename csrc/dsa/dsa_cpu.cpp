@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "dsa/dsa.h"
@@ -35,24 +34,21 @@ void indexer_fwd_impl(const IndexerProblem& p, const T* q, const T* k, const T* 
         // Bottom-right aligned causality: query i sees keys j <= i + Lk - Lq.
         const int64_t visible = std::max<int64_t>(0, std::min(Lk, i + Lk - Lq + 1));
         s.resize(visible);
+        order.clear();
         for (int64_t j = 0; j < visible; ++j) {
           T acc = 0;
           for (int64_t h = 0; h < p.Hi; ++h) {
             acc += w[t * p.Hi + h] * std::max(T(0), dot(q + (t * p.Hi + h) * p.Di, k + (ks + j) * p.Di, p.Di));
           }
           s[j] = acc;
+          if (std::isfinite(acc)) order.push_back(static_cast<int32_t>(j));  // a non-finite score is never selected
         }
-        const int64_t m = std::min(p.topk, visible);
-        order.resize(visible);
-        std::iota(order.begin(), order.end(), 0);
-        // Score descending, ties to the lower index; NaN ranks last.
-        std::partial_sort(order.begin(), order.begin() + m, order.end(), [&](int32_t a, int32_t b) {
-          const bool na = std::isnan(s[a]), nb = std::isnan(s[b]);
-          if (na != nb) return nb;
-          return s[a] > s[b] || (!(s[b] > s[a]) && a < b);
-        });
+        const int64_t m = std::min<int64_t>(p.topk, order.size());
+        // Score descending, ties to the lower index.
+        std::partial_sort(order.begin(), order.begin() + m, order.end(),
+                          [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
         for (int64_t r = 0; r < p.topk; ++r) {
-          const bool keep = r < m && std::isfinite(s[order[r]]);
+          const bool keep = r < m;
           indices[t * p.topk + r] = keep ? static_cast<int32_t>(ks + order[r]) : -1;
           scores[t * p.topk + r] = keep ? s[order[r]] : -std::numeric_limits<T>::infinity();
         }

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from .. import ops
 from .. import reference as R
 
@@ -40,15 +42,19 @@ def _reference_sparse_attn(q, kv, indices, scale, dv, gate):
     return o, p
 
 
-# The DSA kernels run on the CPU so far: on CUDA tensors the native backend takes their reference
-# definitions (same interface, same results) until the CUDA kernels land.
+# The DSA CUDA kernels take bf16/fp16 operands: a model run in fp32 on a GPU takes their
+# reference definitions (same interface, same results) for those two ops.
+def _dsa_native(q):
+    return not q.is_cuda or q.dtype in (torch.bfloat16, torch.float16)
+
+
 def _native_indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
-    fn = R.lightning_indexer if q.is_cuda else ops.lightning_indexer
+    fn = ops.lightning_indexer if _dsa_native(q) else R.lightning_indexer
     return fn(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
 
 
 def _native_sparse_attn(q, kv, indices, scale, dv, gate):
-    if q.is_cuda:
+    if not _dsa_native(q):
         return _reference_sparse_attn(q, kv, indices, scale, dv, gate)
     o, _, p = ops.sparse_attention(q, kv, indices, scale, dv, gate, return_p=True)
     return o, p

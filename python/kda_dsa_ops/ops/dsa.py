@@ -1,8 +1,12 @@
 """DSA ops: the lightning indexer (fused scoring + top-k) and gated sparse attention over the
 selected keys, with their gradients. Semantics are defined in kda_dsa_ops.reference.dsa.
 
-This release runs them on CPU tensors; the CUDA kernels are the next step (CUDA tensors raise a
-clear error; kda_dsa_ops.reference has the same functions in PyTorch).
+CPU tensors: every floating dtype (fp32 accumulation, fp64 for fp64). CUDA tensors: bf16 or fp16
+q/k/kv (fp32 accumulation on the tensor cores), indexer heads Hi <= 64 with Di <= 128, attention
+head dims Dqk <= 128 (GQA) or Dqk <= 576 with dv <= 512 (MLA); other cases raise a clear error
+(kda_dsa_ops.reference has the same functions in PyTorch). On CUDA, value checks of indices and
+cu_seqlens need a host copy and run only with kda_dsa_ops.set_value_checks(True); unchecked,
+an index outside [0, Tk) counts as -1 and keys outside [0, Tk) are never read.
 """
 
 from __future__ import annotations
@@ -41,14 +45,16 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     Returns o [T, H, dv] in q's dtype, lse [T, H] fp32 (natural log, -inf for a row with no key)
     and, with return_p, p [T, Hkv, topk] fp32: the probabilities summed over the heads of each kv
     head (for the indexer's KL loss). o is differentiable w.r.t. q, kv and gate; lse and p are
-    not. deterministic: bitwise-reproducible dkv (the CPU kernel always is).
+    not. deterministic: bitwise-reproducible dkv (the CPU kernel always is; the CUDA kernel
+    otherwise adds dkv with atomics, and with it stores each (query, key) term and sums them
+    in index order: slower, more memory traffic).
     """
     Dqk = q.shape[-1]
     if scale is None:
         scale = Dqk ** -0.5
     if dv is None:
         dv = 512 if Dqk == 576 else Dqk
-    o, lse, p = _ops.sparse_attn_fwd(q, kv, indices, float(scale), dv, gate, return_p)
+    o, lse, p = _ops.sparse_attn_fwd(q, kv, indices, float(scale), dv, gate, return_p, deterministic)
     return o, lse, (p if return_p else None)
 
 
@@ -64,7 +70,7 @@ def _(q, k, w, indices, grad_scores):
 
 
 @torch.library.register_fake("kda_dsa_ops::sparse_attn_fwd")
-def _(q, kv, indices, scale, dv, gate, return_p):
+def _(q, kv, indices, scale, dv, gate, return_p, deterministic=False):
     T, H, _ = q.shape
     p_shape = (T, kv.shape[1], indices.shape[2]) if return_p else (0,)
     return q.new_empty(T, H, dv), q.new_empty(T, H, dtype=accumulation_dtype(q)), q.new_empty(p_shape, dtype=accumulation_dtype(q))
@@ -89,16 +95,17 @@ def _indexer_backward(ctx, grad_indices, grad_scores):
 
 
 def _attn_setup(ctx, inputs, output):
-    q, kv, indices, scale, dv, gate, _ = inputs
+    q, kv, indices, scale, dv, gate, _, deterministic = inputs
     ctx.save_for_backward(q, kv, indices, gate, output[0], output[1])
-    ctx.scale, ctx.dv = scale, dv
+    ctx.scale, ctx.dv, ctx.deterministic = scale, dv, deterministic
     ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _attn_backward(ctx, grad_o, grad_lse, grad_p):
     q, kv, indices, gate, o, lse = ctx.saved_tensors
-    dq, dkv, dgate = _ops.sparse_attn_bwd(grad_o.contiguous(), q, kv, indices, o, lse, ctx.scale, ctx.dv, gate, False)
-    return dq, dkv, None, None, None, (dgate if gate is not None else None), None
+    dq, dkv, dgate = _ops.sparse_attn_bwd(grad_o.contiguous(), q, kv, indices, o, lse, ctx.scale, ctx.dv, gate,
+                                          ctx.deterministic)
+    return dq, dkv, None, None, None, (dgate if gate is not None else None), None, None
 
 
 torch.library.register_autograd("kda_dsa_ops::lightning_indexer_fwd", _indexer_backward, setup_context=_indexer_setup)

@@ -33,7 +33,8 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seql
     """Top-k visible keys per query by indexer score.
 
     q [T,Hi,Di], k [Tk,Di], w [T,Hi]. Returns indices [T,topk] int32 (absolute rows of k, sorted
-    by score descending, ties to the lower index, -1 past the visible keys) and scores
+    by score descending, ties to the lower index, -1 past the visible keys; a key whose score is
+    not finite is never selected) and scores
     [T,topk] (fp32, fp64 for fp64 inputs; -inf where the index is -1).
     """
     if not 0 < topk <= MAX_TOPK:
@@ -48,7 +49,7 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seql
             continue
         s = indexer_scores(q[qs:qe], k[ks:ke], w[qs:qe])
         visible = torch.arange(Lk, device=q.device)[None, :] <= torch.arange(Lq, device=q.device)[:, None] + (Lk - Lq)
-        s = s.masked_fill(~visible, -math.inf)
+        s = s.masked_fill(~(visible & torch.isfinite(s)), -math.inf)  # a non-finite score is never selected
         order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :topk]
         top = s.gather(-1, order)
         n = order.shape[1]

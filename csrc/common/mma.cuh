@@ -1,0 +1,128 @@
+// Warp-level tensor-core primitives for 16-bit operands (sm_80+): mma.sync m16n8k16 with fp32
+// accumulation, ldmatrix fragment loads from shared memory and cp.async row gathers.
+//
+// Fragment layout (g = lane / 4, c = lane % 4): an accumulator tile of 16 x 8 holds
+// (row g, cols 2c, 2c+1) in d[0], d[1] and (row g + 8, same cols) in d[2], d[3].
+// The loaders below take tiles stored row-major in shared memory with a leading dimension ld
+// (elements); rows of 16 bytes must be 16-byte aligned and ld * 2 bytes an odd multiple of 16
+// keeps ldmatrix free of bank conflicts.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace kda_dsa_ops::mma {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// d += a b: a 16 x 16 (row), b 16 x 8 (col), T = __nv_bfloat16 or __half.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// A fragment (16 x 16) of a row-major tile: rows row0.., cols k0...
+template <typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* s, int ld, int row0, int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(a, s + (row0 + lane % 16) * ld + k0 + lane / 16 * 8);
+}
+
+// A fragment (16 x 16) of X^T where X is row-major [k][m]: A rows m0.., cols (X rows) k0...
+template <typename T>
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T* s, int ld, int m0, int k0) {
+  const int lane = threadIdx.x % 32, i = lane % 8, m = lane / 8;
+  ldmatrix_x4_trans(a, s + (k0 + i + m / 2 * 8) * ld + m0 + m % 2 * 8);
+}
+
+// B fragments of two 16 x 8 tiles (cols n0.. and n0 + 8..) of B = X^T, X row-major [n][k]:
+// b[0], b[1] for the first tile, b[2], b[3] for the second.
+template <typename T>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const T* s, int ld, int n0, int k0) {
+  const int lane = threadIdx.x % 32, i = lane % 8, m = lane / 8;
+  ldmatrix_x4(b, s + (n0 + i + m / 2 * 8) * ld + k0 + m % 2 * 8);
+}
+
+// The same for B row-major [k][n].
+template <typename T>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* s, int ld, int n0, int k0) {
+  const int lane = threadIdx.x % 32, i = lane % 8, m = lane / 8;
+  ldmatrix_x4_trans(b, s + (k0 + i + m % 2 * 8) * ld + n0 + m / 2 * 8);
+}
+
+// Two floats as one register of two 16-bit values (the lower column first).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// A fragment (16 x 16 over k) from two accumulator tiles (cols k0.. and k0 + 8..): the
+// probabilities of one key block feed the next product without a trip through shared memory.
+template <typename T>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack2<T>(lo[0], lo[1]);
+  a[1] = pack2<T>(lo[2], lo[3]);
+  a[2] = pack2<T>(hi[0], hi[1]);
+  a[3] = pack2<T>(hi[2], hi[3]);
+}
+
+// 16 bytes global -> shared, asynchronously.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(__cvta_generic_to_global(src))
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+// Copies cols [0, width) of `rows` rows into a row-major shared tile of leading dimension ld and
+// zero-fills cols [width, cols): src(r) is row r's global address or nullptr for a row of zeros.
+// width and cols multiples of 8; every thread of the block calls it.
+template <typename T, typename Src>
+__device__ __forceinline__ void gather_rows(T* dst, int ld, int rows, int width, int cols, Src src) {
+  const int chunks = cols / 8;
+  for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
+    const int r = i / chunks, c = i % chunks * 8;
+    const T* row = src(r);
+    if (row != nullptr && c < width) {
+      cp_async_16(dst + r * ld + c, row + c);
+    } else {
+      *reinterpret_cast<uint4*>(dst + r * ld + c) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+}  // namespace kda_dsa_ops::mma

@@ -1,0 +1,918 @@
+// DSA on CUDA, bf16/fp16 operands on the tensor cores (mma.sync m16n8k16, fp32 accumulation).
+//   LI forward    one block per query: its visible keys in tiles of 64 scored against the
+//                 query's heads, ReLU, weighted sum over heads; the scores go straight into a
+//                 shared-memory candidate buffer that is sorted and cut back to top-k whenever it
+//                 fills (the [T, Tk] matrix never exists); keys pass a threshold (the k-th best so
+//                 far) to enter it.
+//   LI backward   one block per query over its selected keys: dq and dw in registers, dk added to
+//                 an fp32 buffer.
+//   SFA forward   one block per (query, kv head, block of up to 64 heads) over the selected keys in
+//                 tiles of 64: online softmax, P V, the output gate in the epilogue, lse; with
+//                 return_p a second pass sums the final probabilities over the heads.
+//   SFA backward  the same blocks: dq in registers, dkv added to an fp32 buffer (atomically, or,
+//                 with deterministic, stored per (query, slot) and summed in index order).
+// Warps of a block: 16-row groups x 2 halves of the columns (keys or values).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
+
+#include "common/device.cuh"
+#include "common/dispatch.h"
+#include "common/mma.cuh"
+#include "dsa/dsa.h"
+
+namespace kda_dsa_ops::dsa {
+
+namespace {
+
+using namespace kda_dsa_ops::mma;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
+
+__device__ __forceinline__ int round16(int x) { return (x + 15) / 16 * 16; }
+
+// Stores two adjacent values of a row (cols col, col + 1; col even, width even or col + 1 checked).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* row, int col, int width, float a, float b) {
+  if (col < width) row[col] = from_float<T>(a);
+  if (col + 1 < width) row[col + 1] = from_float<T>(b);
+}
+
+// ---- lightning indexer, forward ---------------------------------------------------------
+
+constexpr int kIdxRows = 64;  // indexer heads per block (Hi <= 64)
+constexpr int kIdxKeys = 64;  // keys per tile
+constexpr int kIdxDim = 128;  // Di <= 128
+constexpr int kIdxLd = kIdxDim + 8;
+constexpr int kIdxThreads = 256;
+
+struct IndexerArgs {
+  const void* q;
+  const void* k;
+  const float* w;
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+  int N, Hi, Di, topk, cap;
+  int64_t Tk;  // keys outside [0, Tk) (bad cu_seqlens values) are never read
+  int32_t* indices;
+  float* scores;
+};
+
+// Sorts buf[0, count) ascending (the padding up to a power of two takes the largest key).
+__device__ void block_sort(uint64_t* buf, int count) {
+  int n = 2;
+  while (n < count) n *= 2;
+  for (int i = count + threadIdx.x; i < n; i += blockDim.x) buf[i] = ~uint64_t{0};
+  __syncthreads();
+  for (int k = 2; k <= n; k *= 2) {
+    for (int j = k / 2; j > 0; j /= 2) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int p = i ^ j;
+        if (p > i) {
+          const uint64_t a = buf[i], b = buf[p];
+          if ((a > b) == ((i & k) == 0)) {
+            buf[i] = b;
+            buf[p] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+__device__ __forceinline__ float from_descending_bits(uint32_t d) {
+  const uint32_t asc = ~d;
+  return __uint_as_float((asc & 0x80000000u) ? (asc & 0x7fffffffu) : ~asc);
+}
+
+// Candidates are (descending score bits << 32 | key): ascending order is score descending, ties
+// to the lower key; keys arrive in increasing order, so after a cut a later key that ties the
+// threshold ranks below it and is rightly refused.
+template <typename T>
+__global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kIdxRows * kIdxLd;
+  float* sW = reinterpret_cast<float*>(sK + kIdxKeys * kIdxLd);
+  float* colsum = sW + kIdxRows;  // [4][kIdxKeys]
+  uint64_t* buf = reinterpret_cast<uint64_t*>(colsum + 4 * kIdxKeys);
+  __shared__ int count;
+  __shared__ uint64_t threshold;
+
+  const T* q = static_cast<const T*>(a.q);
+  const T* k = static_cast<const T*>(a.k);
+  const int64_t t = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int wr = warp / 2, wc = warp % 2;
+
+  // The sequence of query t: the last n with cu_q[n] <= t.
+  int lo = 0, hi = a.N;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (a.cu_q[mid] <= t) lo = mid; else hi = mid;
+  }
+  const int64_t qs = a.cu_q[lo], Lq = a.cu_q[lo + 1] - qs, ks = a.cu_k[lo], Lk = a.cu_k[lo + 1] - ks;
+  int64_t visible = t - qs + Lk - Lq + 1;
+  if (visible > Lk) visible = Lk;
+  if (visible > a.Tk - ks) visible = a.Tk - ks;
+  if (visible < 0 || ks < 0) visible = 0;
+
+  gather_rows(sQ, kIdxLd, kIdxRows, a.Di, kIdxDim,
+              [&](int r) { return r < a.Hi ? q + (t * a.Hi + r) * a.Di : static_cast<const T*>(nullptr); });
+  for (int r = threadIdx.x; r < kIdxRows; r += blockDim.x) sW[r] = r < a.Hi ? a.w[t * a.Hi + r] : 0.f;
+  if (threadIdx.x == 0) {
+    count = 0;
+    threshold = ~uint64_t{0};
+  }
+  const int kd = round16(a.Di);
+
+  for (int64_t j0 = 0; j0 < visible; j0 += kIdxKeys) {
+    __syncthreads();
+    if (count > a.cap - kIdxKeys) {  // cut back to the top-k
+      block_sort(buf, count);
+      if (threadIdx.x == 0) {
+        count = a.topk;
+        threshold = buf[a.topk - 1];
+      }
+      __syncthreads();
+    }
+    gather_rows(sK, kIdxLd, kIdxKeys, a.Di, kIdxDim, [&](int r) {
+      return j0 + r < visible ? k + (ks + j0 + r) * a.Di : static_cast<const T*>(nullptr);
+    });
+    cp_async_wait_all();
+    __syncthreads();
+
+    float s[4][4] = {};
+    for (int kk = 0; kk < kd; kk += 16) {
+      uint32_t af[4];
+      load_a(af, sQ, kIdxLd, wr * 16, kk);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t bf[4];
+        load_b_nk(bf, sK, kIdxLd, wc * 32 + np * 16, kk);
+        mma_16816<T>(s[2 * np], af, bf[0], bf[1]);
+        mma_16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    const float w0 = sW[wr * 16 + g], w1 = sW[wr * 16 + g + 8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = fmaxf(s[j][e], 0.f) * w0 + fmaxf(s[j][2 + e], 0.f) * w1;
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) colsum[wr * kIdxKeys + wc * 32 + j * 8 + 2 * c + e] = v;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kIdxKeys && j0 + threadIdx.x < visible) {
+      const int col = threadIdx.x;
+      const float score = ((colsum[col] + colsum[kIdxKeys + col]) + colsum[2 * kIdxKeys + col]) + colsum[3 * kIdxKeys + col];
+      if (isfinite(score)) {
+        const uint64_t key = uint64_t{descending_bits(score)} << 32 | static_cast<uint32_t>(ks + j0 + col);
+        if (key < threshold) buf[atomicAdd(&count, 1)] = key;
+      }
+    }
+  }
+  __syncthreads();
+  const int n = count;
+  block_sort(buf, n);
+  for (int r = threadIdx.x; r < a.topk; r += blockDim.x) {
+    const bool keep = r < n;
+    a.indices[t * a.topk + r] = keep ? static_cast<int32_t>(buf[r] & 0xffffffffu) : -1;
+    a.scores[t * a.topk + r] = keep ? from_descending_bits(static_cast<uint32_t>(buf[r] >> 32)) : -INFINITY;
+  }
+}
+
+// ---- lightning indexer, backward --------------------------------------------------------
+
+struct IndexerBwdArgs {
+  const void* q;
+  const void* k;
+  const float* w;
+  const int32_t* indices;
+  const float* grad;
+  int64_t Tk;  // indices outside [0, Tk) count as -1
+  int Hi, Di, topk;
+  void* dq;
+  float* dk;
+  float* dw;
+};
+
+constexpr int kIdxLdC = kIdxKeys + 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kIdxThreads) indexer_bwd_kernel(IndexerBwdArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kIdxRows * kIdxLd;
+  T* sC = sK + kIdxKeys * kIdxLd;
+  float* sW = reinterpret_cast<float*>(sC + kIdxRows * kIdxLdC);
+  float* sG = sW + kIdxRows;
+  float* dw_part = sG + kIdxKeys;  // [2][kIdxRows]
+  int* sIdx = reinterpret_cast<int*>(dw_part + 2 * kIdxRows);
+
+  const T* q = static_cast<const T*>(a.q);
+  const T* k = static_cast<const T*>(a.k);
+  const int64_t t = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int wr = warp / 2, wc = warp % 2;
+  const int kd = round16(a.Di);
+
+  gather_rows(sQ, kIdxLd, kIdxRows, a.Di, kIdxDim,
+              [&](int r) { return r < a.Hi ? q + (t * a.Hi + r) * a.Di : static_cast<const T*>(nullptr); });
+  for (int r = threadIdx.x; r < kIdxRows; r += blockDim.x) sW[r] = r < a.Hi ? a.w[t * a.Hi + r] : 0.f;
+
+  float dq[8][4] = {};
+  float dw[2] = {0.f, 0.f};
+  for (int k0 = 0; k0 < a.topk; k0 += kIdxKeys) {
+    for (int i = threadIdx.x; i < kIdxKeys; i += blockDim.x) {
+      int key = k0 + i < a.topk ? a.indices[t * a.topk + k0 + i] : -1;
+      if (key >= a.Tk) key = -1;
+      sIdx[i] = key;
+      sG[i] = key >= 0 ? a.grad[t * a.topk + k0 + i] : 0.f;
+    }
+    __syncthreads();
+    gather_rows(sK, kIdxLd, kIdxKeys, a.Di, kIdxDim,
+                [&](int r) { return sIdx[r] >= 0 ? k + int64_t{sIdx[r]} * a.Di : static_cast<const T*>(nullptr); });
+    cp_async_wait_all();
+    __syncthreads();
+
+    float s[4][4] = {};
+    for (int kk = 0; kk < kd; kk += 16) {
+      uint32_t af[4];
+      load_a(af, sQ, kIdxLd, wr * 16, kk);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t bf[4];
+        load_b_nk(bf, sK, kIdxLd, wc * 32 + np * 16, kk);
+        mma_16816<T>(s[2 * np], af, bf[0], bf[1]);
+        mma_16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    // d score / d (q.k) = g w [q.k > 0]; d score / d w = g relu(q.k).
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = wc * 32 + j * 8 + 2 * c;
+      float coef[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float gk = sG[col + (e & 1)], d = s[j][e];
+        const bool active = d > 0.f;
+        dw[e / 2] += active ? gk * d : 0.f;
+        coef[e] = active ? gk * sW[wr * 16 + g + 8 * (e / 2)] : 0.f;
+      }
+      *reinterpret_cast<uint32_t*>(sC + (wr * 16 + g) * kIdxLdC + col) = pack2<T>(coef[0], coef[1]);
+      *reinterpret_cast<uint32_t*>(sC + (wr * 16 + g + 8) * kIdxLdC + col) = pack2<T>(coef[2], coef[3]);
+    }
+    __syncthreads();
+    // dq += C K (rows wr * 16.., cols wc * 64..).
+#pragma unroll
+    for (int kk = 0; kk < kIdxKeys; kk += 16) {
+      uint32_t af[4];
+      load_a(af, sC, kIdxLdC, wr * 16, kk);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bf[4];
+        load_b_kn(bf, sK, kIdxLd, wc * 64 + np * 16, kk);
+        mma_16816<T>(dq[2 * np], af, bf[0], bf[1]);
+        mma_16816<T>(dq[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    // dk[key] += (C^T Q)[key]: keys (warp % 4) * 16.., cols (warp / 4) * 64...
+    {
+      const int kg = warp % 4, n_base = warp / 4 * 64;
+      uint32_t at[4][4];
+#pragma unroll
+      for (int ks2 = 0; ks2 < 4; ++ks2) load_a_trans(at[ks2], sC, kIdxLdC, kg * 16, ks2 * 16);
+      for (int u = 0; u < 4; ++u) {
+        const int n0 = n_base + u * 16;
+        if (n0 >= kd) break;
+        float acc[2][4] = {};
+#pragma unroll
+        for (int ks2 = 0; ks2 < 4; ++ks2) {
+          uint32_t bf[4];
+          load_b_kn(bf, sQ, kIdxLd, n0, ks2 * 16);
+          mma_16816<T>(acc[0], at[ks2], bf[0], bf[1]);
+          mma_16816<T>(acc[1], at[ks2], bf[2], bf[3]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = sIdx[kg * 16 + g + 8 * h];
+          if (key < 0) continue;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = n0 + j * 8 + 2 * c;
+            if (col < a.Di) {
+              atomicAdd(reinterpret_cast<float2*>(a.dk + int64_t{key} * a.Di + col),
+                        make_float2(acc[j][2 * h], acc[j][2 * h + 1]));
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  T* dq_out = static_cast<T*>(a.dq);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = wr * 16 + g + 8 * h;
+    if (row >= a.Hi) continue;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      store_pair(dq_out + (t * a.Hi + row) * a.Di, wc * 64 + n * 8 + 2 * c, a.Di, dq[n][2 * h], dq[n][2 * h + 1]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    dw[h] += __shfl_xor_sync(0xffffffffu, dw[h], 1);
+    dw[h] += __shfl_xor_sync(0xffffffffu, dw[h], 2);
+    if (c == 0) dw_part[wc * kIdxRows + wr * 16 + g + 8 * h] = dw[h];
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < a.Hi; r += blockDim.x) a.dw[t * a.Hi + r] = dw_part[r] + dw_part[kIdxRows + r];
+}
+
+// ---- sparse attention ---------------------------------------------------------------------
+
+struct AttnArgs {
+  const void* q;
+  const void* kv;
+  const int32_t* indices;
+  const void* gate;  // nullptr: no gate
+  int64_t T, H, Hkv, Tk;  // indices outside [0, Tk) count as -1
+  int Dqk, dv, topk, G, head_blocks;
+  float scale;
+  // forward
+  void* o;
+  float* lse;
+  float* probs;  // nullptr: not asked for
+  // backward
+  const void* grad_o;
+  const void* o_in;
+  const float* lse_in;
+  void* dq;
+  float* dkv;      // atomics into [Tk, Hkv, Dqk]; nullptr: contributions into contrib
+  float* contrib;  // [(t - t0), Hkv, head_blocks, topk, Dqk]
+  void* dgate;
+  int64_t t0;
+};
+
+template <int kDqk, int kDv, int kRows>
+struct FwdShape {
+  static constexpr int kKeys = 64;
+  static constexpr int kWarps = kRows / 16 * 2;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kLd = kDqk + 8;
+  static constexpr int kLdP = kKeys + 8;
+  static constexpr int kVTiles = kDv / 2 / 8;  // value tiles per warp
+  template <typename T>
+  static constexpr size_t smem() {
+    return ((kRows + kKeys) * kLd + kRows * kLdP) * sizeof(T) + (4 * kRows + kRows / 16 * kKeys) * sizeof(float) +
+           kKeys * sizeof(int);
+  }
+};
+
+template <typename T, int kDqk, int kDv, int kRows>
+__global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd_kernel(AttnArgs a) {
+  using S = FwdShape<kDqk, kDv, kRows>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kRows * S::kLd;
+  T* sP = sK + S::kKeys * S::kLd;
+  float* red_max = reinterpret_cast<float*>(sP + kRows * S::kLdP);  // [2][kRows]
+  float* red_sum = red_max + 2 * kRows;                             // [2][kRows]
+  float* colsum = red_sum + 2 * kRows;                              // [kRows / 16][kKeys]
+  int* sIdx = reinterpret_cast<int*>(colsum + kRows / 16 * S::kKeys);
+
+  const T* q = static_cast<const T*>(a.q);
+  const T* kv = static_cast<const T*>(a.kv);
+  const int64_t t = blockIdx.x;
+  const int kvh = blockIdx.y, head0 = kvh * a.G + blockIdx.z * kRows, rows = min(kRows, a.G - blockIdx.z * kRows);
+  const int32_t* idx = a.indices + (t * a.Hkv + kvh) * a.topk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int wr = warp / 2, wc = warp % 2, r0 = wr * 16 + g;
+  const int kd = round16(a.Dqk);
+  const float sl2 = a.scale * kLog2e;
+
+  gather_rows(sQ, S::kLd, kRows, a.Dqk, kDqk, [&](int r) {
+    return r < rows ? q + (t * a.H + head0 + r) * a.Dqk : static_cast<const T*>(nullptr);
+  });
+  const auto load_tile = [&](int k0) {
+    for (int i = threadIdx.x; i < S::kKeys; i += blockDim.x) sIdx[i] = k0 + i < a.topk && idx[k0 + i] < a.Tk ? idx[k0 + i] : -1;
+    __syncthreads();
+    gather_rows(sK, S::kLd, S::kKeys, a.Dqk, kDqk, [&](int r) {
+      return sIdx[r] >= 0 ? kv + (int64_t{sIdx[r]} * a.Hkv + kvh) * a.Dqk : static_cast<const T*>(nullptr);
+    });
+    cp_async_wait_all();
+    __syncthreads();
+  };
+  // Logits in log2 units for rows r0, r0 + 8 and keys wc * 32.. (masked keys -inf).
+  const auto logits = [&](float (&s)[4][4]) {
+    for (int j = 0; j < 4; ++j) {
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+    }
+    for (int kk = 0; kk < kd; kk += 16) {
+      uint32_t af[4];
+      load_a(af, sQ, S::kLd, wr * 16, kk);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t bf[4];
+        load_b_nk(bf, sK, S::kLd, wc * 32 + np * 16, kk);
+        mma_16816<T>(s[2 * np], af, bf[0], bf[1]);
+        mma_16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = sIdx[wc * 32 + j * 8 + 2 * c + (e & 1)] >= 0 ? s[j][e] * sl2 : -INFINITY;
+    }
+  };
+
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  float o_acc[S::kVTiles][4] = {};
+  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys) {
+    load_tile(k0);
+    float s[4][4];
+    logits(s);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if (c == 0) red_max[wc * kRows + r0 + 8 * h] = mx[h];
+    }
+    __syncthreads();
+    float m_new[2], alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rr = r0 + 8 * h;
+      m_new[h] = fmaxf(m_run[h], fmaxf(red_max[rr], red_max[kRows + rr]));
+      alpha[h] = m_new[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m_new[h]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = m_new[e / 2] == -INFINITY ? 0.f : exp2f(s[j][e] - m_new[e / 2]);
+        s[j][e] = p;
+        sum[e / 2] += p;
+      }
+      const int col = wc * 32 + j * 8 + 2 * c;
+      *reinterpret_cast<uint32_t*>(sP + r0 * S::kLdP + col) = pack2<T>(s[j][0], s[j][1]);
+      *reinterpret_cast<uint32_t*>(sP + (r0 + 8) * S::kLdP + col) = pack2<T>(s[j][2], s[j][3]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+      if (c == 0) red_sum[wc * kRows + r0 + 8 * h] = sum[h];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rr = r0 + 8 * h;
+      l_run[h] = l_run[h] * alpha[h] + (red_sum[rr] + red_sum[kRows + rr]);
+      m_run[h] = m_new[h];
+    }
+#pragma unroll
+    for (int n = 0; n < S::kVTiles; ++n) {
+      o_acc[n][0] *= alpha[0];
+      o_acc[n][1] *= alpha[0];
+      o_acc[n][2] *= alpha[1];
+      o_acc[n][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < S::kKeys; kk += 16) {
+      uint32_t af[4];
+      load_a(af, sP, S::kLdP, wr * 16, kk);
+#pragma unroll
+      for (int np = 0; np < S::kVTiles / 2; ++np) {
+        uint32_t bf[4];
+        load_b_kn(bf, sK, S::kLd, wc * (kDv / 2) + np * 16, kk);
+        mma_16816<T>(o_acc[2 * np], af, bf[0], bf[1]);
+        mma_16816<T>(o_acc[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    __syncthreads();
+  }
+
+  T* out = static_cast<T*>(a.o);
+  const T* gate = static_cast<const T*>(a.gate);
+  float lse2[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = r0 + 8 * h;
+    lse2[h] = l_run[h] > 0.f ? m_run[h] + log2f(l_run[h]) : INFINITY;
+    if (rr >= rows) continue;
+    const int64_t row = t * a.H + head0 + rr;
+    const float inv = l_run[h] > 0.f ? 1.f / l_run[h] : 0.f;
+#pragma unroll
+    for (int n = 0; n < S::kVTiles; ++n) {
+      const int col = wc * (kDv / 2) + n * 8 + 2 * c;
+      float v[2] = {o_acc[n][2 * h] * inv, o_acc[n][2 * h + 1] * inv};
+      for (int e = 0; e < 2; ++e) {
+        if (gate != nullptr && col + e < a.dv) v[e] *= sigmoidf(to_float(gate[row * a.dv + col + e]));
+      }
+      store_pair(out + row * a.dv, col, a.dv, v[0], v[1]);
+    }
+    if (wc == 0 && c == 0) a.lse[row] = l_run[h] > 0.f ? lse2[h] * kLn2 : -INFINITY;
+  }
+  if (a.probs == nullptr) return;
+
+  // Second pass: the final probabilities summed over the block's heads.
+  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys) {
+    load_tile(k0);
+    float s[4][4];
+    logits(s);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = (r0 < rows ? exp2f(s[j][e] - lse2[0]) : 0.f) + (r0 + 8 < rows ? exp2f(s[j][2 + e] - lse2[1]) : 0.f);
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) colsum[wr * S::kKeys + wc * 32 + j * 8 + 2 * c + e] = v;
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < S::kKeys && k0 + i < a.topk; i += blockDim.x) {
+      float v = 0.f;
+      for (int r = 0; r < kRows / 16; ++r) v += colsum[r * S::kKeys + i];
+      float* dst = a.probs + (t * a.Hkv + kvh) * a.topk + k0 + i;
+      if (a.head_blocks == 1) {
+        *dst = v;
+      } else {
+        atomicAdd(dst, v);
+      }
+    }
+  }
+}
+
+template <int kDqk, int kDv, int kRows>
+struct BwdShape {
+  static constexpr int kKeys = 32;
+  static constexpr int kWarps = kRows / 16 * 2;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kLd = kDqk + 8;
+  static constexpr int kLdO = kDv + 8;
+  static constexpr int kLdP = kKeys + 8;
+  static constexpr int kQTiles = kDqk / 2 / 8;                   // dq tiles per warp
+  static constexpr int kUnitsPerWarp = kDqk / 16 / (kWarps / 2);  // 16-column dkv units per warp
+  static_assert(kDqk / 16 % (kWarps / 2) == 0, "dkv columns must split evenly over the warps");
+  template <typename T>
+  static constexpr size_t smem() {
+    return ((kRows + kKeys) * kLd + kRows * kLdO + 2 * kRows * kLdP) * sizeof(T) + 2 * kRows * sizeof(float) +
+           kKeys * sizeof(int);
+  }
+};
+
+template <typename T, int kDqk, int kDv, int kRows>
+__global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd_kernel(AttnArgs a) {
+  using S = BwdShape<kDqk, kDv, kRows>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kRows * S::kLd;
+  T* sO = sK + S::kKeys * S::kLd;  // d(attention output) = grad_o * sigmoid(gate)
+  T* sP = sO + kRows * S::kLdO;
+  T* sDS = sP + kRows * S::kLdP;
+  float* delta = reinterpret_cast<float*>(sDS + kRows * S::kLdP);
+  float* lse2 = delta + kRows;
+  int* sIdx = reinterpret_cast<int*>(lse2 + kRows);
+
+  const T* q = static_cast<const T*>(a.q);
+  const T* kv = static_cast<const T*>(a.kv);
+  const T* gate = static_cast<const T*>(a.gate);
+  const T* grad_o = static_cast<const T*>(a.grad_o);
+  const T* o = static_cast<const T*>(a.o_in);
+  const int64_t t = a.t0 + blockIdx.x;
+  const int kvh = blockIdx.y, head0 = kvh * a.G + blockIdx.z * kRows, rows = min(kRows, a.G - blockIdx.z * kRows);
+  const int32_t* idx = a.indices + (t * a.Hkv + kvh) * a.topk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int wr = warp / 2, wc = warp % 2, r0 = wr * 16 + g;
+  const int kd = round16(a.Dqk), kdv = round16(a.dv);
+  const float sl2 = a.scale * kLog2e;
+
+  gather_rows(sQ, S::kLd, kRows, a.Dqk, kDqk, [&](int r) {
+    return r < rows ? q + (t * a.H + head0 + r) * a.Dqk : static_cast<const T*>(nullptr);
+  });
+  // delta = sum(grad_o * o) (o gated), dgate = grad_o * o * (1 - sigmoid(gate)).
+  for (int r = warp; r < kRows; r += S::kWarps) {
+    const bool valid = r < rows;
+    const int64_t row = t * a.H + head0 + r;
+    float dsum = 0.f;
+    for (int d = lane; d < kDv; d += 32) {
+      float dd = 0.f, od = 0.f, sg = 1.f;
+      if (valid && d < a.dv) {
+        dd = to_float(grad_o[row * a.dv + d]);
+        od = to_float(o[row * a.dv + d]);
+        if (gate != nullptr) {
+          sg = sigmoidf(to_float(gate[row * a.dv + d]));
+          static_cast<T*>(a.dgate)[row * a.dv + d] = from_float<T>(dd * od * (1.f - sg));
+        }
+      }
+      dsum += dd * od;
+      sO[r * S::kLdO + d] = from_float<T>(dd * sg);
+    }
+    dsum = warp_reduce(dsum, SumOp{});
+    if (lane == 0) {
+      delta[r] = dsum;
+      const float l = valid ? a.lse_in[row] : -INFINITY;
+      lse2[r] = isfinite(l) ? l * kLog2e : INFINITY;
+    }
+  }
+
+  float dq[S::kQTiles][4] = {};
+  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys) {
+    for (int i = threadIdx.x; i < S::kKeys; i += blockDim.x) sIdx[i] = k0 + i < a.topk && idx[k0 + i] < a.Tk ? idx[k0 + i] : -1;
+    __syncthreads();
+    gather_rows(sK, S::kLd, S::kKeys, a.Dqk, kDqk, [&](int r) {
+      return sIdx[r] >= 0 ? kv + (int64_t{sIdx[r]} * a.Hkv + kvh) * a.Dqk : static_cast<const T*>(nullptr);
+    });
+    cp_async_wait_all();
+    __syncthreads();
+
+    // Logits and dP = dO V^T for rows wr * 16.., keys wc * 16...
+    float s[2][4] = {}, dp[2][4] = {};
+    for (int kk = 0; kk < kd; kk += 16) {
+      uint32_t af[4], bf[4];
+      load_a(af, sQ, S::kLd, wr * 16, kk);
+      load_b_nk(bf, sK, S::kLd, wc * 16, kk);
+      mma_16816<T>(s[0], af, bf[0], bf[1]);
+      mma_16816<T>(s[1], af, bf[2], bf[3]);
+    }
+    for (int kk = 0; kk < kdv; kk += 16) {
+      uint32_t af[4], bf[4];
+      load_a(af, sO, S::kLdO, wr * 16, kk);
+      load_b_nk(bf, sK, S::kLd, wc * 16, kk);
+      mma_16816<T>(dp[0], af, bf[0], bf[1]);
+      mma_16816<T>(dp[1], af, bf[2], bf[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = wc * 16 + j * 8 + 2 * c;
+      float p[4], ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = r0 + 8 * (e / 2);
+        p[e] = sIdx[col + (e & 1)] >= 0 ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
+        ds[e] = p[e] * (dp[j][e] - delta[rr]) * a.scale;
+      }
+      *reinterpret_cast<uint32_t*>(sP + r0 * S::kLdP + col) = pack2<T>(p[0], p[1]);
+      *reinterpret_cast<uint32_t*>(sP + (r0 + 8) * S::kLdP + col) = pack2<T>(p[2], p[3]);
+      *reinterpret_cast<uint32_t*>(sDS + r0 * S::kLdP + col) = pack2<T>(ds[0], ds[1]);
+      *reinterpret_cast<uint32_t*>(sDS + (r0 + 8) * S::kLdP + col) = pack2<T>(ds[2], ds[3]);
+    }
+    __syncthreads();
+    // dq += dS K (rows wr * 16.., cols wc * kDqk / 2..).
+#pragma unroll
+    for (int kk = 0; kk < S::kKeys; kk += 16) {
+      uint32_t af[4];
+      load_a(af, sDS, S::kLdP, wr * 16, kk);
+#pragma unroll
+      for (int np = 0; np < S::kQTiles / 2; ++np) {
+        uint32_t bf[4];
+        load_b_kn(bf, sK, S::kLd, wc * (kDqk / 2) + np * 16, kk);
+        mma_16816<T>(dq[2 * np], af, bf[0], bf[1]);
+        mma_16816<T>(dq[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    // dkv[key] += dS^T Q + P^T dO (value columns): keys (warp % 2) * 16.., column units of the warp.
+    {
+      const int kg = warp % 2, u0 = warp / 2 * S::kUnitsPerWarp;
+      uint32_t a_ds[kRows / 16][4], a_p[kRows / 16][4];
+#pragma unroll
+      for (int ks2 = 0; ks2 < kRows / 16; ++ks2) {
+        load_a_trans(a_ds[ks2], sDS, S::kLdP, kg * 16, ks2 * 16);
+        load_a_trans(a_p[ks2], sP, S::kLdP, kg * 16, ks2 * 16);
+      }
+      for (int u = u0; u < u0 + S::kUnitsPerWarp; ++u) {
+        const int n0 = u * 16;
+        if (n0 >= kd) break;
+        float acc[2][4] = {};
+#pragma unroll
+        for (int ks2 = 0; ks2 < kRows / 16; ++ks2) {
+          uint32_t bf[4];
+          load_b_kn(bf, sQ, S::kLd, n0, ks2 * 16);
+          mma_16816<T>(acc[0], a_ds[ks2], bf[0], bf[1]);
+          mma_16816<T>(acc[1], a_ds[ks2], bf[2], bf[3]);
+        }
+        if (n0 < kdv) {
+#pragma unroll
+          for (int ks2 = 0; ks2 < kRows / 16; ++ks2) {
+            uint32_t bf[4];
+            load_b_kn(bf, sO, S::kLdO, n0, ks2 * 16);
+            mma_16816<T>(acc[0], a_p[ks2], bf[0], bf[1]);
+            mma_16816<T>(acc[1], a_p[ks2], bf[2], bf[3]);
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int slot = kg * 16 + g + 8 * h, key = sIdx[slot];
+          if (key < 0) continue;
+          float* dst = a.dkv != nullptr
+                           ? a.dkv + (int64_t{key} * a.Hkv + kvh) * a.Dqk
+                           : a.contrib + ((((t - a.t0) * a.Hkv + kvh) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) *
+                                             int64_t{a.Dqk};
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = n0 + j * 8 + 2 * c;
+            if (col >= a.Dqk) continue;
+            const float2 v = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+            if (a.dkv != nullptr) {
+              atomicAdd(reinterpret_cast<float2*>(dst + col), v);
+            } else {
+              *reinterpret_cast<float2*>(dst + col) = v;
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  T* dq_out = static_cast<T*>(a.dq);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = r0 + 8 * h;
+    if (rr >= rows) continue;
+    T* dst = dq_out + (t * a.H + head0 + rr) * a.Dqk;
+#pragma unroll
+    for (int n = 0; n < S::kQTiles; ++n) {
+      store_pair(dst, wc * (kDqk / 2) + n * 8 + 2 * c, a.Dqk, dq[n][2 * h], dq[n][2 * h + 1]);
+    }
+  }
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const AttnArgs& args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<grid, threads, smem, c10::cuda::getCurrentCUDAStream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The kernel instance for the problem: head dims padded to 128 or to 576 / 512 (MLA), 16 or 64
+// heads per block. f(kernel, shape-tag) is called with the chosen instance.
+template <typename T, bool kForward, typename F>
+void with_attn_kernel(const AttnProblem& p, F&& f) {
+  const bool wide = p.Dqk > 128;
+  const bool tall = p.H / p.Hkv > 16;
+  const auto pick = [&](auto dqk, auto dv, auto rows) {
+    constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
+    if constexpr (kForward) {
+      using S = FwdShape<kDqk, kDv, kRows>;
+      f(attn_fwd_kernel<T, kDqk, kDv, kRows>, kRows, S::kThreads, S::template smem<T>());
+    } else {
+      using S = BwdShape<kDqk, kDv, kRows>;
+      f(attn_bwd_kernel<T, kDqk, kDv, kRows>, kRows, S::kThreads, S::template smem<T>());
+    }
+  };
+  using I128 = std::integral_constant<int, 128>;
+  using I576 = std::integral_constant<int, 576>;
+  using I512 = std::integral_constant<int, 512>;
+  using R16 = std::integral_constant<int, 16>;
+  using R64 = std::integral_constant<int, 64>;
+  if (wide) {
+    tall ? pick(I576{}, I512{}, R64{}) : pick(I576{}, I512{}, R16{});
+  } else {
+    tall ? pick(I128{}, I128{}, R64{}) : pick(I128{}, I128{}, R16{});
+  }
+}
+
+AttnArgs attn_args(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
+                   const at::Tensor& gate, int rows) {
+  AttnArgs a{};
+  a.q = q.data_ptr();
+  a.kv = kv.data_ptr();
+  a.indices = indices.data_ptr<int32_t>();
+  a.gate = gate.defined() ? gate.data_ptr() : nullptr;
+  a.T = p.T;
+  a.H = p.H;
+  a.Hkv = p.Hkv;
+  a.Tk = p.Tk;
+  a.Dqk = static_cast<int>(p.Dqk);
+  a.dv = static_cast<int>(p.dv);
+  a.topk = static_cast<int>(p.topk);
+  a.G = static_cast<int>(p.H / p.Hkv);
+  a.head_blocks = static_cast<int>(ceil_div(a.G, rows));
+  a.scale = static_cast<float>(p.scale);
+  return a;
+}
+
+}  // namespace
+
+void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,
+                      at::Tensor& indices, at::Tensor& scores) {
+  if (p.T == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  IndexerArgs a{q.data_ptr(), k.data_ptr(), w.data_ptr<float>(), p.cu_q.data_ptr<int32_t>(),
+                p.cu_k.data_ptr<int32_t>(), static_cast<int>(p.N), static_cast<int>(p.Hi), static_cast<int>(p.Di),
+                static_cast<int>(p.topk), 0, p.Tk, indices.data_ptr<int32_t>(), scores.data_ptr<float>()};
+  a.cap = 2;
+  while (a.cap < a.topk + kIdxKeys) a.cap *= 2;
+  const size_t smem = (kIdxRows + kIdxKeys) * kIdxLd * q.element_size() + (kIdxRows + 4 * kIdxKeys) * sizeof(float) +
+                      a.cap * sizeof(uint64_t);
+  KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "lightning_indexer", [&] {
+    auto kernel = indexer_fwd_kernel<scalar_t>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    kernel<<<p.T, kIdxThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, const at::Tensor& indices,
+                      const at::Tensor& grad_scores, at::Tensor& dq, at::Tensor& dk, at::Tensor& dw) {
+  if (q.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  IndexerBwdArgs a{q.data_ptr(),
+                   k.data_ptr(),
+                   w.data_ptr<float>(),
+                   indices.data_ptr<int32_t>(),
+                   grad_scores.data_ptr<float>(),
+                   k.size(0),
+                   static_cast<int>(q.size(1)),
+                   static_cast<int>(q.size(2)),
+                   static_cast<int>(indices.size(1)),
+                   dq.data_ptr(),
+                   dk.data_ptr<float>(),
+                   dw.data_ptr<float>()};
+  const size_t smem = ((kIdxRows + kIdxKeys) * kIdxLd + kIdxRows * kIdxLdC) * q.element_size() +
+                      (3 * kIdxRows + kIdxKeys) * sizeof(float) + kIdxKeys * sizeof(int);
+  KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "lightning_indexer_bwd", [&] {
+    auto kernel = indexer_bwd_kernel<scalar_t>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    kernel<<<q.size(0), kIdxThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
+                   const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
+    with_attn_kernel<scalar_t, true>(p, [&](auto kernel, int rows, int threads, size_t smem) {
+      AttnArgs a = attn_args(p, q, kv, indices, gate, rows);
+      a.o = o.data_ptr();
+      a.lse = lse.data_ptr<float>();
+      a.probs = probs.defined() ? probs.data_ptr<float>() : nullptr;
+      launch(kernel, dim3(p.T, p.Hkv, a.head_blocks), threads, smem, a);
+    });
+  });
+}
+
+void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
+                   const at::Tensor& indices, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate,
+                   bool deterministic, at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_bwd", [&] {
+    with_attn_kernel<scalar_t, false>(p, [&](auto kernel, int rows, int threads, size_t smem) {
+      AttnArgs a = attn_args(p, q, kv, indices, gate, rows);
+      a.grad_o = grad_o.data_ptr();
+      a.o_in = o.data_ptr();
+      a.lse_in = lse.data_ptr<float>();
+      a.dq = dq.data_ptr();
+      a.dgate = dgate.defined() ? dgate.data_ptr() : nullptr;
+      if (!deterministic) {
+        a.dkv = dkv.data_ptr<float>();
+        launch(kernel, dim3(p.T, p.Hkv, a.head_blocks), threads, smem, a);
+        return;
+      }
+      // Deterministic: each (query, slot) contribution is stored, then summed into dkv in index
+      // order by a sort-based accumulate, a chunk of queries at a time. dkv has one extra row that
+      // takes the slots without a key.
+      const int64_t per_query = p.Hkv * a.head_blocks * p.topk * p.Dqk;
+      const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 27) / std::max<int64_t>(per_query, 1));
+      at::Tensor contrib = at::empty({std::min(chunk, p.T) * per_query}, q.options().dtype(at::kFloat));
+      const at::Tensor rows_of = at::where(indices.ge(0).logical_and(indices.lt(p.Tk)), indices * p.Hkv + at::arange(p.Hkv, indices.options()).view({1, -1, 1}),
+                                           at::full({}, p.Tk * p.Hkv, indices.options()))
+                                     .to(at::kLong);
+      at::Tensor dkv_rows = dkv.view({-1, p.Dqk});
+      for (int64_t t0 = 0; t0 < p.T; t0 += chunk) {
+        const int64_t n = std::min(chunk, p.T - t0);
+        a.t0 = t0;
+        a.contrib = contrib.data_ptr<float>();
+        launch(kernel, dim3(n, p.Hkv, a.head_blocks), threads, smem, a);
+        const at::Tensor keys =
+            rows_of.narrow(0, t0, n).unsqueeze(2).expand({n, p.Hkv, a.head_blocks, p.topk}).reshape({-1});
+        dkv_rows.index_put_({keys}, contrib.narrow(0, 0, n * per_query).view({-1, p.Dqk}), /*accumulate=*/true);
+      }
+    });
+  });
+}
+
+}  // namespace kda_dsa_ops::dsa

@@ -1,0 +1,41 @@
+"""Runs every DSA CUDA kernel (indexer forward/backward, sparse attention forward/backward with
+atomic and deterministic dkv) on small awkward shapes, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python tools/sanitize_dsa.py
+    compute-sanitizer --tool racecheck python tools/sanitize_dsa.py
+"""
+
+import torch
+
+import kda_dsa_ops as K
+
+
+def main():
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    # indexer: varlen with an empty sequence, a sequence longer than the candidate buffer
+    lens, klens = [1, 0, 150, 37], [3, 2, 150, 40]
+    cu_q = torch.tensor([0] + lens, device=dev).cumsum(0).int()
+    cu_k = torch.tensor([0] + klens, device=dev).cumsum(0).int()
+    T, Tk = sum(lens), sum(klens)
+    for Hi, Di, topk in ((5, 40, 7), (64, 128, 64)):
+        q = torch.randn(T, Hi, Di, device=dev, dtype=bf16, requires_grad=True)
+        k = torch.randn(Tk, Di, device=dev, dtype=bf16, requires_grad=True)
+        w = torch.randn(T, Hi, device=dev, dtype=bf16, requires_grad=True)
+        idx, sc = K.lightning_indexer(q, k, w, cu_q, cu_k, topk)
+        torch.autograd.grad(sc.masked_fill(idx < 0, 0).sum(), (q, k, w))
+    # sparse attention: MLA with two head blocks, GQA with padded head dims; -1 entries, repeats
+    for T, Tk, H, Hkv, D, dv, topk in ((3, 70, 128, 1, 576, 512, 100), (5, 9, 6, 2, 40, 24, 33)):
+        q = torch.randn(T, H, D, device=dev, dtype=bf16, requires_grad=True)
+        kv = torch.randn(Tk, Hkv, D, device=dev, dtype=bf16, requires_grad=True)
+        gate = torch.randn(T, H, dv, device=dev, dtype=bf16, requires_grad=True)
+        idx = torch.randint(-1, Tk, (T, Hkv, topk), device=dev, dtype=torch.int32)
+        for det in (False, True):
+            o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, return_p=True, deterministic=det)
+            torch.autograd.grad(o.float().sum(), (q, kv, gate))
+    torch.cuda.synchronize()
+    print("sanitize_dsa: done")
+
+
+if __name__ == "__main__":
+    main()
