@@ -329,8 +329,11 @@ def test_dsa_cuda_bad_inputs_raise():
     with pytest.raises(RuntimeError, match="CUDA kernel takes bfloat16 or float16"):
         K.sparse_attention(q, kv, idx, 0.5, 8)
     with pytest.raises(RuntimeError, match="Dqk a multiple of 8"):
-        K.sparse_attention(torch.randn(4, 4, 136, device="cuda").half(), torch.randn(6, 2, 136, device="cuda").half(),
-                           idx, 0.5, 136)
+        K.sparse_attention(torch.randn(4, 4, 36, device="cuda").half(), torch.randn(6, 2, 36, device="cuda").half(),
+                           idx, 0.5, 36)
+    with pytest.raises(RuntimeError, match="up to 576 with dv <= 512"):
+        K.sparse_attention(torch.randn(4, 4, 584, device="cuda").half(), torch.randn(6, 2, 584, device="cuda").half(),
+                           idx, 0.5, 512)
     qi, ki, w = torch.randn(6, 65, 8, device="cuda").half(), torch.randn(6, 8, device="cuda").half(), torch.randn(6, 65, device="cuda")
     cu = cu_of([6]).cuda()
     with pytest.raises(RuntimeError, match="up to 64 indexer heads"):
