@@ -3,7 +3,8 @@ the native kernels and on the reference ops (tokens/s, peak memory), and the pla
 estimate for the same plan beside the measured peak (kda_dsa_ops.plan). Peak memory is what the
 CUDA allocator reports on a GPU; on the CPU it is the process's resident set (not comparable).
 
-    python bench/bench_train.py [--config small] [--tokens 4096] [--steps 10] [--lora-rank 16] [--quick] [--out DIR]
+    python bench/bench_train.py [--config small] [--tokens 4096] [--steps 10] [--reference-steps 2] [--lora-rank 16]
+                                [--quick] [--out DIR]
 
 bf16 weights on CUDA (fp32 on the CPU), one sequence of --tokens tokens per step, AdamW on the
 trainable parameters.
@@ -42,17 +43,19 @@ def run(cfg, backend: str, args, device: torch.device) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(args.warmup):
+    # The reference ops (a Python loop over tokens for KDA) take far longer per step: fewer steps.
+    steps, warmup = (args.reference_steps, 1) if backend == "reference" else (args.steps, args.warmup)
+    for _ in range(warmup):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         loss = step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / args.steps
+    seconds = (time.perf_counter() - start) / steps
     return {"backend": backend, "step_s": seconds, "tokens_per_s": args.tokens / seconds,
             "peak_mb": peak_memory_mb(device), "loss": loss.item()}
 
@@ -63,6 +66,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reference-steps", type=int, default=2, help="timed steps of the reference run (after one warm-up)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--recompute", choices=HybridModel.RECOMPUTE, default="none")
     p.add_argument("--backends", nargs="+", default=["native", "reference"])
@@ -71,7 +75,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="3 timed steps of 1024 tokens")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.tokens = 3, 1024
+        args.steps, args.reference_steps, args.tokens = 3, 1, 1024
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = get_config(args.config)
     runs = []

@@ -1,0 +1,196 @@
+"""Expert parallelism + FSDP2 over NCCL on the GPUs of one host: equivalence with one GPU, weak
+scaling, all-to-all bandwidth and how much of it the micro-batch overlap hides.
+
+    torchrun --nproc-per-node N bench/bench_ep.py [--config small] [--tokens 4096] [--steps 6] [--out DIR]
+
+- equivalence: the ep = N run (each rank its own sequence) against the unsharded model on one GPU
+  fed all N sequences: loss and every trainable gradient, relative RMS (bf16 autocast on both).
+- weak scaling: --tokens per GPU fixed; step time and tokens/s for every ep dividing N and the
+  experts, with the dispatch in one piece (micro-batches 1) and in two overlapped halves (2).
+- all-to-all: all_to_all_single over the ep group with the per-layer dispatch and combine sizes of
+  this model (tokens x top-k rows of the latent width, bf16), GB/s sent per GPU.
+- hidden share: (step time with micro-batches 1 - with 2) / (the step's all-to-all time, 4 per
+  MoE layer: dispatch and combine forward and backward, timed alone); an estimate, since the
+  split also changes the experts' GEMM sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import RESULTS_DIR, commit_id, gpu_tag
+from kda_dsa_ops.models import HybridModel, get_config
+from kda_dsa_ops.parallel import apply_fsdp, build_mesh, reduce_expert_gradients, shard_experts
+
+
+def batch(cfg, rank: int, tokens: int, device):
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randint(0, cfg.vocab, (tokens,), generator=g)
+    labels = torch.roll(x, -1)
+    labels[-1] = -100
+    return x.to(device), torch.tensor([0, tokens], dtype=torch.int32, device=device), labels.to(device)
+
+
+def global_batch(cfg, world: int, tokens: int, device):
+    parts = [batch(cfg, r, tokens, device) for r in range(world)]
+    cu = torch.arange(world + 1, dtype=torch.int32, device=device) * tokens
+    return torch.cat([p[0] for p in parts]), cu, torch.cat([p[2] for p in parts])
+
+
+def make_model(cfg, args, device, mesh=None, micro_batches=1):
+    torch.manual_seed(0)  # the same weights on every rank and in the one-GPU model
+    model = HybridModel(cfg, lora_rank=args.lora_rank).to(device)
+    if mesh is not None:
+        shard_experts(model, mesh, micro_batches)
+        apply_fsdp(model)
+    return model
+
+
+def loss_and_grads(model, inputs, mesh=None):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(*inputs)["loss"]
+    loss.backward()
+    if mesh is not None:
+        reduce_expert_gradients(model, mesh)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+             for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().float(), grads
+
+
+def rel_rms(a, b) -> float:
+    d = b.float().norm().item()
+    return (a.float() - b.float()).norm().item() / d if d else (a.float() - b.float()).norm().item()
+
+
+def equivalence(cfg, args, device, world) -> dict:
+    mesh = build_mesh(world, world, cfg.experts, "cuda")
+    model = make_model(cfg, args, device, mesh)
+    loss, grads = loss_and_grads(model, batch(cfg, dist.get_rank(), args.tokens, device), mesh)
+    del model
+    out = {}
+    if dist.get_rank() == 0:
+        ref = make_model(cfg, args, device)
+        ref_loss, ref_grads = loss_and_grads(ref, global_batch(cfg, world, args.tokens, device))
+        del ref
+        # this rank's experts: the first slice of each expert tensor
+        errs = {}
+        for n, g in grads.items():
+            r = ref_grads[n]
+            if r.shape != g.shape:
+                r = r[:g.shape[0]]
+            errs[n] = rel_rms(g, r)
+        out = {"loss": loss.item(), "loss_one_gpu": ref_loss.item(), "loss_rel_err": abs(loss.item() / ref_loss.item() - 1),
+               "grad_rel_rms_max": max(errs.values()), "grad_rel_rms_worst": max(errs, key=errs.get),
+               "grads_compared": len(errs)}
+    torch.cuda.empty_cache()
+    return out
+
+
+def step_time(cfg, args, device, world, ep, micro_batches) -> float:
+    mesh = build_mesh(world, ep, cfg.experts, "cuda")
+    model = make_model(cfg, args, device, mesh, micro_batches)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    inputs = batch(cfg, dist.get_rank(), args.tokens, device)
+    times = []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(*inputs)["loss"]
+        loss.backward()
+        reduce_expert_gradients(model, mesh)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    t = torch.tensor(sorted(times)[len(times) // 2], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    del model, opt
+    torch.cuda.empty_cache()
+    return t.item()
+
+
+def all_to_all_gbps(cfg, args, device, world) -> dict:
+    mesh = build_mesh(world, world, cfg.experts, "cuda")
+    group = mesh["ep"].get_group()
+    rows = args.tokens * cfg.moe_topk
+    x = torch.randn(rows, cfg.latent, device=device, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    for _ in range(5):
+        dist.all_to_all_single(y, x, group=group)
+    torch.cuda.synchronize()
+    n = 20
+    start = time.perf_counter()
+    for _ in range(n):
+        dist.all_to_all_single(y, x, group=group)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / n
+    sent = x.numel() * x.element_size() * (world - 1) / world  # bytes leaving each GPU
+    return {"bytes_per_gpu": x.numel() * x.element_size(), "seconds": seconds, "gbps_per_gpu": sent / seconds / 1e9}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="small")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = get_config(args.config, capacity_factor=None)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    result = {"config": args.config, "world": world, "tokens_per_gpu": args.tokens, "lora_rank": args.lora_rank}
+    result["equivalence"] = equivalence(cfg, args, device, world)
+    say("equivalence:", result["equivalence"], flush=True)
+    a2a = all_to_all_gbps(cfg, args, device, world)
+    result["all_to_all"] = a2a
+    say(f"all-to-all ({a2a['bytes_per_gpu'] / 2**20:.1f} MiB per GPU): {a2a['seconds'] * 1e3:.3f} ms, "
+        f"{a2a['gbps_per_gpu']:.0f} GB/s sent per GPU", flush=True)
+    moe_layers = cfg.layers  # every block ends in a LatentMoE
+    scaling = []
+    for ep in [e for e in range(1, world + 1) if world % e == 0 and cfg.experts % e == 0]:
+        row = {"ep": ep}
+        for mb in (1, 2):
+            s = step_time(cfg, args, device, world, ep, mb)
+            row[f"step_s_mb{mb}"] = s
+            row[f"tokens_per_s_mb{mb}"] = args.tokens * world / s
+        if ep > 1:
+            a2a_step = 4 * moe_layers * a2a["seconds"]
+            row["a2a_s_per_step"] = a2a_step
+            row["hidden_share"] = (row["step_s_mb1"] - row["step_s_mb2"]) / a2a_step
+        scaling.append(row)
+        say(row, flush=True)
+    result["scaling"] = scaling
+    if rank == 0:
+        meta = {"commit": commit_id(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+        out_dir = args.out or RESULTS_DIR
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"{gpu_tag()}x{world}-{datetime.date.today().isoformat()}-ep.json")
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "result": result}, f, indent=1)
+        say(f"wrote {path}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
