@@ -123,6 +123,17 @@ def read_config(directory: str, family: str = "kimi-hybrid") -> HybridConfig:
     return cfg
 
 
+def dsa_cuda_limits(cfg: HybridConfig) -> str | None:
+    """Why the DSA CUDA kernels cannot take this model's shapes, or None (they run in bf16/fp16:
+    a model run in fp32 on a GPU takes the reference for these ops)."""
+    dqk, dv = cfg.dsa_kv_rank + cfg.dsa_rope_dim, cfg.dsa_kv_rank
+    if cfg.index_heads > 64 or cfg.index_dim % 8 or cfg.index_dim > 128:
+        return f"the CUDA indexer takes up to 64 heads of a multiple of 8 up to 128, got {cfg.index_heads} x {cfg.index_dim}"
+    if dqk % 8 or not (dqk <= 128 or (dqk <= 576 and dv <= 512)):
+        return f"the CUDA sparse attention takes Dqk <= 128, or <= 576 with dv <= 512 (multiples of 8), got {dqk} / {dv}"
+    return None
+
+
 def fused_ops(cfg: HybridConfig, device: str) -> list[str]:
     """Which op each block will run on, or why it falls back to reference/."""
     cuda = device == "cuda"
@@ -131,8 +142,10 @@ def fused_ops(cfg: HybridConfig, device: str) -> list[str]:
         if kind == "K":
             attn = "KDA: kda_fwd / kda_bwd (native)"
         else:
-            attn = ("LI + SFA: reference (the DSA CUDA kernels are not in this build)" if cuda
-                    else "LI + SFA: lightning_indexer + sparse_attn (native)")
+            attn = "LI + SFA: lightning_indexer + sparse_attn (native)"
+            why = dsa_cuda_limits(cfg) if cuda else None
+            if why:
+                attn = f"LI + SFA: reference ({why})"
         aligned = cfg.latent % 8 == 0 and cfg.expert_ffn % 8 == 0
         moe = ("grouped GEMM: grouped_mm (native)" if aligned or not cuda
                else "grouped GEMM: needs latent and expert_ffn multiples of 8 on CUDA")
