@@ -43,6 +43,32 @@ __device__ __forceinline__ void store_pair(T* row, int col, int width, float a, 
   if (col + 1 < width) row[col + 1] = from_float<T>(b);
 }
 
+// s += Q K^T for rows row0.. (16) and keys key0.. (32) of row-major shared tiles (leading
+// dimension ld), over the first kd columns (a multiple of 16): four 16 x 8 accumulator tiles.
+template <typename T>
+__device__ __forceinline__ void warp_qk_16x32(float (&s)[4][4], const T* sQ, const T* sK, int ld, int row0, int key0,
+                                              int kd) {
+  for (int kk = 0; kk < kd; kk += 16) {
+    uint32_t af[4];
+    load_a(af, sQ, ld, row0, kk);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t bf[4];
+      load_b_nk(bf, sK, ld, key0 + np * 16, kk);
+      mma_16816<T>(s[2 * np], af, bf[0], bf[1]);
+      mma_16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+template <typename Kernel, typename Args>
+void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Args& args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<grid, threads, smem, c10::cuda::getCurrentCUDAStream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // ---- lightning indexer, forward ---------------------------------------------------------
 
 constexpr int kIdxRows = 64;  // indexer heads per block (Hi <= 64)
@@ -149,17 +175,7 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a)
     __syncthreads();
 
     float s[4][4] = {};
-    for (int kk = 0; kk < kd; kk += 16) {
-      uint32_t af[4];
-      load_a(af, sQ, kIdxLd, wr * 16, kk);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bf[4];
-        load_b_nk(bf, sK, kIdxLd, wc * 32 + np * 16, kk);
-        mma_16816<T>(s[2 * np], af, bf[0], bf[1]);
-        mma_16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
+    warp_qk_16x32(s, sQ, sK, kIdxLd, wr * 16, wc * 32, kd);
     const float w0 = sW[wr * 16 + g], w1 = sW[wr * 16 + g + 8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -247,17 +263,7 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_bwd_kernel(IndexerBwdArgs
     __syncthreads();
 
     float s[4][4] = {};
-    for (int kk = 0; kk < kd; kk += 16) {
-      uint32_t af[4];
-      load_a(af, sQ, kIdxLd, wr * 16, kk);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bf[4];
-        load_b_nk(bf, sK, kIdxLd, wc * 32 + np * 16, kk);
-        mma_16816<T>(s[2 * np], af, bf[0], bf[1]);
-        mma_16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
+    warp_qk_16x32(s, sQ, sK, kIdxLd, wr * 16, wc * 32, kd);
     // d score / d (q.k) = g w [q.k > 0]; d score / d w = g relu(q.k).
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -420,17 +426,7 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
     for (int j = 0; j < 4; ++j) {
       for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
     }
-    for (int kk = 0; kk < kd; kk += 16) {
-      uint32_t af[4];
-      load_a(af, sQ, S::kLd, wr * 16, kk);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bf[4];
-        load_b_nk(bf, sK, S::kLd, wc * 32 + np * 16, kk);
-        mma_16816<T>(s[2 * np], af, bf[0], bf[1]);
-        mma_16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
+    warp_qk_16x32(s, sQ, sK, S::kLd, wr * 16, wc * 32, kd);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -758,14 +754,6 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   }
 }
 
-template <typename Kernel>
-void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const AttnArgs& args) {
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<grid, threads, smem, c10::cuda::getCurrentCUDAStream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 // The kernel instance for the problem: head dims padded to 128 or to 576 / 512 (MLA), 16 or 64
 // heads per block. f(kernel, shape-tag) is called with the chosen instance.
 template <typename T, bool kForward, typename F>
@@ -828,10 +816,7 @@ void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Te
   const size_t smem = (kIdxRows + kIdxKeys) * kIdxLd * q.element_size() + (kIdxRows + 4 * kIdxKeys) * sizeof(float) +
                       a.cap * sizeof(uint64_t);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "lightning_indexer", [&] {
-    auto kernel = indexer_fwd_kernel<scalar_t>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<p.T, kIdxThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(indexer_fwd_kernel<scalar_t>, dim3(p.T), kIdxThreads, smem, a);
   });
 }
 
@@ -854,10 +839,7 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const size_t smem = ((kIdxRows + kIdxKeys) * kIdxLd + kIdxRows * kIdxLdC) * q.element_size() +
                       (3 * kIdxRows + kIdxKeys) * sizeof(float) + kIdxKeys * sizeof(int);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "lightning_indexer_bwd", [&] {
-    auto kernel = indexer_bwd_kernel<scalar_t>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<q.size(0), kIdxThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(indexer_bwd_kernel<scalar_t>, dim3(q.size(0)), kIdxThreads, smem, a);
   });
 }
 
