@@ -69,6 +69,80 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Args& args
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+constexpr size_t kMaxSmem = 227 * 1024;  // dynamic shared memory per block (sm_90)
+
+// Key tiles in shared memory. With kStages = 2 the next tile's rows are in flight (cp.async)
+// while the current one is used. Src (per thread): slots(b, k0) fills buffer b's per-slot data
+// for the tile of keys k0.. (shared arrays: no sync inside), row(b, r) is the global row of
+// slot r (nullptr: zeros).
+template <typename T, int kStages, int kKeys, typename Src>
+struct KeyTiles {
+  T* buf;  // kStages tiles of kKeys x ld
+  int ld, width, cols;
+  int64_t total;  // keys
+  Src src;
+  __device__ T* tile(int b) const { return buf + b * kKeys * ld; }
+  __device__ void fetch(int b) {
+    gather_rows(tile(b), ld, kKeys, width, cols, [&](int r) { return src.row(b, r); });
+    cp_async_commit();
+  }
+  // Before the loop (every thread).
+  __device__ void start() {
+    if constexpr (kStages == 2) {
+      src.slots(0, 0);
+      __syncthreads();
+      fetch(0);
+    }
+  }
+  // Tile it (keys k0..) in shared memory: returns its buffer. Every thread calls it, and calls
+  // __syncthreads() after its last use of the tile, before the next ready().
+  __device__ int ready(int it, int64_t k0) {
+    if constexpr (kStages == 1) {
+      src.slots(0, k0);
+      __syncthreads();
+      fetch(0);
+      cp_async_wait<0>();
+      __syncthreads();
+      return 0;
+    } else {
+      const int cur = it & 1;
+      const bool more = k0 + kKeys < total;
+      if (more) src.slots(cur ^ 1, k0 + kKeys);
+      __syncthreads();
+      if (more) {
+        fetch(cur ^ 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      return cur;
+    }
+  }
+};
+
+// Selected rows kv[sel[slot], kvh] (attention): slot -> key in idx[b][slot], -1 for none or
+// out of range.
+template <typename T, int kKeys>
+struct SelectedRows {
+  int* idx;  // [stages][kKeys], shared
+  const int32_t* sel;
+  int topk;
+  int64_t Tk, Hkv;
+  int kvh, D;
+  const T* kv;
+  __device__ void slots(int b, int64_t k0) {
+    for (int i = threadIdx.x; i < kKeys; i += blockDim.x) {
+      const int64_t j = k0 + i;
+      idx[b * kKeys + i] = j < topk && sel[j] < Tk ? sel[j] : -1;
+    }
+  }
+  __device__ const T* row(int b, int r) const {
+    const int j = idx[b * kKeys + r];
+    return j >= 0 ? kv + (int64_t{j} * Hkv + kvh) * D : nullptr;
+  }
+};
+
 // ---- lightning indexer, forward ---------------------------------------------------------
 
 constexpr int kIdxRows = 64;  // indexer heads per block (Hi <= 64)
@@ -117,6 +191,19 @@ __device__ __forceinline__ float from_descending_bits(uint32_t d) {
   return __uint_as_float((asc & 0x80000000u) ? (asc & 0x7fffffffu) : ~asc);
 }
 
+// Keys ks + k0 + r of one sequence, r < visible (the indexer's dense tiles).
+template <typename T>
+struct VisibleRows {
+  int64_t base[2];
+  int64_t ks, visible;
+  int D;
+  const T* k;
+  __device__ void slots(int b, int64_t k0) { base[b] = k0; }
+  __device__ const T* row(int b, int r) const {
+    return base[b] + r < visible ? k + (ks + base[b] + r) * D : nullptr;
+  }
+};
+
 // Candidates are (descending score bits << 32 | key): ascending order is score descending, ties
 // to the lower key; keys arrive in increasing order, so after a cut a later key that ties the
 // threshold ranks below it and is rightly refused.
@@ -124,8 +211,8 @@ template <typename T>
 __global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
-  T* sK = sQ + kIdxRows * kIdxLd;
-  float* sW = reinterpret_cast<float*>(sK + kIdxKeys * kIdxLd);
+  T* sK = sQ + kIdxRows * kIdxLd;  // 2 key tiles
+  float* sW = reinterpret_cast<float*>(sK + 2 * kIdxKeys * kIdxLd);
   float* colsum = sW + kIdxRows;  // [4][kIdxKeys]
   uint64_t* buf = reinterpret_cast<uint64_t*>(colsum + 4 * kIdxKeys);
   __shared__ int count;
@@ -157,8 +244,12 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a)
     threshold = ~uint64_t{0};
   }
   const int kd = round16(a.Di);
+  KeyTiles<T, 2, kIdxKeys, VisibleRows<T>> tiles{sK, kIdxLd, a.Di, kIdxDim, visible,
+                                                 VisibleRows<T>{{0, 0}, ks, visible, a.Di, k}};
+  tiles.start();
 
-  for (int64_t j0 = 0; j0 < visible; j0 += kIdxKeys) {
+  int it = 0;
+  for (int64_t j0 = 0; j0 < visible; j0 += kIdxKeys, ++it) {
     __syncthreads();
     if (count > a.cap - kIdxKeys) {  // cut back to the top-k
       block_sort(buf, count);
@@ -168,14 +259,9 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a)
       }
       __syncthreads();
     }
-    gather_rows(sK, kIdxLd, kIdxKeys, a.Di, kIdxDim, [&](int r) {
-      return j0 + r < visible ? k + (ks + j0 + r) * a.Di : static_cast<const T*>(nullptr);
-    });
-    cp_async_wait_all();
-    __syncthreads();
-
+    const T* tile = tiles.tile(tiles.ready(it, j0));
     float s[4][4] = {};
-    warp_qk_16x32(s, sQ, sK, kIdxLd, wr * 16, wc * 32, kd);
+    warp_qk_16x32(s, sQ, tile, kIdxLd, wr * 16, wc * 32, kd);
     const float w0 = sW[wr * 16 + g], w1 = sW[wr * 16 + g + 8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -210,6 +296,21 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a)
 
 // ---- lightning indexer, backward --------------------------------------------------------
 
+// The indexer's selected keys with their score gradients (0 where no key).
+template <typename T>
+struct IndexedRows {
+  SelectedRows<T, kIdxKeys> keys;
+  float* grad;  // [2][kIdxKeys], shared
+  const float* g;
+  __device__ void slots(int b, int64_t k0) {
+    keys.slots(b, k0);
+    for (int i = threadIdx.x; i < kIdxKeys; i += blockDim.x) {
+      grad[b * kIdxKeys + i] = keys.idx[b * kIdxKeys + i] >= 0 ? g[k0 + i] : 0.f;
+    }
+  }
+  __device__ const T* row(int b, int r) const { return keys.row(b, r); }
+};
+
 struct IndexerBwdArgs {
   const void* q;
   const void* k;
@@ -229,12 +330,12 @@ template <typename T>
 __global__ void __launch_bounds__(kIdxThreads) indexer_bwd_kernel(IndexerBwdArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
-  T* sK = sQ + kIdxRows * kIdxLd;
-  T* sC = sK + kIdxKeys * kIdxLd;
+  T* sK = sQ + kIdxRows * kIdxLd;  // 2 key tiles
+  T* sC = sK + 2 * kIdxKeys * kIdxLd;
   float* sW = reinterpret_cast<float*>(sC + kIdxRows * kIdxLdC);
-  float* sG = sW + kIdxRows;
-  float* dw_part = sG + kIdxKeys;  // [2][kIdxRows]
-  int* sIdx = reinterpret_cast<int*>(dw_part + 2 * kIdxRows);
+  float* sG = sW + kIdxRows;           // [2][kIdxKeys]
+  float* dw_part = sG + 2 * kIdxKeys;  // [2][kIdxRows]
+  int* sIdx = reinterpret_cast<int*>(dw_part + 2 * kIdxRows);  // [2][kIdxKeys]
 
   const T* q = static_cast<const T*>(a.q);
   const T* k = static_cast<const T*>(a.k);
@@ -249,21 +350,19 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_bwd_kernel(IndexerBwdArgs
 
   float dq[8][4] = {};
   float dw[2] = {0.f, 0.f};
-  for (int k0 = 0; k0 < a.topk; k0 += kIdxKeys) {
-    for (int i = threadIdx.x; i < kIdxKeys; i += blockDim.x) {
-      int key = k0 + i < a.topk ? a.indices[t * a.topk + k0 + i] : -1;
-      if (key >= a.Tk) key = -1;
-      sIdx[i] = key;
-      sG[i] = key >= 0 ? a.grad[t * a.topk + k0 + i] : 0.f;
-    }
-    __syncthreads();
-    gather_rows(sK, kIdxLd, kIdxKeys, a.Di, kIdxDim,
-                [&](int r) { return sIdx[r] >= 0 ? k + int64_t{sIdx[r]} * a.Di : static_cast<const T*>(nullptr); });
-    cp_async_wait_all();
-    __syncthreads();
+  KeyTiles<T, 2, kIdxKeys, IndexedRows<T>> tiles{
+      sK, kIdxLd, a.Di, kIdxDim, a.topk,
+      IndexedRows<T>{{sIdx, a.indices + t * a.topk, a.topk, a.Tk, 1, 0, a.Di, k}, sG, a.grad + t * a.topk}};
+  tiles.start();
+  int it = 0;
+  for (int k0 = 0; k0 < a.topk; k0 += kIdxKeys, ++it) {
+    const int b = tiles.ready(it, k0);
+    const T* sKt = tiles.tile(b);
+    const int* sIdxt = sIdx + b * kIdxKeys;
+    const float* sGt = sG + b * kIdxKeys;
 
     float s[4][4] = {};
-    warp_qk_16x32(s, sQ, sK, kIdxLd, wr * 16, wc * 32, kd);
+    warp_qk_16x32(s, sQ, sKt, kIdxLd, wr * 16, wc * 32, kd);
     // d score / d (q.k) = g w [q.k > 0]; d score / d w = g relu(q.k).
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -271,7 +370,7 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_bwd_kernel(IndexerBwdArgs
       float coef[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float gk = sG[col + (e & 1)], d = s[j][e];
+        const float gk = sGt[col + (e & 1)], d = s[j][e];
         const bool active = d > 0.f;
         dw[e / 2] += active ? gk * d : 0.f;
         coef[e] = active ? gk * sW[wr * 16 + g + 8 * (e / 2)] : 0.f;
@@ -288,7 +387,7 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_bwd_kernel(IndexerBwdArgs
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t bf[4];
-        load_b_kn(bf, sK, kIdxLd, wc * 64 + np * 16, kk);
+        load_b_kn(bf, sKt, kIdxLd, wc * 64 + np * 16, kk);
         mma_16816<T>(dq[2 * np], af, bf[0], bf[1]);
         mma_16816<T>(dq[2 * np + 1], af, bf[2], bf[3]);
       }
@@ -312,7 +411,7 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_bwd_kernel(IndexerBwdArgs
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int key = sIdx[kg * 16 + g + 8 * h];
+          const int key = sIdxt[kg * 16 + g + 8 * h];
           if (key < 0) continue;
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
@@ -380,11 +479,12 @@ struct FwdShape {
   static constexpr int kLd = kDqk + 8;
   static constexpr int kLdP = kKeys + 8;
   static constexpr int kVTiles = kDv / 2 / 8;  // value tiles per warp
-  template <typename T>
-  static constexpr size_t smem() {
-    return ((kRows + kKeys) * kLd + kRows * kLdP) * sizeof(T) + (4 * kRows + kRows / 16 * kKeys) * sizeof(float) +
-           kKeys * sizeof(int);
+  static constexpr size_t bytes(int stages) {  // 16-bit operands
+    return ((kRows + stages * kKeys) * kLd + kRows * kLdP) * 2 + (4 * kRows + kRows / 16 * kKeys) * sizeof(float) +
+           stages * kKeys * sizeof(int);
   }
+  static constexpr int kStages = bytes(2) <= kMaxSmem ? 2 : 1;  // key tiles in flight
+  static constexpr size_t kSmem = bytes(kStages);
 };
 
 template <typename T, int kDqk, int kDv, int kRows>
@@ -392,12 +492,12 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   using S = FwdShape<kDqk, kDv, kRows>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
-  T* sK = sQ + kRows * S::kLd;
-  T* sP = sK + S::kKeys * S::kLd;
+  T* sK = sQ + kRows * S::kLd;  // kStages key tiles
+  T* sP = sK + S::kStages * S::kKeys * S::kLd;
   float* red_max = reinterpret_cast<float*>(sP + kRows * S::kLdP);  // [2][kRows]
   float* red_sum = red_max + 2 * kRows;                             // [2][kRows]
   float* colsum = red_sum + 2 * kRows;                              // [kRows / 16][kKeys]
-  int* sIdx = reinterpret_cast<int*>(colsum + kRows / 16 * S::kKeys);
+  int* sIdx = reinterpret_cast<int*>(colsum + kRows / 16 * S::kKeys);  // [kStages][kKeys]
 
   const T* q = static_cast<const T*>(a.q);
   const T* kv = static_cast<const T*>(a.kv);
@@ -412,34 +512,33 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   gather_rows(sQ, S::kLd, kRows, a.Dqk, kDqk, [&](int r) {
     return r < rows ? q + (t * a.H + head0 + r) * a.Dqk : static_cast<const T*>(nullptr);
   });
-  const auto load_tile = [&](int k0) {
-    for (int i = threadIdx.x; i < S::kKeys; i += blockDim.x) sIdx[i] = k0 + i < a.topk && idx[k0 + i] < a.Tk ? idx[k0 + i] : -1;
-    __syncthreads();
-    gather_rows(sK, S::kLd, S::kKeys, a.Dqk, kDqk, [&](int r) {
-      return sIdx[r] >= 0 ? kv + (int64_t{sIdx[r]} * a.Hkv + kvh) * a.Dqk : static_cast<const T*>(nullptr);
-    });
-    cp_async_wait_all();
-    __syncthreads();
-  };
-  // Logits in log2 units for rows r0, r0 + 8 and keys wc * 32.. (masked keys -inf).
-  const auto logits = [&](float (&s)[4][4]) {
+  using Tiles = KeyTiles<T, S::kStages, S::kKeys, SelectedRows<T, S::kKeys>>;
+  const Tiles tiles0{sK, S::kLd, a.Dqk, kDqk, a.topk,
+                     SelectedRows<T, S::kKeys>{sIdx, idx, a.topk, a.Tk, a.Hkv, kvh, a.Dqk, kv}};
+  // Logits in log2 units for rows r0, r0 + 8 and keys wc * 32.. of tile buffer b (masked keys -inf).
+  const auto logits = [&](float (&s)[4][4], const Tiles& tiles, int b) {
     for (int j = 0; j < 4; ++j) {
       for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
     }
-    warp_qk_16x32(s, sQ, sK, S::kLd, wr * 16, wc * 32, kd);
+    warp_qk_16x32(s, sQ, tiles.tile(b), S::kLd, wr * 16, wc * 32, kd);
+    const int* slot = sIdx + b * S::kKeys;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = sIdx[wc * 32 + j * 8 + 2 * c + (e & 1)] >= 0 ? s[j][e] * sl2 : -INFINITY;
+      for (int e = 0; e < 4; ++e) s[j][e] = slot[wc * 32 + j * 8 + 2 * c + (e & 1)] >= 0 ? s[j][e] * sl2 : -INFINITY;
     }
   };
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   float o_acc[S::kVTiles][4] = {};
-  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys) {
-    load_tile(k0);
+  Tiles tiles = tiles0;
+  tiles.start();
+  int it = 0;
+  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys, ++it) {
+    const int b = tiles.ready(it, k0);
+    const T* sKt = tiles.tile(b);
     float s[4][4];
-    logits(s);
+    logits(s, tiles, b);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -499,7 +598,7 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 #pragma unroll
       for (int np = 0; np < S::kVTiles / 2; ++np) {
         uint32_t bf[4];
-        load_b_kn(bf, sK, S::kLd, wc * (kDv / 2) + np * 16, kk);
+        load_b_kn(bf, sKt, S::kLd, wc * (kDv / 2) + np * 16, kk);
         mma_16816<T>(o_acc[2 * np], af, bf[0], bf[1]);
         mma_16816<T>(o_acc[2 * np + 1], af, bf[2], bf[3]);
       }
@@ -531,10 +630,13 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   if (a.probs == nullptr) return;
 
   // Second pass: the final probabilities summed over the block's heads.
-  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys) {
-    load_tile(k0);
+  Tiles again = tiles0;
+  again.start();
+  it = 0;
+  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys, ++it) {
+    const int b = again.ready(it, k0);
     float s[4][4];
-    logits(s);
+    logits(s, again, b);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -571,11 +673,12 @@ struct BwdShape {
   static constexpr int kQTiles = kDqk / 2 / 8;                   // dq tiles per warp
   static constexpr int kUnitsPerWarp = kDqk / 16 / (kWarps / 2);  // 16-column dkv units per warp
   static_assert(kDqk / 16 % (kWarps / 2) == 0, "dkv columns must split evenly over the warps");
-  template <typename T>
-  static constexpr size_t smem() {
-    return ((kRows + kKeys) * kLd + kRows * kLdO + 2 * kRows * kLdP) * sizeof(T) + 2 * kRows * sizeof(float) +
-           kKeys * sizeof(int);
+  static constexpr size_t bytes(int stages) {  // 16-bit operands
+    return ((kRows + stages * kKeys) * kLd + kRows * kLdO + 2 * kRows * kLdP) * 2 + 2 * kRows * sizeof(float) +
+           stages * kKeys * sizeof(int);
   }
+  static constexpr int kStages = bytes(2) <= kMaxSmem ? 2 : 1;  // key tiles in flight
+  static constexpr size_t kSmem = bytes(kStages);
 };
 
 template <typename T, int kDqk, int kDv, int kRows>
@@ -583,13 +686,13 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   using S = BwdShape<kDqk, kDv, kRows>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
-  T* sK = sQ + kRows * S::kLd;
-  T* sO = sK + S::kKeys * S::kLd;  // d(attention output) = grad_o * sigmoid(gate)
+  T* sK = sQ + kRows * S::kLd;                // kStages key tiles
+  T* sO = sK + S::kStages * S::kKeys * S::kLd;  // d(attention output) = grad_o * sigmoid(gate)
   T* sP = sO + kRows * S::kLdO;
   T* sDS = sP + kRows * S::kLdP;
   float* delta = reinterpret_cast<float*>(sDS + kRows * S::kLdP);
   float* lse2 = delta + kRows;
-  int* sIdx = reinterpret_cast<int*>(lse2 + kRows);
+  int* sIdx = reinterpret_cast<int*>(lse2 + kRows);  // [kStages][kKeys]
 
   const T* q = static_cast<const T*>(a.q);
   const T* kv = static_cast<const T*>(a.kv);
@@ -634,28 +737,28 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   }
 
   float dq[S::kQTiles][4] = {};
-  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys) {
-    for (int i = threadIdx.x; i < S::kKeys; i += blockDim.x) sIdx[i] = k0 + i < a.topk && idx[k0 + i] < a.Tk ? idx[k0 + i] : -1;
-    __syncthreads();
-    gather_rows(sK, S::kLd, S::kKeys, a.Dqk, kDqk, [&](int r) {
-      return sIdx[r] >= 0 ? kv + (int64_t{sIdx[r]} * a.Hkv + kvh) * a.Dqk : static_cast<const T*>(nullptr);
-    });
-    cp_async_wait_all();
-    __syncthreads();
+  KeyTiles<T, S::kStages, S::kKeys, SelectedRows<T, S::kKeys>> tiles{
+      sK, S::kLd, a.Dqk, kDqk, a.topk, SelectedRows<T, S::kKeys>{sIdx, idx, a.topk, a.Tk, a.Hkv, kvh, a.Dqk, kv}};
+  tiles.start();
+  int it = 0;
+  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys, ++it) {
+    const int b = tiles.ready(it, k0);
+    const T* sKt = tiles.tile(b);
+    const int* sIdxt = sIdx + b * S::kKeys;
 
     // Logits and dP = dO V^T for rows wr * 16.., keys wc * 16...
     float s[2][4] = {}, dp[2][4] = {};
     for (int kk = 0; kk < kd; kk += 16) {
       uint32_t af[4], bf[4];
       load_a(af, sQ, S::kLd, wr * 16, kk);
-      load_b_nk(bf, sK, S::kLd, wc * 16, kk);
+      load_b_nk(bf, sKt, S::kLd, wc * 16, kk);
       mma_16816<T>(s[0], af, bf[0], bf[1]);
       mma_16816<T>(s[1], af, bf[2], bf[3]);
     }
     for (int kk = 0; kk < kdv; kk += 16) {
       uint32_t af[4], bf[4];
       load_a(af, sO, S::kLdO, wr * 16, kk);
-      load_b_nk(bf, sK, S::kLd, wc * 16, kk);
+      load_b_nk(bf, sKt, S::kLd, wc * 16, kk);
       mma_16816<T>(dp[0], af, bf[0], bf[1]);
       mma_16816<T>(dp[1], af, bf[2], bf[3]);
     }
@@ -666,7 +769,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int rr = r0 + 8 * (e / 2);
-        p[e] = sIdx[col + (e & 1)] >= 0 ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
+        p[e] = sIdxt[col + (e & 1)] >= 0 ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
         ds[e] = p[e] * (dp[j][e] - delta[rr]) * a.scale;
       }
       *reinterpret_cast<uint32_t*>(sP + r0 * S::kLdP + col) = pack2<T>(p[0], p[1]);
@@ -683,7 +786,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
 #pragma unroll
       for (int np = 0; np < S::kQTiles / 2; ++np) {
         uint32_t bf[4];
-        load_b_kn(bf, sK, S::kLd, wc * (kDqk / 2) + np * 16, kk);
+        load_b_kn(bf, sKt, S::kLd, wc * (kDqk / 2) + np * 16, kk);
         mma_16816<T>(dq[2 * np], af, bf[0], bf[1]);
         mma_16816<T>(dq[2 * np + 1], af, bf[2], bf[3]);
       }
@@ -719,7 +822,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int slot = kg * 16 + g + 8 * h, key = sIdx[slot];
+          const int slot = kg * 16 + g + 8 * h, key = sIdxt[slot];
           if (key < 0) continue;
           float* dst = a.dkv != nullptr
                            ? a.dkv + (int64_t{key} * a.Hkv + kvh) * a.Dqk
@@ -764,10 +867,10 @@ void with_attn_kernel(const AttnProblem& p, F&& f) {
     constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
     if constexpr (kForward) {
       using S = FwdShape<kDqk, kDv, kRows>;
-      f(attn_fwd_kernel<T, kDqk, kDv, kRows>, kRows, S::kThreads, S::template smem<T>());
+      f(attn_fwd_kernel<T, kDqk, kDv, kRows>, kRows, S::kThreads, S::kSmem);
     } else {
       using S = BwdShape<kDqk, kDv, kRows>;
-      f(attn_bwd_kernel<T, kDqk, kDv, kRows>, kRows, S::kThreads, S::template smem<T>());
+      f(attn_bwd_kernel<T, kDqk, kDv, kRows>, kRows, S::kThreads, S::kSmem);
     }
   };
   using I128 = std::integral_constant<int, 128>;
@@ -813,7 +916,7 @@ void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Te
                 static_cast<int>(p.topk), 0, p.Tk, indices.data_ptr<int32_t>(), scores.data_ptr<float>()};
   a.cap = 2;
   while (a.cap < a.topk + kIdxKeys) a.cap *= 2;
-  const size_t smem = (kIdxRows + kIdxKeys) * kIdxLd * q.element_size() + (kIdxRows + 4 * kIdxKeys) * sizeof(float) +
+  const size_t smem = (kIdxRows + 2 * kIdxKeys) * kIdxLd * q.element_size() + (kIdxRows + 4 * kIdxKeys) * sizeof(float) +
                       a.cap * sizeof(uint64_t);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "lightning_indexer", [&] {
     launch(indexer_fwd_kernel<scalar_t>, dim3(p.T), kIdxThreads, smem, a);
@@ -836,8 +939,8 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                    dq.data_ptr(),
                    dk.data_ptr<float>(),
                    dw.data_ptr<float>()};
-  const size_t smem = ((kIdxRows + kIdxKeys) * kIdxLd + kIdxRows * kIdxLdC) * q.element_size() +
-                      (3 * kIdxRows + kIdxKeys) * sizeof(float) + kIdxKeys * sizeof(int);
+  const size_t smem = ((kIdxRows + 2 * kIdxKeys) * kIdxLd + kIdxRows * kIdxLdC) * q.element_size() +
+                      (3 * kIdxRows + 2 * kIdxKeys) * sizeof(float) + 2 * kIdxKeys * sizeof(int);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "lightning_indexer_bwd", [&] {
     launch(indexer_bwd_kernel<scalar_t>, dim3(q.size(0)), kIdxThreads, smem, a);
   });
