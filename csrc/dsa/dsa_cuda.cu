@@ -150,6 +150,9 @@ constexpr int kIdxKeys = 64;  // keys per tile
 constexpr int kIdxDim = 128;  // Di <= 128
 constexpr int kIdxLd = kIdxDim + 8;
 constexpr int kIdxThreads = 256;
+// Key tiles in flight in the indexer forward: one (a second one cost more in blocks per SM than
+// it hid: 2.25 vs 1.89 ms at T = 4096 on the H200, bench/NOTES.md).
+constexpr int kIdxFwdStages = 1;
 
 struct IndexerArgs {
   const void* q;
@@ -211,8 +214,8 @@ template <typename T>
 __global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
-  T* sK = sQ + kIdxRows * kIdxLd;  // 2 key tiles
-  float* sW = reinterpret_cast<float*>(sK + 2 * kIdxKeys * kIdxLd);
+  T* sK = sQ + kIdxRows * kIdxLd;  // kIdxFwdStages key tiles
+  float* sW = reinterpret_cast<float*>(sK + kIdxFwdStages * kIdxKeys * kIdxLd);
   float* colsum = sW + kIdxRows;  // [4][kIdxKeys]
   uint64_t* buf = reinterpret_cast<uint64_t*>(colsum + 4 * kIdxKeys);
   __shared__ int count;
@@ -244,7 +247,7 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a)
     threshold = ~uint64_t{0};
   }
   const int kd = round16(a.Di);
-  KeyTiles<T, 2, kIdxKeys, VisibleRows<T>> tiles{sK, kIdxLd, a.Di, kIdxDim, visible,
+  KeyTiles<T, kIdxFwdStages, kIdxKeys, VisibleRows<T>> tiles{sK, kIdxLd, a.Di, kIdxDim, visible,
                                                  VisibleRows<T>{{0, 0}, ks, visible, a.Di, k}};
   tiles.start();
 
@@ -916,8 +919,8 @@ void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Te
                 static_cast<int>(p.topk), 0, p.Tk, indices.data_ptr<int32_t>(), scores.data_ptr<float>()};
   a.cap = 2;
   while (a.cap < a.topk + kIdxKeys) a.cap *= 2;
-  const size_t smem = (kIdxRows + 2 * kIdxKeys) * kIdxLd * q.element_size() + (kIdxRows + 4 * kIdxKeys) * sizeof(float) +
-                      a.cap * sizeof(uint64_t);
+  const size_t smem = (kIdxRows + kIdxFwdStages * kIdxKeys) * kIdxLd * q.element_size() +
+                      (kIdxRows + 4 * kIdxKeys) * sizeof(float) + a.cap * sizeof(uint64_t);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "lightning_indexer", [&] {
     launch(indexer_fwd_kernel<scalar_t>, dim3(p.T), kIdxThreads, smem, a);
   });
