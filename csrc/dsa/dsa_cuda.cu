@@ -474,20 +474,70 @@ struct AttnArgs {
   int64_t t0;
 };
 
-template <int kDqk, int kDv, int kRows>
-struct FwdShape {
-  static constexpr int kKeys = 64;
+// One block's share of the attention: query t, kv head kvh, query heads head0.. (rows of them
+// valid), the selected keys sel of (t, kvh); the thread's place: warp, lane, accumulator row g
+// and column pair c of its fragments, row group wr, column half wc, rows r0 and r0 + 8; kd the
+// head dim rounded up to 16, sl2 the scale in log2 units.
+struct AttnBlock {
+  int64_t t;
+  int kvh, head0, rows, warp, lane, g, c, wr, wc, r0, kd;
+  float sl2;
+  const int32_t* sel;
+};
+
+// The block's place, and its query rows sent to shared memory (cp.async, committed with the first
+// key tile).
+template <typename T, int kRows, int kCols>
+__device__ AttnBlock attn_block(const AttnArgs& a, T* sQ, int ld) {
+  AttnBlock b;
+  b.t = a.t0 + blockIdx.x;
+  b.kvh = blockIdx.y;
+  b.head0 = b.kvh * a.G + blockIdx.z * kRows;
+  b.rows = min(kRows, a.G - static_cast<int>(blockIdx.z) * kRows);
+  b.warp = threadIdx.x / 32;
+  b.lane = threadIdx.x % 32;
+  b.g = b.lane / 4;
+  b.c = b.lane % 4;
+  b.wr = b.warp / 2;
+  b.wc = b.warp % 2;
+  b.r0 = b.wr * 16 + b.g;
+  b.kd = round16(a.Dqk);
+  b.sl2 = a.scale * kLog2e;
+  b.sel = a.indices + (b.t * a.Hkv + b.kvh) * a.topk;
+  const T* q = static_cast<const T*>(a.q);
+  gather_rows(sQ, ld, kRows, a.Dqk, kCols, [&](int r) {
+    return r < b.rows ? q + (b.t * a.H + b.head0 + r) * a.Dqk : static_cast<const T*>(nullptr);
+  });
+  return b;
+}
+
+// What the forward and backward blocks share: kRows query heads in 16-row groups x 2 column
+// halves of warps, key tiles of kKeys, shared rows padded by 8 (ldmatrix without bank
+// conflicts). Two key tiles are in flight when the shared memory holds them beside `extra`
+// bytes of the kernel's other arrays.
+template <int kDqk, int kRows, int kKeys_>
+struct AttnShape {
+  static constexpr int kKeys = kKeys_;
   static constexpr int kWarps = kRows / 16 * 2;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kLd = kDqk + 8;
   static constexpr int kLdP = kKeys + 8;
-  static constexpr int kVTiles = kDv / 2 / 8;  // value tiles per warp
-  static constexpr size_t bytes(int stages) {  // 16-bit operands
-    return ((kRows + stages * kKeys) * kLd + kRows * kLdP) * 2 + (4 * kRows + kRows / 16 * kKeys) * sizeof(float) +
-           stages * kKeys * sizeof(int);
+  // Q, the key tiles and their slots (16-bit operands).
+  static constexpr size_t tile_bytes(int stages) {
+    return (kRows + stages * kKeys) * kLd * 2 + stages * kKeys * sizeof(int);
   }
-  static constexpr int kStages = bytes(2) <= kMaxSmem ? 2 : 1;  // key tiles in flight
-  static constexpr size_t kSmem = bytes(kStages);
+  static constexpr int stages_for(size_t extra) { return tile_bytes(2) + extra <= kMaxSmem ? 2 : 1; }
+};
+
+template <int kDqk, int kDv, int kRows>
+struct FwdShape : AttnShape<kDqk, kRows, 64> {
+  using Base = AttnShape<kDqk, kRows, 64>;
+  static constexpr int kVTiles = kDv / 2 / 8;  // value tiles per warp
+  // P, the softmax reductions and the probability column sums.
+  static constexpr size_t kExtra =
+      kRows * Base::kLdP * 2 + (4 * kRows + kRows / 16 * Base::kKeys) * sizeof(float);
+  static constexpr int kStages = Base::stages_for(kExtra);  // key tiles in flight
+  static constexpr size_t kSmem = Base::tile_bytes(kStages) + kExtra;
 };
 
 template <typename T, int kDqk, int kDv, int kRows>
@@ -502,19 +552,9 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   float* colsum = red_sum + 2 * kRows;                              // [kRows / 16][kKeys]
   int* sIdx = reinterpret_cast<int*>(colsum + kRows / 16 * S::kKeys);  // [kStages][kKeys]
 
-  const T* q = static_cast<const T*>(a.q);
   const T* kv = static_cast<const T*>(a.kv);
-  const int64_t t = blockIdx.x;
-  const int kvh = blockIdx.y, head0 = kvh * a.G + blockIdx.z * kRows, rows = min(kRows, a.G - blockIdx.z * kRows);
-  const int32_t* idx = a.indices + (t * a.Hkv + kvh) * a.topk;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int wr = warp / 2, wc = warp % 2, r0 = wr * 16 + g;
-  const int kd = round16(a.Dqk);
-  const float sl2 = a.scale * kLog2e;
-
-  gather_rows(sQ, S::kLd, kRows, a.Dqk, kDqk, [&](int r) {
-    return r < rows ? q + (t * a.H + head0 + r) * a.Dqk : static_cast<const T*>(nullptr);
-  });
+  const auto [t, kvh, head0, rows, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] =
+      attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
   using Tiles = KeyTiles<T, S::kStages, S::kKeys, SelectedRows<T, S::kKeys>>;
   const Tiles tiles0{sK, S::kLd, a.Dqk, kDqk, a.topk,
                      SelectedRows<T, S::kKeys>{sIdx, idx, a.topk, a.Tk, a.Hkv, kvh, a.Dqk, kv}};
@@ -666,22 +706,16 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 }
 
 template <int kDqk, int kDv, int kRows>
-struct BwdShape {
-  static constexpr int kKeys = 32;
-  static constexpr int kWarps = kRows / 16 * 2;
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kLd = kDqk + 8;
+struct BwdShape : AttnShape<kDqk, kRows, 32> {
+  using Base = AttnShape<kDqk, kRows, 32>;
   static constexpr int kLdO = kDv + 8;
-  static constexpr int kLdP = kKeys + 8;
-  static constexpr int kQTiles = kDqk / 2 / 8;                   // dq tiles per warp
-  static constexpr int kUnitsPerWarp = kDqk / 16 / (kWarps / 2);  // 16-column dkv units per warp
-  static_assert(kDqk / 16 % (kWarps / 2) == 0, "dkv columns must split evenly over the warps");
-  static constexpr size_t bytes(int stages) {  // 16-bit operands
-    return ((kRows + stages * kKeys) * kLd + kRows * kLdO + 2 * kRows * kLdP) * 2 + 2 * kRows * sizeof(float) +
-           stages * kKeys * sizeof(int);
-  }
-  static constexpr int kStages = bytes(2) <= kMaxSmem ? 2 : 1;  // key tiles in flight
-  static constexpr size_t kSmem = bytes(kStages);
+  static constexpr int kQTiles = kDqk / 2 / 8;                         // dq tiles per warp
+  static constexpr int kUnitsPerWarp = kDqk / 16 / (Base::kWarps / 2);  // 16-column dkv units per warp
+  static_assert(kDqk / 16 % (Base::kWarps / 2) == 0, "dkv columns must split evenly over the warps");
+  // d(attention output), P, dS, delta and lse.
+  static constexpr size_t kExtra = (kRows * kLdO + 2 * kRows * Base::kLdP) * 2 + 2 * kRows * sizeof(float);
+  static constexpr int kStages = Base::stages_for(kExtra);  // key tiles in flight
+  static constexpr size_t kSmem = Base::tile_bytes(kStages) + kExtra;
 };
 
 template <typename T, int kDqk, int kDv, int kRows>
@@ -697,22 +731,13 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   float* lse2 = delta + kRows;
   int* sIdx = reinterpret_cast<int*>(lse2 + kRows);  // [kStages][kKeys]
 
-  const T* q = static_cast<const T*>(a.q);
   const T* kv = static_cast<const T*>(a.kv);
   const T* gate = static_cast<const T*>(a.gate);
   const T* grad_o = static_cast<const T*>(a.grad_o);
   const T* o = static_cast<const T*>(a.o_in);
-  const int64_t t = a.t0 + blockIdx.x;
-  const int kvh = blockIdx.y, head0 = kvh * a.G + blockIdx.z * kRows, rows = min(kRows, a.G - blockIdx.z * kRows);
-  const int32_t* idx = a.indices + (t * a.Hkv + kvh) * a.topk;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int wr = warp / 2, wc = warp % 2, r0 = wr * 16 + g;
-  const int kd = round16(a.Dqk), kdv = round16(a.dv);
-  const float sl2 = a.scale * kLog2e;
-
-  gather_rows(sQ, S::kLd, kRows, a.Dqk, kDqk, [&](int r) {
-    return r < rows ? q + (t * a.H + head0 + r) * a.Dqk : static_cast<const T*>(nullptr);
-  });
+  const auto [t, kvh, head0, rows, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] =
+      attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
+  const int kdv = round16(a.dv);
   // delta = sum(grad_o * o) (o gated), dgate = grad_o * o * (1 - sigmoid(gate)).
   for (int r = warp; r < kRows; r += S::kWarps) {
     const bool valid = r < rows;
