@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..nn import GatedSparseAttention, KDAAttention, LatentMoE, chunked_linear_cross_entropy, get_backend
 from ..nn import positions_in_sequence
+from ..nn.offload import ActivationOffload
 from ..nn.vision import PatchEmbed
 from ..reference.dsa import MAX_TOPK
 
@@ -139,8 +140,8 @@ class HybridModel(nn.Module):
     backend: "native" (the kernels) or "reference" (the same model on reference ops).
     lora_rank > 0 freezes every base weight and trains low-rank adapters on the projections.
     recompute: "none", "attention" or "block" (see HybridBlock.forward): activations traded for a
-    second forward in the backward. offload: activations saved for the backward go to pinned host
-    memory and come back when the backward needs them.
+    second forward in the backward. offload: the activations each block saves for the backward go
+    to pinned host memory and come back one block ahead of the backward (nn.offload).
     """
 
     RECOMPUTE = ("none", "attention", "block")
@@ -183,15 +184,14 @@ class HybridModel(nn.Module):
     def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Final hidden states [T, hidden] and the summed indexer loss of the DSA blocks."""
         pos = positions_in_sequence(cu_seqlens, tokens.shape[0])
-        saving = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if self.offload
-                  else contextlib.nullcontext())
-        with saving:
-            x = self.embed_inputs(tokens, images)
-            aux = x.new_zeros((), dtype=torch.float32)
-            for block in self.blocks:
+        x = self.embed_inputs(tokens, images)
+        offload = ActivationOffload(x.device) if self.offload else None
+        aux = x.new_zeros((), dtype=torch.float32)
+        for i, block in enumerate(self.blocks):
+            with offload.block(i) if offload else contextlib.nullcontext():
                 x, block_aux = block(x, cu_seqlens, pos, self.backend, self.recompute)
-                aux = aux + block_aux.to(aux.dtype)
-            return self.norm(x), aux
+            aux = aux + block_aux.to(aux.dtype)
+        return self.norm(x), aux
 
     def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor, images: Tensor | None = None) -> dict:
         """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss", "accuracy"};
