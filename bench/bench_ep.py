@@ -1,18 +1,23 @@
 """Expert parallelism + FSDP2 over NCCL on the GPUs of one host: equivalence with one GPU, weak
 scaling, all-to-all bandwidth and how much of it the micro-batch overlap hides.
 
-    torchrun --nproc-per-node N bench/bench_ep.py [--config small] [--tokens 4096] [--steps 6] [--out DIR]
+    torchrun --nproc-per-node N bench/bench_ep.py [--config small] [--tokens 4096] [--steps 20] [--out DIR]
+
+On a machine without a GPU it runs on CPU processes over gloo (a smoke test of the script:
+its times say nothing about GPUs).
 
 - equivalence: the ep = N run (each rank its own sequence) against the unsharded model on one GPU,
   fed all N sequences packed and fed them one at a time: loss and every trainable gradient,
   relative RMS (bf16 autocast on all).
-- weak scaling: --tokens per GPU fixed; step time and tokens/s for every ep dividing N and the
-  experts, with the dispatch in one piece (micro-batches 1) and in two overlapped halves (2).
+- weak scaling: --tokens per GPU fixed; step time (median and interquartile range, the two
+  settings' steps alternated) and tokens/s for every ep dividing N and the experts, with the
+  dispatch in one piece (micro-batches 1) and in two overlapped halves (2).
 - all-to-all: all_to_all_single over the ep group with the per-layer dispatch and combine sizes of
   this model (tokens x top-k rows of the latent width, bf16), GB/s sent per GPU.
 - hidden share: (step time with micro-batches 1 - with 2) / (the step's all-to-all time, 4 per
   MoE layer: dispatch and combine forward and backward, timed alone); an estimate, since the
-  split also changes the experts' GEMM sizes.
+  split also changes the experts' GEMM sizes; meaningful only where the difference exceeds the
+  interquartile ranges.
 """
 
 from __future__ import annotations
@@ -29,6 +34,19 @@ import torch.distributed as dist
 from common import RESULTS_DIR, commit_id, gpu_tag
 from kda_dsa_ops.models import HybridModel, get_config
 from kda_dsa_ops.parallel import apply_fsdp, build_mesh, reduce_expert_gradients, shard_experts
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def sync():
+    if CUDA:
+        sync()
+
+
+def free_cache():
+    if CUDA:
+        free_cache()
 
 
 def batch(cfg, rank: int, tokens: int, device):
@@ -56,7 +74,7 @@ def make_model(cfg, args, device, mesh=None, micro_batches=1):
 
 def loss_and_grads(model, inputs, mesh=None):
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(DEV, dtype=torch.bfloat16):
         loss = model(*inputs)["loss"]
     loss.backward()
     if mesh is not None:
@@ -75,7 +93,7 @@ def rel_rms(a, b) -> float:
 
 
 def equivalence(cfg, args, device, world) -> dict:
-    mesh = build_mesh(world, world, cfg.experts, "cuda")
+    mesh = build_mesh(world, world, cfg.experts, DEV)
     model = make_model(cfg, args, device, mesh)
     loss, grads = loss_and_grads(model, batch(cfg, dist.get_rank(), args.tokens, device), mesh)
     del model
@@ -101,50 +119,58 @@ def equivalence(cfg, args, device, world) -> dict:
                           "grad_rel_rms_median": sorted(errs.values())[len(errs) // 2],
                           "grad_rel_rms_worst": {n: errs[n] for n in worst[:5]}, "grads_compared": len(errs),
                           "grad_rel_rms": errs}
-    torch.cuda.empty_cache()
+    free_cache()
     return out
 
 
-def step_time(cfg, args, device, world, ep, micro_batches) -> float:
-    mesh = build_mesh(world, ep, cfg.experts, "cuda")
-    model = make_model(cfg, args, device, mesh, micro_batches)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+def step_times(cfg, args, device, world, ep) -> dict:
+    """Step times with micro-batches 1 and 2, their steps alternated (drift and clock changes hit
+    both alike): {mb: (median, p25, p75)} in seconds, the slowest rank's time per step."""
+    mesh = build_mesh(world, ep, cfg.experts, DEV)
+    runs = {}
+    for mb in (1, 2):
+        model = make_model(cfg, args, device, mesh, mb)
+        runs[mb] = (model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4), [])
     inputs = batch(cfg, dist.get_rank(), args.tokens, device)
-    times = []
     for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(*inputs)["loss"]
-        loss.backward()
-        reduce_expert_gradients(model, mesh)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    t = torch.tensor(sorted(times)[len(times) // 2], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    del model, opt
-    torch.cuda.empty_cache()
-    return t.item()
+        for mb, (model, opt, times) in runs.items():
+            sync()
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.autocast(DEV, dtype=torch.bfloat16):
+                loss = model(*inputs)["loss"]
+            loss.backward()
+            reduce_expert_gradients(model, mesh)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            t = torch.tensor(time.perf_counter() - start, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                times.append(t.item())
+    out = {}
+    for mb, (_, _, times) in runs.items():
+        q = torch.tensor(times).quantile(torch.tensor([0.5, 0.25, 0.75])).tolist()
+        out[mb] = tuple(q)
+    del runs
+    free_cache()
+    return out
 
 
 def all_to_all_gbps(cfg, args, device, world) -> dict:
-    mesh = build_mesh(world, world, cfg.experts, "cuda")
+    mesh = build_mesh(world, world, cfg.experts, DEV)
     group = mesh["ep"].get_group()
     rows = args.tokens * cfg.moe_topk
     x = torch.randn(rows, cfg.latent, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
     for _ in range(5):
         dist.all_to_all_single(y, x, group=group)
-    torch.cuda.synchronize()
+    sync()
     n = 20
     start = time.perf_counter()
     for _ in range(n):
         dist.all_to_all_single(y, x, group=group)
-    torch.cuda.synchronize()
+    sync()
     seconds = (time.perf_counter() - start) / n
     sent = x.numel() * x.element_size() * (world - 1) / world  # bytes leaving each GPU
     return {"bytes_per_gpu": x.numel() * x.element_size(), "seconds": seconds, "gbps_per_gpu": sent / seconds / 1e9}
@@ -154,14 +180,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl")
+    if CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
+    dist.init_process_group("nccl" if CUDA else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = get_config(args.config, capacity_factor=None)
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -178,10 +205,9 @@ def main():
     scaling = []
     for ep in [e for e in range(1, world + 1) if world % e == 0 and cfg.experts % e == 0]:
         row = {"ep": ep}
-        for mb in (1, 2):
-            s = step_time(cfg, args, device, world, ep, mb)
-            row[f"step_s_mb{mb}"] = s
-            row[f"tokens_per_s_mb{mb}"] = args.tokens * world / s
+        for mb, (median, p25, p75) in step_times(cfg, args, device, world, ep).items():
+            row[f"step_s_mb{mb}"], row[f"step_s_mb{mb}_iqr"] = median, (p25, p75)
+            row[f"tokens_per_s_mb{mb}"] = args.tokens * world / median
         if ep > 1:
             a2a_step = 4 * moe_layers * a2a["seconds"]
             row["a2a_s_per_step"] = a2a_step
@@ -191,11 +217,12 @@ def main():
     result["scaling"] = scaling
     if rank == 0:
         meta = {"commit": commit_id(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+                "gpu": torch.cuda.get_device_name() if CUDA else "cpu (gloo)", "torch": torch.__version__,
+                "nccl": ".".join(map(str, torch.cuda.nccl.version())) if CUDA else None}
         out_dir = args.out or RESULTS_DIR
         os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"{gpu_tag()}x{world}-{datetime.date.today().isoformat()}-ep.json")
+        tag = gpu_tag() if CUDA else "cpu"
+        path = os.path.join(out_dir, f"{tag}x{world}-{datetime.date.today().isoformat()}-ep.json")
         with open(path, "w") as f:
             json.dump({"meta": meta, "result": result}, f, indent=1)
         say(f"wrote {path}")
