@@ -357,3 +357,20 @@ def test_dsa_cuda_out_of_range_values_are_checked_or_ignored(value_checks):
     o_bad, _, _ = K.sparse_attention(q, kv, bad, 0.5, 32)
     o_ref, _, _ = K.sparse_attention(q, kv, minus, 0.5, 32)
     assert torch.equal(o_bad, o_ref)
+
+
+@pytest.mark.cuda
+def test_dsa_cuda_takes_views_at_any_offset():
+    """A contiguous view that starts off a 16-byte boundary gives the results of an aligned copy."""
+    T, Tk, H, D = 5, 9, 16, 64
+    flat = torch.randn(T * H * D + Tk * D + 1, device="cuda").to(torch.bfloat16)
+    q = flat[1:1 + T * H * D].view(T, H, D)
+    kv = flat[1 + T * H * D:].view(Tk, 1, D)
+    idx = torch.randint(-1, Tk, (T, 1, 7), device="cuda", dtype=torch.int32)
+    o, lse, _ = K.sparse_attention(q, kv, idx, 0.1, D)
+    o_ref, lse_ref, _ = K.sparse_attention(q.clone(), kv.clone(), idx, 0.1, D)
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    cu = cu_of([T]).cuda()
+    i, s = K.lightning_indexer(q[:, :4], kv[:T, 0], q[:, :4, 0], cu, cu, 3)
+    i_ref, s_ref = K.lightning_indexer(q[:, :4].contiguous(), kv[:T, 0].clone(), q[:, :4, 0].clone(), cu, cu, 3)
+    assert torch.equal(i, i_ref) and torch.equal(s, s_ref)

@@ -14,13 +14,6 @@ constexpr auto kFloating = {at::kBFloat16, at::kHalf, at::kFloat, at::kDouble};
 
 at::Tensor to_acc(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
-// The CUDA kernels take 16-bit operands (fp32 accumulation) and these head sizes.
-void check_cuda_dtype(const at::Tensor& q, const char* op) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, op,
-              ": the CUDA kernel takes bfloat16 or float16 inputs, got ", q.scalar_type(),
-              " (float32/float64 run on CPU tensors or through kda_dsa_ops.reference)");
-}
-
 void check_topk(int64_t topk, const char* op) {
   TORCH_CHECK(topk >= 1 && topk <= kMaxTopk, op, ": topk must be in [1, ", kMaxTopk, "], got ", topk);
 }
@@ -47,6 +40,21 @@ IndexerShapes check_indexer_inputs(const at::Tensor& q, const at::Tensor& k, con
   return s;
 }
 
+#ifdef KDA_DSA_OPS_WITH_CUDA
+// Contiguous rows starting on a 16-byte boundary: the CUDA kernels copy rows in 16-byte pieces
+// (a contiguous view at an odd element offset is copied).
+at::Tensor rows16(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+// The CUDA kernels take 16-bit operands (fp32 accumulation) and these head sizes.
+void check_cuda_dtype(const at::Tensor& q, const char* op) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, op,
+              ": the CUDA kernel takes bfloat16 or float16 inputs, got ", q.scalar_type(),
+              " (float32/float64 run on CPU tensors or through kda_dsa_ops.reference)");
+}
+
 void check_indexer_cuda(const IndexerShapes& s, const at::Tensor& q, const char* op) {
   check_cuda_dtype(q, op);
   TORCH_CHECK(s.Hi <= 64, op, ": the CUDA kernel takes up to 64 indexer heads, got Hi = ", s.Hi);
@@ -59,6 +67,7 @@ void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) 
               ": the CUDA kernel takes Dqk a multiple of 8, up to 128 (GQA) or up to 576 with dv <= 512 (MLA), "
               "got Dqk = ", p.Dqk, ", dv = ", p.dv);
 }
+#endif
 
 AttnProblem check_attn_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices, double scale,
                               int64_t dv, const std::optional<at::Tensor>& gate, const char* op) {
@@ -110,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> lightning_indexer_fwd(const at::Tensor& q, co
 #ifdef KDA_DSA_OPS_WITH_CUDA
   if (q.is_cuda()) {
     check_indexer_cuda(s, q, op);
-    indexer_fwd_cuda(p, q.contiguous(), k.contiguous(), to_acc(w, at::kFloat), indices, scores);
+    indexer_fwd_cuda(p, rows16(q), rows16(k), to_acc(w, at::kFloat), indices, scores);
     return {indices, scores};
   }
 #endif
@@ -139,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lightning_indexer_bwd(const at::T
   if (q.is_cuda()) {
     check_indexer_cuda(s, q, op);
     at::Tensor dq = at::empty({s.T, s.Hi, s.Di}, q.options());
-    indexer_bwd_cuda(q.contiguous(), k.contiguous(), to_acc(w, at::kFloat), indices.contiguous(),
+    indexer_bwd_cuda(rows16(q), rows16(k), to_acc(w, at::kFloat), indices.contiguous(),
                      to_acc(grad_scores, at::kFloat), dq, dk, dw);
     return {dq, dk.to(k.scalar_type()), dw.to(w.scalar_type())};
   }
@@ -164,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd(const at::Tensor&
     at::Tensor o = at::empty({p.T, p.H, dv}, q.options());
     at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(at::kFloat));
     at::Tensor probs = return_p ? at::zeros({p.T, p.Hkv, p.topk}, q.options().dtype(at::kFloat)) : at::Tensor();
-    attn_fwd_cuda(p, q.contiguous(), kv.contiguous(), indices.contiguous(),
+    attn_fwd_cuda(p, rows16(q), rows16(kv), indices.contiguous(),
                   gate.has_value() ? gate->to(q.scalar_type()).contiguous() : at::Tensor(), o, lse, probs);
     return {o, lse, return_p ? probs : at::empty({0}, q.options().dtype(at::kFloat))};
   }
@@ -200,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd(const at::Tensor&
     at::Tensor dq = at::empty({p.T, p.H, p.Dqk}, q.options());
     at::Tensor dkv = at::zeros({p.Tk * p.Hkv + 1, p.Dqk}, q.options().dtype(at::kFloat));
     at::Tensor dgate = gate.has_value() ? at::empty({p.T, p.H, dv}, q.options()) : at::Tensor();
-    attn_bwd_cuda(p, grad_o.to(half).contiguous(), q.contiguous(), kv.contiguous(), indices.contiguous(),
+    attn_bwd_cuda(p, grad_o.to(half).contiguous(), rows16(q), rows16(kv), indices.contiguous(),
                   o.to(half).contiguous(), lse.to(at::kFloat).contiguous(),
                   gate.has_value() ? gate->to(half).contiguous() : at::Tensor(), deterministic, dq, dkv, dgate);
     return {dq, dkv.narrow(0, 0, p.Tk * p.Hkv).view({p.Tk, p.Hkv, p.Dqk}).to(kv.scalar_type()),
