@@ -3,7 +3,8 @@
 # every kernel, run the benchmarks; logs and results go to $OUT (default ./gpu_out), a short
 # table is printed last.
 #
-#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [bench|bench-quick] ...   (default: all, full bench)
+#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [bench|bench-quick] ...
+#   (default: build test sanitize demo train bench; ep needs two or more GPUs)
 #
 # Environment: KDA_DSA_OPS_COMMIT (commit id recorded in the results when .git is absent),
 # TEST_ARGS (extra pytest arguments), SANITIZE (scripts for compute-sanitizer, default
@@ -69,6 +70,12 @@ for step in "${steps[@]}"; do
     train)  # the tiny model trained on the GPU (one process), progress lines into the summary
       run_step train 300 python3 -m kda_dsa_ops.train --config tiny --steps 300 --log-every 50 --out runs/gpu_check
       grep -E "^step" "$OUT/train.log" | tee -a "$summary"
+      ;;
+    ep)  # expert parallelism over NCCL on every GPU of the machine (needs two or more)
+      gpus=$(nvidia-smi -L | wc -l)
+      NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 run_step ep 500 \
+        python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench/bench_ep.py --out "$OUT/results"
+      grep -E "^equivalence|^all-to-all|^\{'ep'|^wrote" "$OUT/ep.log" | tee -a "$summary"
       ;;
     bench | bench-quick)
       quick=()
