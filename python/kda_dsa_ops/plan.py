@@ -117,9 +117,10 @@ def evaluate(cfg: HybridConfig, cluster: Cluster, ep: int, tokens: int, recomput
     plan = Plan(ep=ep, dp=n // ep, tokens=tokens, recompute=recompute, offload=offload)
     act = block_activation_bytes(cfg, tokens, lora_rank, recompute)
     per_layer = [act[kind] for kind in cfg.kinds()]
-    # Offloaded activations stay on the device for one block at a time (the one being recomputed
-    # or prefetched for its backward).
-    activations = max(per_layer) if offload else sum(per_layer)
+    # Offloaded activations are on the device two blocks at a time: the block in its backward and
+    # the one before it, prefetched (nn.offload).
+    pairs = [a + b for a, b in zip(per_layer, per_layer[1:])] or per_layer
+    activations = max(pairs) if offload else sum(per_layer)
     if recompute != "none" and not offload:
         # the block being recomputed holds its full activations during its backward
         activations += block_activation_bytes(cfg, tokens, lora_rank, "none")[cfg.kinds()[0]]
