@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICES
 from kda_dsa_ops.models import HybridModel, get_config
 from kda_dsa_ops.nn import LoRALinear, ShortConv, chunked_linear_cross_entropy, positions_in_sequence
 
@@ -200,7 +201,8 @@ def test_model_trains_under_bf16_autocast():
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
-def test_activation_offload_prefetches_one_block_ahead():
+@pytest.mark.parametrize("device", DEVICES)
+def test_activation_offload_prefetches_one_block_ahead(device):
     """Each block's saved tensors leave for host memory in the forward and come back one block
     ahead of the backward; the gradients are those without offload."""
     import contextlib
@@ -208,8 +210,8 @@ def test_activation_offload_prefetches_one_block_ahead():
     from kda_dsa_ops.nn.offload import ActivationOffload
 
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4)]
-    x0 = torch.randn(512, 64, requires_grad=True)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()).to(device) for _ in range(4)]
+    x0 = torch.randn(512, 64, device=device, requires_grad=True)
     params = [x0] + [p for b in blocks for p in b.parameters()]
 
     def grads(offload):
@@ -219,7 +221,7 @@ def test_activation_offload_prefetches_one_block_ahead():
                 x = b(x)
         return torch.autograd.grad(x.square().sum(), params)
 
-    offload = ActivationOffload(torch.device("cpu"), min_bytes=0)
+    offload = ActivationOffload(torch.device(device), min_bytes=0)
     for a, b in zip(grads(offload), grads(None)):
         assert torch.equal(a, b)
     assert offload.events == [("backward", 3), ("fetch", 3), ("fetch", 2), ("backward", 2), ("fetch", 1),

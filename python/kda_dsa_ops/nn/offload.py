@@ -9,7 +9,7 @@ i - 1's are already being copied back on the side stream, behind block i's backw
             x = block(x)
     loss.backward()   # unpacks block n-1, prefetches n-2, ...
 
-Tensors under `min_bytes` (norm weights, scalars) stay on the device. On a CPU device the copies
+Parameters and tensors under `min_bytes` (scalars, small norms) stay on the device. On a CPU device the copies
 are plain host copies, so the bookkeeping runs (and is tested) without a GPU.
 """
 
@@ -44,7 +44,8 @@ class ActivationOffload:
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def _pack(self, group: int, t: Tensor):
-        if t.device != self.device or t.numel() * t.element_size() < self.min_bytes:
+        if (t.device != self.device or t.numel() * t.element_size() < self.min_bytes
+                or isinstance(t, torch.nn.Parameter)):  # weights stay where they live anyway
             return t
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is written
