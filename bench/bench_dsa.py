@@ -16,14 +16,10 @@ import argparse
 import torch
 
 import kda_dsa_ops as K
-from common import Result, bench_ms, measure_ceilings, write_results
+from common import Result, bench_ms, measure_ceilings, rel_rms, write_results
 
 BF16 = torch.bfloat16
 CHUNK = 512  # queries per chunk of the compositions (their [chunk, topk, D] gathers must fit)
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def torch_indexer(q, k, w, topk):

@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import RESULTS_DIR, commit_id, gpu_tag
+from common import RESULTS_DIR, commit_id, gpu_tag, rel_rms
 from kda_dsa_ops.models import HybridModel, get_config
 from kda_dsa_ops.parallel import apply_fsdp, build_mesh, reduce_expert_gradients, shard_experts
 
@@ -86,11 +86,6 @@ def loss_and_grads(model, inputs, mesh=None):
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
              for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach().float(), grads
-
-
-def rel_rms(a, b) -> float:
-    d = b.float().norm().item()
-    return (a.float() - b.float()).norm().item() / d if d else (a.float() - b.float()).norm().item()
 
 
 def equivalence(cfg, args, device, world) -> dict:

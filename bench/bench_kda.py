@@ -18,7 +18,7 @@ import time
 import torch
 
 import kda_dsa_ops as K
-from common import Result, bench_ms, measure_ceilings, write_results
+from common import Result, bench_ms, measure_ceilings, rel_rms, write_results
 
 CHUNK = 64
 SHAPES = [(2, 8192, 32, 128), (8, 4096, 32, 128), (1, 32768, 64, 128)]
@@ -41,10 +41,6 @@ def fwd_flops(B, T, H, D):
 
 def fwd_bytes(B, T, H, D):
     return B * T * H * (2 * D * 2 + D * 2 + D * 4 + 2 + D * 2)
-
-
-def rel_rms(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def run_kda(fn, ins, cu):

@@ -17,7 +17,7 @@ import math
 import torch
 
 import kda_dsa_ops as K
-from common import Result, bench_ms, measure_ceilings, write_results
+from common import Result, bench_ms, measure_ceilings, rel_rms, write_results
 
 E_LOCAL = 112
 GEMM_SHAPES = [(3584, 6144), (3072, 3584)]
@@ -34,10 +34,6 @@ def expert_counts(E: int, tokens_per_expert: int, skewed: bool) -> list[int]:
     rest = E * tokens_per_expert - int(counts.sum())
     counts[torch.argsort(share - counts, descending=True)[:rest]] += 1
     return counts.tolist()
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def baseline_ms(fn) -> float:

@@ -21,6 +21,12 @@ def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (the absolute norm when b is all zeros), in fp32."""
+    diff, ref = (a.float() - b.float()).norm().item(), b.float().norm().item()
+    return diff / ref if ref else diff
+
+
 @dataclass
 class Ceilings:
     copy_gbps: float     # device-to-device copy, bytes read + written

@@ -16,6 +16,12 @@ constexpr int kWarpSize = 32;
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Lets `kernel` take `bytes` of dynamic shared memory (above 48 KB needs the opt-in).
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
 inline int num_sms(int device) {
   int count = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
@@ -44,6 +50,12 @@ __device__ __forceinline__ uint32_t descending_bits(float v) {
   const uint32_t b = __float_as_uint(v);
   const uint32_t ascending = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
   return ~ascending;
+}
+
+// The inverse of descending_bits (for finite values).
+__device__ __forceinline__ float from_descending_bits(uint32_t d) {
+  const uint32_t asc = ~d;
+  return __uint_as_float((asc & 0x80000000u) ? (asc & 0x7fffffffu) : ~asc);
 }
 
 // d sigmoid(x) / dx = e / (1 + e)^2 with e = exp(-|x|): no cancellation near saturation.

@@ -64,7 +64,7 @@ __device__ __forceinline__ void warp_qk_16x32(float (&s)[4][4], const T* sQ, con
 template <typename Kernel, typename Args>
 void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Args& args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  set_smem(kernel, smem);
   kernel<<<grid, threads, smem, c10::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -187,11 +187,6 @@ __device__ void block_sort(uint64_t* buf, int count) {
       __syncthreads();
     }
   }
-}
-
-__device__ __forceinline__ float from_descending_bits(uint32_t d) {
-  const uint32_t asc = ~d;
-  return __uint_as_float((asc & 0x80000000u) ? (asc & 0x7fffffffu) : ~asc);
 }
 
 // Keys ks + k0 + r of one sequence, r < visible (the indexer's dense tiles).
@@ -886,7 +881,8 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
 }
 
 // The kernel instance for the problem: head dims padded to 128 or to 576 / 512 (MLA), 16 or 64
-// heads per block. f(kernel, shape-tag) is called with the chosen instance.
+// heads per block. f(kernel, heads per block, threads, shared bytes) is called with the chosen
+// instance.
 template <typename T, bool kForward, typename F>
 void with_attn_kernel(const AttnProblem& p, F&& f) {
   const bool wide = p.Dqk > 128;

@@ -364,11 +364,6 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
             w.dbeta + row);
 }
 
-template <typename Kernel>
-void set_smem(Kernel kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
 struct Launch {
   Seqs seqs;
   cudaStream_t stream;

@@ -441,7 +441,7 @@ void launch_gemm(const GemmParams& p, const CUtensorMap& map_a, const CUtensorMa
   const auto kernel = grouped_gemm_kernel<T, kMode>;
   const int prefix_entries = kMode == GemmMode::kWgrad ? 0 : p.num_experts + 1;
   const size_t smem = Tr::smem_bytes(kMode, prefix_entries);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  set_smem(kernel, smem);
   const int64_t clusters = std::max<int64_t>(
       1, std::min<int64_t>(num_sms(device) / Tr::kClusterSize, ceil_div(max_tiles, Tr::kClusterSize)));
   cudaLaunchConfig_t config = {};

@@ -265,8 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_cuda(const at::Tensor& x_
       const size_t smem = (2 * static_cast<size_t>(E) + static_cast<size_t>(kRerouteWindow) * F) * sizeof(int);
       TORCH_CHECK(smem <= 200 * 1024, "moe_permute: reroute with E = ", E, " and F = ", F,
                   " needs more shared memory than a block has; use fewer fallback experts");
-      C10_CUDA_CHECK(cudaFuncSetAttribute(reroute_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
+      set_smem(reroute_kernel, smem);
       reroute_kernel<<<1, kScanThreads, smem, stream>>>(
           overflow_copies.data_ptr<int>(), num_overflow, fallback.data_ptr<int>(), F, static_cast<int>(k), E,
           static_cast<int>(capacity), kept, assigned[0].data_ptr<int>(), assigned[1].data_ptr<int>(), out_start,

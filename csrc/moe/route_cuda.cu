@@ -339,7 +339,7 @@ at::Tensor route_bwd_cuda(const at::Tensor& grad_weights_in, const at::Tensor& l
     dispatch_per_lane(E, [&](auto per_lane) {
       constexpr int kPerLane = decltype(per_lane)::value;
       const auto kernel = route_bwd_kernel<scalar_t, kPerLane>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      set_smem(kernel, smem);
       kernel<<<grid, kWarpsPerBlock * kWarpSize, smem, stream>>>(
           gw.data_ptr<float>(), static_cast<const scalar_t*>(logits.data_ptr()), ids.data_ptr<int>(), T, E, k, fn,
           renorm, static_cast<float>(scale), static_cast<scalar_t*>(grad_logits.data_ptr()));
