@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from common import RESULTS_DIR, commit_id, gpu_tag, rel_rms
 from kda_dsa_ops.models import HybridModel, get_config
-from kda_dsa_ops.parallel import apply_fsdp, build_mesh, reduce_expert_gradients, shard_experts
+from kda_dsa_ops.parallel import apply_fsdp, build_mesh, optimizer_groups, reduce_expert_gradients, shard_experts
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -42,12 +42,12 @@ DEV = "cuda" if CUDA else "cpu"
 
 def sync():
     if CUDA:
-        sync()
+        torch.cuda.synchronize()
 
 
 def free_cache():
     if CUDA:
-        free_cache()
+        torch.cuda.empty_cache()
 
 
 def batch(cfg, rank: int, tokens: int, device):
@@ -133,7 +133,7 @@ def step_times(cfg, args, device, world, ep) -> dict:
     runs = {}
     for mb in (1, 2):
         model = make_model(cfg, args, device, mesh, mb)
-        runs[mb] = (model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4), [])
+        runs[mb] = (model, torch.optim.AdamW(optimizer_groups(model), lr=1e-4), [])
     inputs = batch(cfg, dist.get_rank(), args.tokens, device)
     for i in range(args.warmup + args.steps):
         for mb, (model, opt, times) in runs.items():

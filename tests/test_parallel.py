@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kda_dsa_ops.models import HybridModel, get_config
-from kda_dsa_ops.parallel import apply_fsdp, build_mesh, is_expert_param, reduce_expert_gradients, shard_experts
+from kda_dsa_ops.parallel import (apply_fsdp, build_mesh, is_expert_param, optimizer_groups, reduce_expert_gradients,
+                                  shard_experts)
 
 from tolerances import MODEL_REL_RMS, assert_close
 
@@ -56,6 +57,11 @@ def _worker(rank, world, ep, lora_rank, init_file, out_dir, micro_batches=1):
              for n, p in model.named_parameters() if p.grad is not None}
     torch.save({"loss": loss.detach() / world, "grads": grads, "ep_rank": mesh["ep"].get_local_rank()},
                os.path.join(out_dir, f"rank{rank}.pt"))
+    # a foreach optimizer step over sharded (DTensor) and local (expert) parameters together
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    torch.optim.AdamW(optimizer_groups(model), lr=1e-3, foreach=True).step()
+    assert all(not torch.equal(b, p.detach()) for b, p in zip(before, params) if p.grad is not None)
     dist.destroy_process_group()
 
 

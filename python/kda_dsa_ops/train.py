@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from .models import HybridModel, get_config
-from .parallel import apply_fsdp, build_mesh, check_layout, is_expert_param, reduce_expert_gradients, shard_experts
+from .parallel import (apply_fsdp, build_mesh, check_layout, is_expert_param, optimizer_groups, reduce_expert_gradients,
+                       shard_experts)
 
 
 def recall_batch(vocab: int, seqs: int, pairs: int, queries: int, seed: int, task: str = "base"):
@@ -172,7 +173,7 @@ def main(argv=None) -> dict:
         apply_fsdp(model)
     if args.init_from:
         load_checkpoint(args.init_from, model, None, tag)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    opt = torch.optim.AdamW(optimizer_groups(model), lr=args.lr)
     os.makedirs(args.out, exist_ok=True)
     latest = os.path.join(args.out, "latest")
     start = load_checkpoint(latest, model, opt, tag) if args.resume and os.path.isdir(latest) else 0

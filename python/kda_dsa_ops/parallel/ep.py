@@ -173,6 +173,16 @@ def apply_fsdp(model: nn.Module) -> None:
     fully_shard(model, mesh=flat, ignored_params=experts)
 
 
+def optimizer_groups(model: nn.Module) -> list[dict]:
+    """The trainable parameters as optimizer groups: FSDP-sharded ones (DTensor) apart from local
+    ones (the experts, ignored by FSDP), since a foreach or fused optimizer step cannot mix the two
+    kinds in one call. Empty groups are left out; works on an unsharded model too."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    sharded = [p for p in trainable if type(p).__name__ == "DTensor"]
+    local = [p for p in trainable if type(p).__name__ != "DTensor"]
+    return [{"params": group} for group in (sharded, local) if group]
+
+
 def reduce_expert_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     """Each expert's gradient, summed over its replicas (the dp dimension of the mesh) and divided
     by the world size: it saw the tokens of its whole ep group, and the loss is the mean over all
