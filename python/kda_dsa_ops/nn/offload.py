@@ -34,6 +34,8 @@ class ActivationOffload:
     def __init__(self, device: torch.device, min_bytes: int = 1 << 16):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # "cuda" means the current device (tensors say cuda:N)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.min_bytes = min_bytes
         self.groups: dict[int, list[_Saved]] = {}
