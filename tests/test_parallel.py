@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kda_dsa_ops.models import HybridModel, get_config
-from kda_dsa_ops.parallel import (apply_fsdp, build_mesh, is_expert_param, optimizer_groups, reduce_expert_gradients,
-                                  shard_experts)
+from kda_dsa_ops.parallel import (apply_fsdp, build_mesh, clip_grad_norm, is_expert_param, optimizer_groups,
+                                  reduce_expert_gradients, shard_experts)
 
 from tolerances import MODEL_REL_RMS, assert_close
 
@@ -53,10 +53,13 @@ def _worker(rank, world, ep, lora_rank, init_file, out_dir, micro_batches=1):
     loss = step(model, cfg, rank * SEQS_PER_RANK, SEQS_PER_RANK)
     reduce_expert_gradients(model, mesh)
     dist.all_reduce(loss.detach())
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone())
              for n, p in model.named_parameters() if p.grad is not None}
-    torch.save({"loss": loss.detach() / world, "grads": grads, "ep_rank": mesh["ep"].get_local_rank()},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    norm = clip_grad_norm(model, 0.0, mesh)  # the norm only
+    clip_grad_norm(model, norm / 2, mesh)
+    norm_after = clip_grad_norm(model, 0.0, mesh)
+    torch.save({"loss": loss.detach() / world, "grads": grads, "ep_rank": mesh["ep"].get_local_rank(),
+                "norm": norm, "norm_after": norm_after}, os.path.join(out_dir, f"rank{rank}.pt"))
     # a foreach optimizer step over sharded (DTensor) and local (expert) parameters together
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
@@ -77,6 +80,11 @@ def test_expert_parallel_matches_single_process(world, ep, lora_rank, micro_batc
                  nprocs=world)
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
     assert_close(ranks[0]["loss"], loss, F64, "loss", table=MODEL_REL_RMS)
+    norm = clip_grad_norm(model, 0.0)
+    assert norm == pytest.approx(torch.stack([g.square().sum() for g in grads.values()]).sum().sqrt().item())
+    for r in ranks:  # the global gradient norm, and clipping to half of it
+        assert r["norm"] == pytest.approx(norm, rel=1e-9)
+        assert r["norm_after"] == pytest.approx(norm / 2, rel=1e-5)
     local = cfg.experts // ep
     for name, g in grads.items():
         for r in ranks:

@@ -36,6 +36,18 @@ def test_resume_reproduces_the_next_steps_exactly():
     assert [h["loss"] for h in resumed] == [h["loss"] for h in straight[3:]]
 
 
+def test_max_grad_norm_clips_the_update():
+    """The norm is reported either way, and the flag reaches the step: AdamW's first update is
+    invariant to a gradient's scale except through eps (1e-8), which a gradient clipped to a
+    global norm of 1e-6 falls below, so the second step's loss changes."""
+    with tempfile.TemporaryDirectory() as d:
+        free = train.main(COMMON + ["--steps", "2", "--out", os.path.join(d, "a")])["history"]
+        clipped = train.main(COMMON + ["--steps", "2", "--max-grad-norm", "1e-6", "--out", os.path.join(d, "b")])["history"]
+    assert free[0]["grad_norm"] == clipped[0]["grad_norm"] > 1e-3
+    assert free[0]["loss"] == clipped[0]["loss"]
+    assert clipped[1]["loss"] != free[1]["loss"]
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from .models import HybridModel, get_config
-from .parallel import (apply_fsdp, build_mesh, check_layout, is_expert_param, optimizer_groups, reduce_expert_gradients,
-                       shard_experts)
+from .parallel import (apply_fsdp, build_mesh, check_layout, clip_grad_norm, is_expert_param, optimizer_groups,
+                       reduce_expert_gradients, shard_experts)
 
 
 def recall_batch(vocab: int, seqs: int, pairs: int, queries: int, seed: int, task: str = "base"):
@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--pairs", type=int, default=4, help="key-value pairs per sequence")
     p.add_argument("--queries", type=int, default=4, help="asked keys per sequence")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-grad-norm", type=float, default=0.0,
+                   help="clip the global gradient norm to this (0: no clipping; the norm is reported either way)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
@@ -190,6 +192,7 @@ def main(argv=None) -> dict:
         out["loss"].backward()
         if mesh is not None:
             reduce_expert_gradients(model, mesh)
+        grad_norm = clip_grad_norm(model, args.max_grad_norm, mesh)
         opt.step()
         opt.zero_grad()
         model.update_router_biases()
@@ -199,11 +202,12 @@ def main(argv=None) -> dict:
             dist.all_reduce(stats)
             stats /= world
         load = model.blocks[0].moe.expert_load
-        record = {"step": step + 1, "loss": stats[0].item(), "recall": stats[1].item()}
+        record = {"step": step + 1, "loss": stats[0].item(), "recall": stats[1].item(), "grad_norm": grad_norm}
         history.append(record)
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             elapsed = time.perf_counter() - clock
             print(f"step {step + 1:>5}/{args.steps}  loss {record['loss']:.4f}  recall {record['recall']:.3f}  "
+                  f"grad norm {grad_norm:.3g}  "
                   f"{tokens_seen / elapsed:,.0f} tok/s  expert load max/mean {(load.max() / load.mean()).item():.2f}  "
                   f"peak {peak_memory_mb(device):,.0f} MB", flush=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:

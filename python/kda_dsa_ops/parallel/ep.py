@@ -183,6 +183,34 @@ def optimizer_groups(model: nn.Module) -> list[dict]:
     return [{"params": group} for group in (sharded, local) if group]
 
 
+def clip_grad_norm(model: nn.Module, max_norm: float, mesh: DeviceMesh | None = None) -> float:
+    """The global L2 norm of the trainable parameters' gradients, as if the model were whole, and,
+    with max_norm > 0, every gradient scaled by min(1, max_norm / norm). Under FSDP2 + EP (mesh
+    given, after reduce_expert_gradients): each sharded gradient's squares are summed over all
+    ranks (each holds one shard), each expert gradient's over the ep group (each ep rank holds
+    other experts; the dp replicas hold the same reduced values)."""
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if not grads:
+        return 0.0
+    device = next(model.parameters()).device
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if type(g).__name__ == "DTensor":
+            sharded += g.to_local().double().square().sum()
+        else:
+            local += g.double().square().sum()
+    if mesh is not None:
+        dist.all_reduce(sharded)
+        dist.all_reduce(local, group=mesh["ep"].get_group())
+    norm = (sharded + local).sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
+
+
 def reduce_expert_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     """Each expert's gradient, summed over its replicas (the dp dimension of the mesh) and divided
     by the world size: it saw the tokens of its whole ep group, and the loss is the mean over all
