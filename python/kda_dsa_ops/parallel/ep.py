@@ -193,13 +193,14 @@ def clip_grad_norm(model: nn.Module, max_norm: float, mesh: DeviceMesh | None = 
     if not grads:
         return 0.0
     device = next(model.parameters()).device
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        if type(g).__name__ == "DTensor":
-            sharded += g.to_local().double().square().sum()
-        else:
-            local += g.double().square().sum()
+
+    def square_sum(tensors):  # one foreach pass, not a few kernels per parameter
+        if not tensors:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+
+    sharded = square_sum([g.to_local() for g in grads if type(g).__name__ == "DTensor"])
+    local = square_sum([g for g in grads if type(g).__name__ != "DTensor"])
     if mesh is not None:
         dist.all_reduce(sharded)
         dist.all_reduce(local, group=mesh["ep"].get_group())
