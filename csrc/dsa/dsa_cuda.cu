@@ -843,23 +843,29 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
             mma_16816<T>(acc[1], a_p[ks2], bf[2], bf[3]);
           }
         }
+        // Lanes c and c ^ 1 swap halves so that each holds four consecutive columns of one row
+        // (even c: row g, odd c: row g + 8): one 16-byte atomic (or store) instead of two 8-byte.
+        const int h = c % 2, slot = kg * 16 + g + 8 * h, key = sIdxt[slot];
+        float4 v[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int slot = kg * 16 + g + 8 * h, key = sIdxt[slot];
-          if (key < 0) continue;
+        for (int j = 0; j < 2; ++j) {
+          const float send0 = h == 0 ? acc[j][2] : acc[j][0], send1 = h == 0 ? acc[j][3] : acc[j][1];
+          const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+          v[j] = h == 0 ? make_float4(acc[j][0], acc[j][1], got0, got1) : make_float4(got0, got1, acc[j][2], acc[j][3]);
+        }
+        if (key >= 0) {
           float* dst = a.dkv != nullptr
                            ? a.dkv + (int64_t{key} * a.Hkv + kvh) * a.Dqk
                            : a.contrib + ((((t - a.t0) * a.Hkv + kvh) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) *
                                              int64_t{a.Dqk};
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const int col = n0 + j * 8 + 2 * c;
+            const int col = n0 + j * 8 + 4 * (c / 2);
             if (col >= a.Dqk) continue;
-            const float2 v = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
             if (a.dkv != nullptr) {
-              atomicAdd(reinterpret_cast<float2*>(dst + col), v);
+              atomicAdd(reinterpret_cast<float4*>(dst + col), v[j]);
             } else {
-              *reinterpret_cast<float2*>(dst + col) = v;
+              *reinterpret_cast<float4*>(dst + col) = v[j];
             }
           }
         }

@@ -92,10 +92,29 @@ __device__ __forceinline__ void warp_sort64_ascending(uint64_t& lo, uint64_t& hi
   }
 }
 
-// k rounds of a warp arg-max; ids[j] receives the j-th pick (any k <= E).
-template <int kPerLane>
-__device__ void select_by_rounds(const float (&key)[kPerLane], int E, int k, int* __restrict__ ids) {
+// Selection keys (score + bias; -inf for NaN and for slots past E) of one token.
+template <typename T, int kPerLane>
+__device__ __forceinline__ SoftmaxStats warp_keys(const T* row, const float* bias, int E, ScoreFn fn,
+                                                  float (&key)[kPerLane]) {
   const int lane = threadIdx.x % kWarpSize;
+  const SoftmaxStats st = warp_scores<T, kPerLane>(row, E, fn, key);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = i * kWarpSize + lane;
+    const float v = e < E ? key[i] + (bias ? bias[e] : 0.f) : -INFINITY;
+    key[i] = isnan(v) ? -INFINITY : v;
+  }
+  return st;
+}
+
+// k rounds of a warp arg-max over the token's keys (recomputed here: the rare path keeps its
+// registers out of the common one); ids[j] receives the j-th pick (any k <= E).
+template <typename T, int kPerLane>
+__device__ __noinline__ void select_by_rounds(const T* row, const float* bias, int E, ScoreFn fn, int k,
+                                              int* __restrict__ ids) {
+  const int lane = threadIdx.x % kWarpSize;
+  float key[kPerLane];
+  warp_keys<T, kPerLane>(row, bias, E, fn, key);
   uint64_t taken = 0;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
@@ -125,21 +144,6 @@ __device__ void select_by_rounds(const float (&key)[kPerLane], int E, int k, int
       ids[j] = best_e;
     }
   }
-}
-
-// Selection keys (score + bias; -inf for NaN and for slots past E) of one token.
-template <typename T, int kPerLane>
-__device__ __forceinline__ SoftmaxStats warp_keys(const T* row, const float* bias, int E, ScoreFn fn,
-                                                  float (&key)[kPerLane]) {
-  const int lane = threadIdx.x % kWarpSize;
-  const SoftmaxStats st = warp_scores<T, kPerLane>(row, E, fn, key);
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = i * kWarpSize + lane;
-    const float v = e < E ? key[i] + (bias ? bias[e] : 0.f) : -INFINITY;
-    key[i] = isnan(v) ? -INFINITY : v;
-  }
-  return st;
 }
 
 template <typename T, int kPerLane>
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_kernel(
     }
     return;
   }
-  select_by_rounds<kPerLane>(key, E, k, id_out);
+  select_by_rounds<T, kPerLane>(row, bias, E, fn, k, id_out);
   __syncwarp();
   float sum = 0.f;
   for (int j = lane; j < k; j += kWarpSize) {
