@@ -50,34 +50,61 @@ __device__ __forceinline__ void split_tf32(const float (&x)[N], uint32_t (&hi)[N
   }
 }
 
-// team_gemm's contract on the tensor cores: each warp computes 16 x 8 tiles of C with split-tf32
-// m16n8k8 MMAs, operands read through the strided views (no layout requirement).
-__device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
-                          Prior<float> prior, const float* kscale) {
+// team_gemm's contract on the tensor cores: each warp computes a 16 x 8NB strip of C with
+// split-tf32 m16n8k8 MMAs, operands read through the strided views (no layout requirement). The A
+// fragment of a k-step is loaded and split once for the NB column tiles of the strip; each
+// element of C sees the same MMAs in the same order whatever NB is.
+template <int NB>
+__device__ __forceinline__ void warp_gemm_strips(int M, int N, int Kn, float alpha, View<float> A, View<float> B,
+                                                 Out<float> C, Prior<float> prior, const float* kscale) {
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int mt = (M + 15) / 16, nt = (N + 7) / 8;
-  for (int tile = threadIdx.x / 32; tile < mt * nt; tile += blockDim.x / 32) {
-    const int m0 = tile / nt * 16, n0 = tile % nt * 8;
-    const int r0 = m0 + g, r1 = r0 + 8, cb = n0 + g;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const int mt = (M + 15) / 16, ns = (N + 8 * NB - 1) / (8 * NB);
+  for (int strip = threadIdx.x / 32; strip < mt * ns; strip += blockDim.x / 32) {
+    const int m0 = strip / ns * 16, n_first = strip % ns * 8 * NB;
+    const int r0 = m0 + g, r1 = r0 + 8;
+    float acc[NB][4];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     for (int k0 = 0; k0 < Kn; k0 += 8) {
       const int k_lo = k0 + q, k_hi = k_lo + 4;
       const float s_lo = k_lo < Kn ? (kscale != nullptr ? kscale[k_lo] : 1.f) : 0.f;
       const float s_hi = k_hi < Kn ? (kscale != nullptr ? kscale[k_hi] : 1.f) : 0.f;
       const float a[4] = {r0 < M && s_lo != 0.f ? A(r0, k_lo) * s_lo : 0.f, r1 < M && s_lo != 0.f ? A(r1, k_lo) * s_lo : 0.f,
                           r0 < M && s_hi != 0.f ? A(r0, k_hi) * s_hi : 0.f, r1 < M && s_hi != 0.f ? A(r1, k_hi) * s_hi : 0.f};
-      const float b[2] = {cb < N && k_lo < Kn ? B(k_lo, cb) : 0.f, cb < N && k_hi < Kn ? B(k_hi, cb) : 0.f};
-      uint32_t a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+      uint32_t a_hi[4], a_lo[4];
       split_tf32(a, a_hi, a_lo);
-      split_tf32(b, b_hi, b_lo);
-      mma_tf32(acc, a_lo, b_hi);
-      mma_tf32(acc, a_hi, b_lo);
-      mma_tf32(acc, a_hi, b_hi);
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const int cb = n_first + 8 * j + g;
+        const float b[2] = {cb < N && k_lo < Kn ? B(k_lo, cb) : 0.f, cb < N && k_hi < Kn ? B(k_hi, cb) : 0.f};
+        uint32_t b_hi[2], b_lo[2];
+        split_tf32(b, b_hi, b_lo);
+        mma_tf32(acc[j], a_lo, b_hi);
+        mma_tf32(acc[j], a_hi, b_lo);
+        mma_tf32(acc[j], a_hi, b_hi);
+      }
     }
-    for (int r = 0; r < 4; ++r) {
-      const int m = m0 + g + 8 * (r / 2), n = n0 + 2 * q + r % 2;
-      if (m < M && n < N) prior.store(C(m, n), alpha * acc[r], m, n);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int m = m0 + g + 8 * (r / 2), n = n_first + 8 * j + 2 * q + r % 2;
+        if (m < M && n < N) prior.store(C(m, n), alpha * acc[j][r], m, n);
+      }
     }
+  }
+}
+
+// Strips as wide as keep every warp of the block busy (up to 4 column tiles).
+__device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
+                                          Prior<float> prior, const float* kscale) {
+  const int tiles = (M + 15) / 16 * ((N + 7) / 8), warps = static_cast<int>(blockDim.x / 32);
+  if (tiles >= 4 * warps) {
+    warp_gemm_strips<4>(M, N, Kn, alpha, A, B, C, prior, kscale);
+  } else if (tiles >= 2 * warps) {
+    warp_gemm_strips<2>(M, N, Kn, alpha, A, B, C, prior, kscale);
+  } else {
+    warp_gemm_strips<1>(M, N, Kn, alpha, A, B, C, prior, kscale);
   }
 }
 
