@@ -6,6 +6,9 @@
 //                      final state, and for the backward the start state and end-state gradient
 //                      of every chunk.
 //   chunk bwd kernel   one block per (chunk, value head): every gradient of the chunk.
+//   bf16 state kernel  the forward state pass for bf16 inputs (K 64 or 128, V a multiple of 64):
+//                      the state in fp32 registers, the products on bf16 operands (m16n8k16,
+//                      fp32 accumulation), the next chunk's terms staged while this one computes.
 // No host synchronisation: with cu_seqlens each block finds its chunk from the device copy.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "common/device.cuh"
+#include "common/mma.cuh"
 #include "kda/kda.h"
 #include "kda/kda_chunk.h"
 
@@ -351,6 +355,244 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
   st.store(tm, dS, dh0 + st.matrix(z.HV));
 }
 
+// The bf16-operand forward state pass (the inputs were bf16, as in flash-linear-attention's
+// chunk_kda): one block of 8 warps per (64-column value tile, value head, sequence), the state
+// tile S [kK, 64] in fp32 registers (warp w: rows 16 (w % kK/16).., its share of the columns).
+// Per chunk, the fp32 terms of kda_chunk.h, staged by cp.async while the previous chunk
+// computes, are rounded to bf16 tiles (ldmatrix-friendly rows), S too, and
+//   U = Ut - W S,  O = scale (Qg S + Aqk U),  S <- diag(gC) S + Kd^T U
+// run as m16n8k16 MMAs with fp32 accumulation (warp w: rows 16 (w % 4).., columns 32 (w / 4)..
+// of U and O). Rows of a short chunk beyond L are zero in every staged term, so U's rows there
+// are zero and leave S alone.
+template <int kK>
+struct Bf16State {
+  static constexpr int kWarps = 8, kThreads = 32 * kWarps, kCols = kStateCols;
+  static constexpr int kLdK = kK + 8;        // bf16 rows of W, Qg, Kd: an odd multiple of 16 bytes
+  static constexpr int kLdC = kCols + 8;     // bf16 rows of S, U and Aqk (kChunk == kCols)
+  static constexpr int kLdU = kCols + 4;     // fp32 staged rows of Ut (no bank conflicts on reads)
+  static constexpr int kRowTiles = kK / 16;  // 16-row tiles of S
+  static constexpr int kSTiles = kCols / 8 * kRowTiles / kWarps;  // 8-column tiles of S per warp
+  static constexpr size_t kStageFloats = 3 * kChunk * kK + kChunk * kChunk + kChunk * kLdU;
+  static constexpr size_t kBf16 = 3 * kChunk * kLdK + kChunk * kLdC + kK * kLdC + kChunk * kLdC;
+  static constexpr size_t bytes() { return kStageFloats * sizeof(float) + kBf16 * sizeof(__nv_bfloat16); }
+  static_assert(kChunk == kCols && kK % 64 == 0 && kSTiles % 2 == 0, "tile shapes");
+};
+
+template <int kK>
+__global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel(Seqs sq_, Sizes<float> z, float scale,
+                                                                                Intra<float> in,
+                                                                                const float* __restrict__ h0, float* o,
+                                                                                float* ht, float* starts) {
+  using F = Bf16State<kK>;
+  using bf16 = __nv_bfloat16;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* stW = reinterpret_cast<float*>(smem_raw);
+  float* stQ = stW + kChunk * kK;
+  float* stKd = stQ + kChunk * kK;
+  float* stA = stKd + kChunk * kK;
+  float* stU = stA + kChunk * kChunk;
+  bf16* bW = reinterpret_cast<bf16*>(stU + kChunk * F::kLdU);
+  bf16* bQ = bW + kChunk * F::kLdK;
+  bf16* bKd = bQ + kChunk * F::kLdK;
+  bf16* bA = bKd + kChunk * F::kLdK;
+  bf16* bS = bA + kChunk * F::kLdC;
+  bf16* bU = bS + kK * F::kLdC;
+
+  const StateTile<float> st(sq_, z);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int rs = warp % F::kRowTiles, cs0 = warp / F::kRowTiles * F::kSTiles;  // S: row tile, first column tile
+  const int ru = warp % 4, cu0 = warp / 4 * 4;                                 // U, O: row tile, first column tile
+  const int64_t V = z.V;
+  // Element r of fragment j: S row srow(r), column scol(j, r) (of the tile); U, O likewise.
+  auto srow = [&](int r) { return 16 * rs + g + 8 * (r / 2); };
+  auto scol = [&](int j, int r) { return 8 * (cs0 + j) + 2 * q + r % 2; };
+  auto urow = [&](int r) { return 16 * ru + g + 8 * (r / 2); };
+  auto ucol = [&](int j, int r) { return 8 * (cu0 + j) + 2 * q + r % 2; };
+
+  float S[F::kSTiles][4];
+  const float* h0m = h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr;
+#pragma unroll
+  for (int j = 0; j < F::kSTiles; ++j) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) S[j][r] = h0m != nullptr ? h0m[srow(r) * V + st.j0 + scol(j, r)] : 0.f;
+  }
+
+  // The chunk at workspace row `row`, L steps, into the fp32 staging area (rows >= L zero).
+  auto stage = [&](int64_t row, int L) {
+    const float* src[3] = {in.W + row * kK, in.Qg + row * kK, in.Kd + row * kK};
+    float* dst[3] = {stW, stQ, stKd};
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+      for (int i = threadIdx.x; i < kChunk * (kK / 4); i += F::kThreads) {
+        const int t = i / (kK / 4), c = i % (kK / 4) * 4;
+        float* d = dst[m] + t * kK + c;
+        if (t < L) {
+          mma::cp_async_16(d, src[m] + t * kK + c);
+        } else {
+          *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+    }
+    for (int i = threadIdx.x; i < kChunk * (kChunk / 4); i += F::kThreads) {
+      const int t = i / (kChunk / 4), c = i % (kChunk / 4) * 4;
+      float* da = stA + t * kChunk + c;
+      float* du = stU + t * F::kLdU + c;
+      if (t < L) {
+        mma::cp_async_16(da, in.Aqk + (row + t) * kChunk + c);
+        mma::cp_async_16(du, in.Ut + (row + t) * V + st.j0 + c);
+      } else {
+        *reinterpret_cast<float4*>(da) = make_float4(0.f, 0.f, 0.f, 0.f);
+        *reinterpret_cast<float4*>(du) = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    mma::cp_async_commit();
+  };
+  // rows x cols fp32 (leading dim ld_src) -> bf16 (leading dim ld_dst), four at a time.
+  auto round_tile = [&](bf16* d, int ld_dst, const float* src, int ld_src, int rows, int cols) {
+    for (int i = threadIdx.x; i < rows * (cols / 4); i += F::kThreads) {
+      const int t = i / (cols / 4), c = i % (cols / 4) * 4;
+      const float4 x = *reinterpret_cast<const float4*>(src + t * ld_src + c);
+      uint2 packed;
+      packed.x = mma::pack2<bf16>(x.x, x.y);
+      packed.y = mma::pack2<bf16>(x.z, x.w);
+      *reinterpret_cast<uint2*>(d + t * ld_dst + c) = packed;
+    }
+  };
+
+  int64_t slot, t0;
+  int L;
+  if (st.chunks > 0 && st.chunk(sq_, 0, slot, t0, L)) stage(st.hv * sq_.tokens + t0, L);
+  for (int64_t i = 0; i < st.chunks; ++i) {
+    if (!st.chunk(sq_, i, slot, t0, L)) break;
+    if (starts != nullptr) {
+      float* base = starts + (st.hv * sq_.slots + slot) * kK * V + st.j0;
+#pragma unroll
+      for (int j = 0; j < F::kSTiles; ++j) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) base[srow(r) * V + scol(j, r)] = S[j][r];
+      }
+    }
+    mma::cp_async_wait<0>();
+    __syncthreads();
+    round_tile(bW, F::kLdK, stW, kK, kChunk, kK);
+    round_tile(bQ, F::kLdK, stQ, kK, kChunk, kK);
+    round_tile(bKd, F::kLdK, stKd, kK, kChunk, kK);
+    // Aqk's columns from L on are not written by the intra kernel: zero them here.
+    for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += F::kThreads) {
+      const int t = e / (kChunk / 2), c = e % (kChunk / 2) * 2;
+      const float2 x = *reinterpret_cast<const float2*>(stA + t * kChunk + c);
+      *reinterpret_cast<uint32_t*>(bA + t * F::kLdC + c) =
+          mma::pack2<bf16>(c < L ? x.x : 0.f, c + 1 < L ? x.y : 0.f);
+    }
+    float ut[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ut[j][r] = stU[urow(r) * F::kLdU + ucol(j, r)];
+    }
+#pragma unroll
+    for (int j = 0; j < F::kSTiles; ++j) {
+      *reinterpret_cast<uint32_t*>(bS + srow(0) * F::kLdC + scol(j, 0)) = mma::pack2<bf16>(S[j][0], S[j][1]);
+      *reinterpret_cast<uint32_t*>(bS + srow(2) * F::kLdC + scol(j, 2)) = mma::pack2<bf16>(S[j][2], S[j][3]);
+    }
+    const float* gc = in.gC + (st.hv * sq_.slots + slot) * kK;
+    const float gc0 = gc[srow(0)], gc1 = gc[srow(2)];
+    __syncthreads();  // the staging area is free, the bf16 tiles are complete
+    {
+      int64_t next_slot, next_t0;
+      int next_L;
+      if (i + 1 < st.chunks && st.chunk(sq_, i + 1, next_slot, next_t0, next_L)) {
+        stage(st.hv * sq_.tokens + next_t0, next_L);
+      }
+    }
+    // U = Ut - W S and the first term of O, Qg S.
+    float accU[4][4], accO[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) accU[j][r] = accO[j][r] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kK / 16; ++kk) {
+      uint32_t aW[4], aQ[4];
+      mma::load_a(aW, bW, F::kLdK, 16 * ru, 16 * kk);
+      mma::load_a(aQ, bQ, F::kLdK, 16 * ru, 16 * kk);
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        uint32_t b[4];
+        mma::load_b_kn(b, bS, F::kLdC, 8 * cu0 + 16 * p, 16 * kk);
+        mma::mma_16816<bf16>(accU[2 * p], aW, b[0], b[1]);
+        mma::mma_16816<bf16>(accU[2 * p + 1], aW, b[2], b[3]);
+        mma::mma_16816<bf16>(accO[2 * p], aQ, b[0], b[1]);
+        mma::mma_16816<bf16>(accO[2 * p + 1], aQ, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<uint32_t*>(bU + urow(0) * F::kLdC + ucol(j, 0)) =
+          mma::pack2<bf16>(ut[j][0] - accU[j][0], ut[j][1] - accU[j][1]);
+      *reinterpret_cast<uint32_t*>(bU + urow(2) * F::kLdC + ucol(j, 2)) =
+          mma::pack2<bf16>(ut[j][2] - accU[j][2], ut[j][3] - accU[j][3]);
+    }
+    __syncthreads();
+    // O += Aqk U over the key blocks up to this row block (Aqk is zero above the diagonal).
+    for (int kk = 0; kk <= ru; ++kk) {
+      uint32_t a[4];
+      mma::load_a(a, bA, F::kLdC, 16 * ru, 16 * kk);
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        uint32_t b[4];
+        mma::load_b_kn(b, bU, F::kLdC, 8 * cu0 + 16 * p, 16 * kk);
+        mma::mma_16816<bf16>(accO[2 * p], a, b[0], b[1]);
+        mma::mma_16816<bf16>(accO[2 * p + 1], a, b[2], b[3]);
+      }
+    }
+    if (o != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int t = urow(2 * h);
+          if (t < L) {
+            *reinterpret_cast<float2*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + ucol(j, 2 * h)) =
+                make_float2(scale * accO[j][2 * h], scale * accO[j][2 * h + 1]);
+          }
+        }
+      }
+    }
+    // S <- diag(gC) S + Kd^T U.
+#pragma unroll
+    for (int j = 0; j < F::kSTiles; ++j) {
+      S[j][0] *= gc0;
+      S[j][1] *= gc0;
+      S[j][2] *= gc1;
+      S[j][3] *= gc1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[4];
+      mma::load_a_trans(a, bKd, F::kLdK, 16 * rs, 16 * kk);
+#pragma unroll
+      for (int p = 0; p < F::kSTiles / 2; ++p) {
+        uint32_t b[4];
+        mma::load_b_kn(b, bU, F::kLdC, 8 * cs0 + 16 * p, 16 * kk);
+        mma::mma_16816<bf16>(S[2 * p], a, b[0], b[1]);
+        mma::mma_16816<bf16>(S[2 * p + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
+  }
+  mma::cp_async_wait<0>();
+  if (ht != nullptr) {
+    float* base = ht + st.matrix(z.HV) + st.j0;
+#pragma unroll
+    for (int j = 0; j < F::kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) base[srow(r) * V + scol(j, r)] = S[j][r];
+    }
+  }
+}
+
 // Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
 template <typename T>
 struct BwdWork {
@@ -432,6 +674,28 @@ size_t state_smem_bytes(int64_t K) { return StateSmem<float>::bytes(K); }
 
 dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
 
+// The forward state pass (o, ht, starts each may be nullptr): on bf16 operands when the inputs
+// were bf16 and the head sizes fit its tiles, else on the generic kernel (3xTF32).
+void run_state_fwd(const Problem& p, const Launch& l, const Intra<float>& intra, const float* h0, float* o, float* ht,
+                   float* starts) {
+  const Sizes<float> z{p.H, p.HV, p.K, p.V};
+  const float scale = static_cast<float>(p.scale);
+  const auto bf16_pass = [&](auto kernel, size_t smem, int threads) {
+    set_smem(kernel, smem);
+    kernel<<<state_grid(p), threads, smem, l.stream>>>(l.seqs, z, scale, intra, h0, o, ht, starts);
+  };
+  if (p.bf16_inputs && p.K == 128 && p.V % kStateCols == 0) {
+    bf16_pass(state_fwd_bf16_kernel<128>, Bf16State<128>::bytes(), Bf16State<128>::kThreads);
+  } else if (p.bf16_inputs && p.K == 64 && p.V % kStateCols == 0) {
+    bf16_pass(state_fwd_bf16_kernel<64>, Bf16State<64>::bytes(), Bf16State<64>::kThreads);
+  } else {
+    const size_t smem = state_smem_bytes(p.K);
+    set_smem(state_fwd_kernel<float>, smem);
+    state_fwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(l.seqs, z, scale, intra, h0, o, ht, starts);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& final_state) {
@@ -440,13 +704,8 @@ void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
   std::vector<at::Tensor> keep;
   const Intra<float> intra = run_intra(p, in, l, false, keep);
   if (p.N == 0) return;
-  const size_t smem = state_smem_bytes(p.K);
-  set_smem(state_fwd_kernel<float>, smem);
-  state_fwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
-      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V}, static_cast<float>(p.scale), intra,
-      in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, o.data_ptr<float>(),
-      final_state.defined() ? final_state.data_ptr<float>() : nullptr, nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  run_state_fwd(p, l, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr,
+                o.data_ptr<float>(), final_state.defined() ? final_state.data_ptr<float>() : nullptr, nullptr);
 }
 
 void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
@@ -462,12 +721,9 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   const at::Tensor dends = at::empty_like(starts);
   const float scale = static_cast<float>(p.scale);
   if (p.N > 0) {
+    run_state_fwd(p, l, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, nullptr,
+                  nullptr, starts.data_ptr<float>());
     const size_t smem = state_smem_bytes(p.K);
-    set_smem(state_fwd_kernel<float>, smem);
-    state_fwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
-        l.seqs, z, scale, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, nullptr,
-        nullptr, starts.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     set_smem(state_bwd_kernel<float>, smem);
     state_bwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
         l.seqs, z, scale, intra, grad_o.data_ptr<float>(),
