@@ -99,13 +99,68 @@ __device__ __forceinline__ void warp_gemm_strips(int M, int N, int Kn, float alp
   }
 }
 
-// Strips as wide as keep every warp of the block busy (up to 4 column tiles).
+// The same contract on bf16 operands (inputs that were bf16): m16n8k16 MMAs, one per 16 x 8 x 16
+// block instead of three per 16 x 8 x 8, operands rounded to bf16 as they are read, fp32
+// accumulation.
+template <int NB>
+__device__ __forceinline__ void warp_gemm_strips_bf16(int M, int N, int Kn, float alpha, View<float> A, View<float> B,
+                                                      Out<float> C, Prior<float> prior, const float* kscale) {
+  using bf16 = __nv_bfloat16;
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int mt = (M + 15) / 16, ns = (N + 8 * NB - 1) / (8 * NB);
+  for (int strip = threadIdx.x / 32; strip < mt * ns; strip += blockDim.x / 32) {
+    const int m0 = strip / ns * 16, n_first = strip % ns * 8 * NB;
+    const int r0 = m0 + g, r1 = r0 + 8;
+    float acc[NB][4];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int k0 = 0; k0 < Kn; k0 += 16) {
+      // Reduction indices of this lane: k0 + 2q + {0, 1} and k0 + 2q + 8 + {0, 1}.
+      int kc[4];
+      float ks[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        kc[i] = k0 + 2 * q + (i / 2) * 8 + i % 2;
+        ks[i] = kc[i] < Kn ? (kscale != nullptr ? kscale[kc[i]] : 1.f) : 0.f;
+      }
+      auto a_at = [&](int r, int i) { return r < M && ks[i] != 0.f ? A(r, kc[i]) * ks[i] : 0.f; };
+      const uint32_t a[4] = {mma::pack2<bf16>(a_at(r0, 0), a_at(r0, 1)), mma::pack2<bf16>(a_at(r1, 0), a_at(r1, 1)),
+                             mma::pack2<bf16>(a_at(r0, 2), a_at(r0, 3)), mma::pack2<bf16>(a_at(r1, 2), a_at(r1, 3))};
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const int cb = n_first + 8 * j + g;
+        auto b_at = [&](int i) { return cb < N && kc[i] < Kn ? B(kc[i], cb) : 0.f; };
+        mma::mma_16816<bf16>(acc[j], a, mma::pack2<bf16>(b_at(0), b_at(1)), mma::pack2<bf16>(b_at(2), b_at(3)));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int m = m0 + g + 8 * (r / 2), n = n_first + 8 * j + 2 * q + r % 2;
+        if (m < M && n < N) prior.store(C(m, n), alpha * acc[j][r], m, n);
+      }
+    }
+  }
+}
+
+// Strips as wide as keep every warp of the block busy (up to 4 column tiles); bf16 operands when
+// the inputs were bf16, else 3xTF32.
 __device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
-                                          Prior<float> prior, const float* kscale) {
+                                          Prior<float> prior, const float* kscale, bool bf16) {
   const int tiles = (M + 15) / 16 * ((N + 7) / 8), warps = static_cast<int>(blockDim.x / 32);
-  if (tiles >= 4 * warps) {
+  const int nb = tiles >= 4 * warps ? 4 : tiles >= 2 * warps ? 2 : 1;
+  if (bf16) {
+    if (nb == 4) {
+      warp_gemm_strips_bf16<4>(M, N, Kn, alpha, A, B, C, prior, kscale);
+    } else if (nb == 2) {
+      warp_gemm_strips_bf16<2>(M, N, Kn, alpha, A, B, C, prior, kscale);
+    } else {
+      warp_gemm_strips_bf16<1>(M, N, Kn, alpha, A, B, C, prior, kscale);
+    }
+  } else if (nb == 4) {
     warp_gemm_strips<4>(M, N, Kn, alpha, A, B, C, prior, kscale);
-  } else if (tiles >= 2 * warps) {
+  } else if (nb == 2) {
     warp_gemm_strips<2>(M, N, Kn, alpha, A, B, C, prior, kscale);
   } else {
     warp_gemm_strips<1>(M, N, Kn, alpha, A, B, C, prior, kscale);
@@ -114,12 +169,13 @@ __device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, Vie
 
 // The CUDA kernels' team: the threads of a block, products on the tensor cores.
 struct BlockTeam {
+  bool bf16;  // products on bf16 operands (the inputs were bf16)
   __device__ int rank() const { return static_cast<int>(threadIdx.x); }
   __device__ int size() const { return static_cast<int>(blockDim.x); }
   __device__ void sync() const { __syncthreads(); }
   __device__ void gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
                        Prior<float> prior = Prior<float>{}, const float* kscale = nullptr) const {
-    warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale);
+    warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale, bf16);
   }
 };
 
@@ -184,6 +240,7 @@ struct Intra {
 template <typename T>
 struct Sizes {
   int64_t H, HV, K, V;
+  bool bf16;  // the inputs were bf16: products on bf16 operands
 };
 
 // Shared-memory copy of one chunk of one value head: q, k, G = hi + lo (cumulated), v, beta.
@@ -230,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
   int64_t t0;
   int L;
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
-  const BlockTeam tm;
+  const BlockTeam tm{z.bf16};
   const ChunkDims d{L, static_cast<int>(z.K), static_cast<int>(z.V)};
   load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
   const int64_t row = hv * sq_.tokens + t0;
@@ -309,7 +366,7 @@ __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> 
   extern __shared__ unsigned char smem_raw[];
   const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
   T* S = sm.S;
-  const BlockTeam tm;
+  const BlockTeam tm{z.bf16};
   const StateTile<T> st(sq_, z);
   st.load(tm, S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr);
   for (int64_t i = 0; i < st.chunks; ++i) {
@@ -337,7 +394,7 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
   extern __shared__ unsigned char smem_raw[];
   const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
   T* dS = sm.S;
-  const BlockTeam tm;
+  const BlockTeam tm{z.bf16};
   const StateTile<T> st(sq_, z);
   st.load(tm, dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr);
   for (int64_t i = st.chunks - 1; i >= 0; --i) {
@@ -613,7 +670,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
   int64_t t0;
   int L;
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
-  const BlockTeam tm;
+  const BlockTeam tm{z.bf16};
   const int K = static_cast<int>(z.K), V = static_cast<int>(z.V);
   const ChunkDims d{L, K, V};
   load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
@@ -664,7 +721,7 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool
   const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * 2 * kChunk * kChunk;
   set_smem(intra_kernel<float>, smem);
   intra_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
-      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
+      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, p.bf16_inputs}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
       in.v.data_ptr<float>(), in.g.data_ptr<float>(), in.beta.data_ptr<float>(), out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -678,7 +735,7 @@ dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p
 // were bf16 and the head sizes fit its tiles, else on the generic kernel (3xTF32).
 void run_state_fwd(const Problem& p, const Launch& l, const Intra<float>& intra, const float* h0, float* o, float* ht,
                    float* starts) {
-  const Sizes<float> z{p.H, p.HV, p.K, p.V};
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_inputs};
   const float scale = static_cast<float>(p.scale);
   const auto bf16_pass = [&](auto kernel, size_t smem, int threads) {
     set_smem(kernel, smem);
@@ -714,7 +771,7 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   const Launch l = launch_setup(p, in.q);
   std::vector<at::Tensor> keep;
   const Intra<float> intra = run_intra(p, in, l, true, keep);
-  const Sizes<float> z{p.H, p.HV, p.K, p.V};
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_inputs};
   const auto opts = in.q.options();
   const int64_t tokens = l.seqs.tokens, rows = p.HV * tokens;
   const at::Tensor starts = at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * p.K * p.V)}, opts);
