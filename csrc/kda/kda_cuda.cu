@@ -54,58 +54,17 @@ __device__ __forceinline__ void split_tf32(const float (&x)[N], uint32_t (&hi)[N
   }
 }
 
-// team_gemm's contract on the tensor cores: each warp computes a 16 x 8NB strip of C with
-// split-tf32 m16n8k8 MMAs, operands read through the strided views (no layout requirement). The A
-// fragment of a k-step is loaded and split once for the NB column tiles of the strip; each
-// element of C sees the same MMAs in the same order whatever NB is.
-template <int NB>
+// team_gemm's contract on the tensor cores: each warp computes a 16 x 8NB strip of C, operands
+// read through the strided views (no layout requirement); the A fragment of a k-step is loaded
+// and converted once for the NB column tiles of the strip, and each element of C sees the same
+// MMAs in the same order whatever NB is. kBf16 (the inputs were bf16): m16n8k16 MMAs on bf16
+// operands, one per 16 x 8 x 16 block; else split-tf32 m16n8k8 MMAs, three per 16 x 8 x 8 block
+// (fp32 accuracy). Both accumulate in fp32.
+template <int NB, bool kBf16>
 __device__ __forceinline__ void warp_gemm_strips(int M, int N, int Kn, float alpha, View<float> A, View<float> B,
                                                  Out<float> C, Prior<float> prior, const float* kscale) {
-  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int mt = (M + 15) / 16, ns = (N + 8 * NB - 1) / (8 * NB);
-  for (int strip = threadIdx.x / 32; strip < mt * ns; strip += blockDim.x / 32) {
-    const int m0 = strip / ns * 16, n_first = strip % ns * 8 * NB;
-    const int r0 = m0 + g, r1 = r0 + 8;
-    float acc[NB][4];
-#pragma unroll
-    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    for (int k0 = 0; k0 < Kn; k0 += 8) {
-      const int k_lo = k0 + q, k_hi = k_lo + 4;
-      const float s_lo = k_lo < Kn ? (kscale != nullptr ? kscale[k_lo] : 1.f) : 0.f;
-      const float s_hi = k_hi < Kn ? (kscale != nullptr ? kscale[k_hi] : 1.f) : 0.f;
-      const float a[4] = {r0 < M && s_lo != 0.f ? A(r0, k_lo) * s_lo : 0.f, r1 < M && s_lo != 0.f ? A(r1, k_lo) * s_lo : 0.f,
-                          r0 < M && s_hi != 0.f ? A(r0, k_hi) * s_hi : 0.f, r1 < M && s_hi != 0.f ? A(r1, k_hi) * s_hi : 0.f};
-      uint32_t a_hi[4], a_lo[4];
-      split_tf32(a, a_hi, a_lo);
-#pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        const int cb = n_first + 8 * j + g;
-        const float b[2] = {cb < N && k_lo < Kn ? B(k_lo, cb) : 0.f, cb < N && k_hi < Kn ? B(k_hi, cb) : 0.f};
-        uint32_t b_hi[2], b_lo[2];
-        split_tf32(b, b_hi, b_lo);
-        mma_tf32(acc[j], a_lo, b_hi);
-        mma_tf32(acc[j], a_hi, b_lo);
-        mma_tf32(acc[j], a_hi, b_hi);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int m = m0 + g + 8 * (r / 2), n = n_first + 8 * j + 2 * q + r % 2;
-        if (m < M && n < N) prior.store(C(m, n), alpha * acc[j][r], m, n);
-      }
-    }
-  }
-}
-
-// The same contract on bf16 operands (inputs that were bf16): m16n8k16 MMAs, one per 16 x 8 x 16
-// block instead of three per 16 x 8 x 8, operands rounded to bf16 as they are read, fp32
-// accumulation.
-template <int NB>
-__device__ __forceinline__ void warp_gemm_strips_bf16(int M, int N, int Kn, float alpha, View<float> A, View<float> B,
-                                                      Out<float> C, Prior<float> prior, const float* kscale) {
   using bf16 = __nv_bfloat16;
+  constexpr int kStep = kBf16 ? 16 : 8;
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int mt = (M + 15) / 16, ns = (N + 8 * NB - 1) / (8 * NB);
   for (int strip = threadIdx.x / 32; strip < mt * ns; strip += blockDim.x / 32) {
@@ -114,23 +73,40 @@ __device__ __forceinline__ void warp_gemm_strips_bf16(int M, int N, int Kn, floa
     float acc[NB][4];
 #pragma unroll
     for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    for (int k0 = 0; k0 < Kn; k0 += 16) {
-      // Reduction indices of this lane: k0 + 2q + {0, 1} and k0 + 2q + 8 + {0, 1}.
-      int kc[4];
-      float ks[4];
+    for (int k0 = 0; k0 < Kn; k0 += kStep) {
+      // This lane's reduction indices: bf16 k0 + 2q + {0, 1, 8, 9}; tf32 k0 + q + {0, 4}.
+      constexpr int kIdx = kBf16 ? 4 : 2;
+      int kc[kIdx];
+      float ks[kIdx];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        kc[i] = k0 + 2 * q + (i / 2) * 8 + i % 2;
+      for (int i = 0; i < kIdx; ++i) {
+        kc[i] = kBf16 ? k0 + 2 * q + (i / 2) * 8 + i % 2 : k0 + q + 4 * i;
         ks[i] = kc[i] < Kn ? (kscale != nullptr ? kscale[kc[i]] : 1.f) : 0.f;
       }
       auto a_at = [&](int r, int i) { return r < M && ks[i] != 0.f ? A(r, kc[i]) * ks[i] : 0.f; };
-      const uint32_t a[4] = {mma::pack2<bf16>(a_at(r0, 0), a_at(r0, 1)), mma::pack2<bf16>(a_at(r1, 0), a_at(r1, 1)),
-                             mma::pack2<bf16>(a_at(r0, 2), a_at(r0, 3)), mma::pack2<bf16>(a_at(r1, 2), a_at(r1, 3))};
+      if constexpr (kBf16) {
+        const uint32_t a[4] = {mma::pack2<bf16>(a_at(r0, 0), a_at(r0, 1)), mma::pack2<bf16>(a_at(r1, 0), a_at(r1, 1)),
+                               mma::pack2<bf16>(a_at(r0, 2), a_at(r0, 3)), mma::pack2<bf16>(a_at(r1, 2), a_at(r1, 3))};
 #pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        const int cb = n_first + 8 * j + g;
-        auto b_at = [&](int i) { return cb < N && kc[i] < Kn ? B(kc[i], cb) : 0.f; };
-        mma::mma_16816<bf16>(acc[j], a, mma::pack2<bf16>(b_at(0), b_at(1)), mma::pack2<bf16>(b_at(2), b_at(3)));
+        for (int j = 0; j < NB; ++j) {
+          const int cb = n_first + 8 * j + g;
+          auto b_at = [&](int i) { return cb < N && kc[i] < Kn ? B(kc[i], cb) : 0.f; };
+          mma::mma_16816<bf16>(acc[j], a, mma::pack2<bf16>(b_at(0), b_at(1)), mma::pack2<bf16>(b_at(2), b_at(3)));
+        }
+      } else {
+        const float a[4] = {a_at(r0, 0), a_at(r1, 0), a_at(r0, 1), a_at(r1, 1)};
+        uint32_t a_hi[4], a_lo[4];
+        split_tf32(a, a_hi, a_lo);
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          const int cb = n_first + 8 * j + g;
+          const float b[2] = {cb < N && kc[0] < Kn ? B(kc[0], cb) : 0.f, cb < N && kc[1] < Kn ? B(kc[1], cb) : 0.f};
+          uint32_t b_hi[2], b_lo[2];
+          split_tf32(b, b_hi, b_lo);
+          mma_tf32(acc[j], a_lo, b_hi);
+          mma_tf32(acc[j], a_hi, b_lo);
+          mma_tf32(acc[j], a_hi, b_hi);
+        }
       }
     }
 #pragma unroll
@@ -144,26 +120,27 @@ __device__ __forceinline__ void warp_gemm_strips_bf16(int M, int N, int Kn, floa
   }
 }
 
-// Strips as wide as keep every warp of the block busy (up to 4 column tiles); bf16 operands when
-// the inputs were bf16, else 3xTF32.
+template <bool kBf16>
+__device__ __forceinline__ void warp_gemm_of(int nb, int M, int N, int Kn, float alpha, View<float> A, View<float> B,
+                                             Out<float> C, Prior<float> prior, const float* kscale) {
+  if (nb == 4) {
+    warp_gemm_strips<4, kBf16>(M, N, Kn, alpha, A, B, C, prior, kscale);
+  } else if (nb == 2) {
+    warp_gemm_strips<2, kBf16>(M, N, Kn, alpha, A, B, C, prior, kscale);
+  } else {
+    warp_gemm_strips<1, kBf16>(M, N, Kn, alpha, A, B, C, prior, kscale);
+  }
+}
+
+// Strips as wide as keep every warp of the block busy (up to 4 column tiles).
 __device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
                                           Prior<float> prior, const float* kscale, bool bf16) {
   const int tiles = (M + 15) / 16 * ((N + 7) / 8), warps = static_cast<int>(blockDim.x / 32);
   const int nb = tiles >= 4 * warps ? 4 : tiles >= 2 * warps ? 2 : 1;
   if (bf16) {
-    if (nb == 4) {
-      warp_gemm_strips_bf16<4>(M, N, Kn, alpha, A, B, C, prior, kscale);
-    } else if (nb == 2) {
-      warp_gemm_strips_bf16<2>(M, N, Kn, alpha, A, B, C, prior, kscale);
-    } else {
-      warp_gemm_strips_bf16<1>(M, N, Kn, alpha, A, B, C, prior, kscale);
-    }
-  } else if (nb == 4) {
-    warp_gemm_strips<4>(M, N, Kn, alpha, A, B, C, prior, kscale);
-  } else if (nb == 2) {
-    warp_gemm_strips<2>(M, N, Kn, alpha, A, B, C, prior, kscale);
+    warp_gemm_of<true>(nb, M, N, Kn, alpha, A, B, C, prior, kscale);
   } else {
-    warp_gemm_strips<1>(M, N, Kn, alpha, A, B, C, prior, kscale);
+    warp_gemm_of<false>(nb, M, N, Kn, alpha, A, B, C, prior, kscale);
   }
 }
 
