@@ -555,10 +555,8 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel
       for (int p = 0; p < 2; ++p) {
         uint32_t b[4];
         mma::load_b_kn(b, bS, F::kLdC, 8 * cu0 + 16 * p, 16 * kk);
-        mma::mma_16816<bf16>(accU[2 * p], aW, b[0], b[1]);
-        mma::mma_16816<bf16>(accU[2 * p + 1], aW, b[2], b[3]);
-        mma::mma_16816<bf16>(accO[2 * p], aQ, b[0], b[1]);
-        mma::mma_16816<bf16>(accO[2 * p + 1], aQ, b[2], b[3]);
+        mma::mma_16816_x2<bf16>(accU[2 * p], accU[2 * p + 1], aW, b);
+        mma::mma_16816_x2<bf16>(accO[2 * p], accO[2 * p + 1], aQ, b);
       }
     }
 #pragma unroll
@@ -577,8 +575,7 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel
       for (int p = 0; p < 2; ++p) {
         uint32_t b[4];
         mma::load_b_kn(b, bU, F::kLdC, 8 * cu0 + 16 * p, 16 * kk);
-        mma::mma_16816<bf16>(accO[2 * p], a, b[0], b[1]);
-        mma::mma_16816<bf16>(accO[2 * p + 1], a, b[2], b[3]);
+        mma::mma_16816_x2<bf16>(accO[2 * p], accO[2 * p + 1], a, b);
       }
     }
     if (o != nullptr) {
@@ -610,8 +607,7 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel
       for (int p = 0; p < F::kSTiles / 2; ++p) {
         uint32_t b[4];
         mma::load_b_kn(b, bU, F::kLdC, 8 * cs0 + 16 * p, 16 * kk);
-        mma::mma_16816<bf16>(S[2 * p], a, b[0], b[1]);
-        mma::mma_16816<bf16>(S[2 * p + 1], a, b[2], b[3]);
+        mma::mma_16816_x2<bf16>(S[2 * p], S[2 * p + 1], a, b);
       }
     }
     __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
