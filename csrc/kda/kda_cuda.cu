@@ -6,9 +6,9 @@
 //                      final state, and for the backward the start state and end-state gradient
 //                      of every chunk.
 //   chunk bwd kernel   one block per (chunk, value head): every gradient of the chunk.
-//   bf16 state kernel  the forward state pass for bf16 inputs (K 64 or 128, V a multiple of 64):
-//                      the state in fp32 registers, the products on bf16 operands (m16n8k16,
-//                      fp32 accumulation), the next chunk's terms staged while this one computes.
+//   bf16 state kernels the state passes for bf16 inputs (K 64 or 128, V a multiple of 64): the
+//                      state (gradient) in fp32 registers, the products on bf16 operands
+//                      (m16n8k16, fp32 accumulation), the next chunk staged while this one computes.
 // No host synchronisation: with cu_seqlens each block finds its chunk from the device copy.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -389,238 +389,314 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
   st.store(tm, dS, dh0 + st.matrix(z.HV));
 }
 
-// The bf16-operand forward state pass (the inputs were bf16, as in flash-linear-attention's
-// chunk_kda): one block of 8 warps per (64-column value tile, value head, sequence), the state
-// tile S [kK, 64] in fp32 registers (warp w: rows 16 (w % kK/16).., its share of the columns).
-// Per chunk, the fp32 terms of kda_chunk.h, staged by cp.async while the previous chunk
-// computes, are rounded to bf16 tiles (ldmatrix-friendly rows), S too, and
-//   U = Ut - W S,  O = scale (Qg S + Aqk U),  S <- diag(gC) S + Kd^T U
-// run as m16n8k16 MMAs with fp32 accumulation (warp w: rows 16 (w % 4).., columns 32 (w / 4)..
-// of U and O). Rows of a short chunk beyond L are zero in every staged term, so U's rows there
-// are zero and leave S alone.
+// The bf16-operand state passes (the inputs were bf16, as in flash-linear-attention's
+// chunk_kda; K 64 or 128, V a multiple of 64): one block of 8 warps per (64-column value tile,
+// value head, sequence), like the generic state kernels, with the state (or its gradient) tile
+// [kK, 64] in fp32 registers: warp w holds rows 16 (w % kK/16).. and its share of the columns.
+// Per chunk the fp32 terms of kda_chunk.h, staged by cp.async while the previous chunk computes,
+// are rounded to bf16 tiles (ldmatrix-friendly rows), and the products run as m16n8k16 MMAs with
+// fp32 accumulation; [L, 64] results (U, O, dU) are split over the warps as 4 row tiles x 2
+// column halves. Rows of a short chunk beyond L are zero in every staged term.
 template <int kK>
 struct Bf16State {
+  using bf16 = __nv_bfloat16;
   static constexpr int kWarps = 8, kThreads = 32 * kWarps, kCols = kStateCols;
   static constexpr int kLdK = kK + 8;        // bf16 rows of W, Qg, Kd: an odd multiple of 16 bytes
-  static constexpr int kLdC = kCols + 8;     // bf16 rows of S, U and Aqk (kChunk == kCols)
-  static constexpr int kLdU = kCols + 4;     // fp32 staged rows of Ut (no bank conflicts on reads)
-  static constexpr int kRowTiles = kK / 16;  // 16-row tiles of S
-  static constexpr int kSTiles = kCols / 8 * kRowTiles / kWarps;  // 8-column tiles of S per warp
-  static constexpr size_t kStageFloats = 3 * kChunk * kK + kChunk * kChunk + kChunk * kLdU;
-  static constexpr size_t kBf16 = 3 * kChunk * kLdK + kChunk * kLdC + kK * kLdC + kChunk * kLdC;
-  static constexpr size_t bytes() { return kStageFloats * sizeof(float) + kBf16 * sizeof(__nv_bfloat16); }
+  static constexpr int kLdC = kCols + 8;     // bf16 rows of the [*, 64] tiles (kChunk == kCols)
+  static constexpr int kLdX = kCols + 4;     // fp32 staged rows of Ut / dO (no bank conflicts on reads)
+  static constexpr int kRowTiles = kK / 16;  // 16-row tiles of the state
+  static constexpr int kSTiles = kCols / 8 * kRowTiles / kWarps;  // 8-column tiles of the state per warp
+  static constexpr size_t kStageFloats = 3 * kChunk * kK + kChunk * kChunk + kChunk * kLdX;
+  static constexpr size_t kBf16 = 3 * kChunk * kLdK + kK * kLdC + 3 * kChunk * kLdC;
+  static constexpr size_t bytes() { return kStageFloats * sizeof(float) + kBf16 * sizeof(bf16); }
   static_assert(kChunk == kCols && kK % 64 == 0 && kSTiles % 2 == 0, "tile shapes");
+
+  // fp32 staging: W, Qg, Kd [kChunk, kK], Aqk [kChunk, kChunk], X (Ut or dO) [kChunk, kLdX];
+  // bf16 tiles: W, Qg, Kd, the state S [kK, 64], Aqk, X and the [L, 64] product U (or dU).
+  float *stW, *stQ, *stKd, *stA, *stX;
+  bf16 *bW, *bQ, *bKd, *bS, *bA, *bX, *bU;
+  int warp, g, q, rs, cs0, ru, cu0;
+
+  __device__ explicit Bf16State(unsigned char* smem)
+      : stW(reinterpret_cast<float*>(smem)), stQ(stW + kChunk * kK), stKd(stQ + kChunk * kK),
+        stA(stKd + kChunk * kK), stX(stA + kChunk * kChunk), bW(reinterpret_cast<bf16*>(stX + kChunk * kLdX)),
+        bQ(bW + kChunk * kLdK), bKd(bQ + kChunk * kLdK), bS(bKd + kChunk * kLdK), bA(bS + kK * kLdC),
+        bX(bA + kChunk * kLdC), bU(bX + kChunk * kLdC), warp(threadIdx.x / 32), g(threadIdx.x % 32 / 4),
+        q(threadIdx.x % 4), rs(warp % kRowTiles), cs0(warp / kRowTiles * kSTiles), ru(warp % 4), cu0(warp / 4 * 4) {}
+
+  // Element r of this thread's fragment j: state row / column, [L, 64] row / column.
+  __device__ int srow(int r) const { return 16 * rs + g + 8 * (r / 2); }
+  __device__ int scol(int j, int r) const { return 8 * (cs0 + j) + 2 * q + r % 2; }
+  __device__ int urow(int r) const { return 16 * ru + g + 8 * (r / 2); }
+  __device__ int ucol(int j, int r) const { return 8 * (cu0 + j) + 2 * q + r % 2; }
+
+  // The state tile from / to a [kK, V] matrix at m (columns j0..; nullptr: zeros / nothing).
+  __device__ void load_state(float (&S)[kSTiles][4], const float* m, int64_t V, int j0) const {
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) S[j][r] = m != nullptr ? m[srow(r) * V + j0 + scol(j, r)] : 0.f;
+    }
+  }
+  __device__ void store_state(const float (&S)[kSTiles][4], float* m, int64_t V, int j0) const {
+    if (m == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) m[srow(r) * V + j0 + scol(j, r)] = S[j][r];
+    }
+  }
+
+  // The chunk at workspace row `row` (L steps) into the staging area; X's rows at x + t * ldx.
+  __device__ void stage(const Intra<float>& in, int64_t row, int L, const float* x, int64_t ldx) const {
+    const float* src[3] = {in.W + row * kK, in.Qg + row * kK, in.Kd + row * kK};
+    float* dst[3] = {stW, stQ, stKd};
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+      for (int i = threadIdx.x; i < kChunk * (kK / 4); i += kThreads) {
+        const int t = i / (kK / 4), c = i % (kK / 4) * 4;
+        copy4(dst[m] + t * kK + c, t < L ? src[m] + t * kK + c : nullptr);
+      }
+    }
+    for (int i = threadIdx.x; i < kChunk * (kChunk / 4); i += kThreads) {
+      const int t = i / (kChunk / 4), c = i % (kChunk / 4) * 4;
+      copy4(stA + t * kChunk + c, t < L ? in.Aqk + (row + t) * kChunk + c : nullptr);
+      copy4(stX + t * kLdX + c, t < L ? x + t * ldx + c : nullptr);
+    }
+    mma::cp_async_commit();
+  }
+  __device__ static void copy4(float* d, const float* s) {
+    if (s != nullptr) {
+      mma::cp_async_16(d, s);
+    } else {
+      *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+
+  // rows x cols of fp32 (leading dim ld_src) times `factor` -> bf16 (leading dim ld_dst).
+  __device__ static void round_tile(bf16* d, int ld_dst, const float* src, int ld_src, int rows, int cols,
+                                    float factor) {
+    for (int i = threadIdx.x; i < rows * (cols / 4); i += kThreads) {
+      const int t = i / (cols / 4), c = i % (cols / 4) * 4;
+      const float4 x = *reinterpret_cast<const float4*>(src + t * ld_src + c);
+      uint2 packed;
+      packed.x = mma::pack2<bf16>(factor * x.x, factor * x.y);
+      packed.y = mma::pack2<bf16>(factor * x.z, factor * x.w);
+      *reinterpret_cast<uint2*>(d + t * ld_dst + c) = packed;
+    }
+  }
+  // The staged terms as bf16 tiles; the intra kernel leaves Aqk's columns from L on unwritten:
+  // they are zeroed here.
+  __device__ void round_chunk(int L, float w_factor, float q_factor, float a_factor) const {
+    round_tile(bW, kLdK, stW, kK, kChunk, kK, w_factor);
+    round_tile(bQ, kLdK, stQ, kK, kChunk, kK, q_factor);
+    round_tile(bKd, kLdK, stKd, kK, kChunk, kK, 1.f);
+    for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += kThreads) {
+      const int t = e / (kChunk / 2), c = e % (kChunk / 2) * 2;
+      const float2 x = *reinterpret_cast<const float2*>(stA + t * kChunk + c);
+      *reinterpret_cast<uint32_t*>(bA + t * kLdC + c) =
+          mma::pack2<bf16>(c < L ? a_factor * x.x : 0.f, c + 1 < L ? a_factor * x.y : 0.f);
+    }
+  }
+  // The state tile as the bf16 B operand [kK, 64].
+  __device__ void round_state(const float (&S)[kSTiles][4]) const {
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      *reinterpret_cast<uint32_t*>(bS + srow(0) * kLdC + scol(j, 0)) = mma::pack2<bf16>(S[j][0], S[j][1]);
+      *reinterpret_cast<uint32_t*>(bS + srow(2) * kLdC + scol(j, 2)) = mma::pack2<bf16>(S[j][2], S[j][3]);
+    }
+  }
+  // An [L, 64] fragment set into the bf16 tile bU.
+  __device__ void round_u(const float (&u)[4][4]) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<uint32_t*>(bU + urow(0) * kLdC + ucol(j, 0)) = mma::pack2<bf16>(u[j][0], u[j][1]);
+      *reinterpret_cast<uint32_t*>(bU + urow(2) * kLdC + ucol(j, 2)) = mma::pack2<bf16>(u[j][2], u[j][3]);
+    }
+  }
+  // acc (this warp's [L, 64] fragments) += A B over k blocks [kk0, kk1): A rows 16 ru.. of a
+  // [*, ld_a] row-major tile (or of the transpose of one when kTransA), B [*, 64] row-major.
+  template <bool kTransA>
+  __device__ void mul_u(float (&acc)[4][4], const bf16* a_tile, int ld_a, const bf16* b_tile, int kk0,
+                        int kk1) const {
+    for (int kk = kk0; kk < kk1; ++kk) {
+      uint32_t a[4];
+      if constexpr (kTransA) {
+        mma::load_a_trans(a, a_tile, ld_a, 16 * ru, 16 * kk);
+      } else {
+        mma::load_a(a, a_tile, ld_a, 16 * ru, 16 * kk);
+      }
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        uint32_t b[4];
+        mma::load_b_kn(b, b_tile, kLdC, 8 * cu0 + 16 * p, 16 * kk);
+        mma::mma_16816_x2<bf16>(acc[2 * p], acc[2 * p + 1], a, b);
+      }
+    }
+  }
+  // S (this warp's state fragments) += X^T Y over the chunk's steps: X [kChunk, kK] (ld kLdK),
+  // Y [kChunk, 64].
+  __device__ void mul_state(float (&S)[kSTiles][4], const bf16* x, const bf16* y) const {
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[4];
+      mma::load_a_trans(a, x, kLdK, 16 * rs, 16 * kk);
+#pragma unroll
+      for (int p = 0; p < kSTiles / 2; ++p) {
+        uint32_t b[4];
+        mma::load_b_kn(b, y, kLdC, 8 * cs0 + 16 * p, 16 * kk);
+        mma::mma_16816_x2<bf16>(S[2 * p], S[2 * p + 1], a, b);
+      }
+    }
+  }
+  __device__ void scale_state_rows(float (&S)[kSTiles][4], const float* gc) const {
+    const float g0 = gc[srow(0)], g1 = gc[srow(2)];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      S[j][0] *= g0;
+      S[j][1] *= g0;
+      S[j][2] *= g1;
+      S[j][3] *= g1;
+    }
+  }
 };
 
+// Forward: U = Ut - W S, O = scale (Qg S + Aqk U), S <- diag(gC) S + Kd^T U; o, ht, starts as
+// for state_fwd_kernel.
 template <int kK>
 __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel(Seqs sq_, Sizes<float> z, float scale,
                                                                                 Intra<float> in,
                                                                                 const float* __restrict__ h0, float* o,
                                                                                 float* ht, float* starts) {
   using F = Bf16State<kK>;
-  using bf16 = __nv_bfloat16;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* stW = reinterpret_cast<float*>(smem_raw);
-  float* stQ = stW + kChunk * kK;
-  float* stKd = stQ + kChunk * kK;
-  float* stA = stKd + kChunk * kK;
-  float* stU = stA + kChunk * kChunk;
-  bf16* bW = reinterpret_cast<bf16*>(stU + kChunk * F::kLdU);
-  bf16* bQ = bW + kChunk * F::kLdK;
-  bf16* bKd = bQ + kChunk * F::kLdK;
-  bf16* bA = bKd + kChunk * F::kLdK;
-  bf16* bS = bA + kChunk * F::kLdC;
-  bf16* bU = bS + kK * F::kLdC;
-
+  const F sm(smem_raw);
   const StateTile<float> st(sq_, z);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int rs = warp % F::kRowTiles, cs0 = warp / F::kRowTiles * F::kSTiles;  // S: row tile, first column tile
-  const int ru = warp % 4, cu0 = warp / 4 * 4;                                 // U, O: row tile, first column tile
   const int64_t V = z.V;
-  // Element r of fragment j: S row srow(r), column scol(j, r) (of the tile); U, O likewise.
-  auto srow = [&](int r) { return 16 * rs + g + 8 * (r / 2); };
-  auto scol = [&](int j, int r) { return 8 * (cs0 + j) + 2 * q + r % 2; };
-  auto urow = [&](int r) { return 16 * ru + g + 8 * (r / 2); };
-  auto ucol = [&](int j, int r) { return 8 * (cu0 + j) + 2 * q + r % 2; };
-
   float S[F::kSTiles][4];
-  const float* h0m = h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr;
-#pragma unroll
-  for (int j = 0; j < F::kSTiles; ++j) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) S[j][r] = h0m != nullptr ? h0m[srow(r) * V + st.j0 + scol(j, r)] : 0.f;
-  }
-
-  // The chunk at workspace row `row`, L steps, into the fp32 staging area (rows >= L zero).
-  auto stage = [&](int64_t row, int L) {
-    const float* src[3] = {in.W + row * kK, in.Qg + row * kK, in.Kd + row * kK};
-    float* dst[3] = {stW, stQ, stKd};
-#pragma unroll
-    for (int m = 0; m < 3; ++m) {
-      for (int i = threadIdx.x; i < kChunk * (kK / 4); i += F::kThreads) {
-        const int t = i / (kK / 4), c = i % (kK / 4) * 4;
-        float* d = dst[m] + t * kK + c;
-        if (t < L) {
-          mma::cp_async_16(d, src[m] + t * kK + c);
-        } else {
-          *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-      }
-    }
-    for (int i = threadIdx.x; i < kChunk * (kChunk / 4); i += F::kThreads) {
-      const int t = i / (kChunk / 4), c = i % (kChunk / 4) * 4;
-      float* da = stA + t * kChunk + c;
-      float* du = stU + t * F::kLdU + c;
-      if (t < L) {
-        mma::cp_async_16(da, in.Aqk + (row + t) * kChunk + c);
-        mma::cp_async_16(du, in.Ut + (row + t) * V + st.j0 + c);
-      } else {
-        *reinterpret_cast<float4*>(da) = make_float4(0.f, 0.f, 0.f, 0.f);
-        *reinterpret_cast<float4*>(du) = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-    mma::cp_async_commit();
-  };
-  // rows x cols fp32 (leading dim ld_src) -> bf16 (leading dim ld_dst), four at a time.
-  auto round_tile = [&](bf16* d, int ld_dst, const float* src, int ld_src, int rows, int cols) {
-    for (int i = threadIdx.x; i < rows * (cols / 4); i += F::kThreads) {
-      const int t = i / (cols / 4), c = i % (cols / 4) * 4;
-      const float4 x = *reinterpret_cast<const float4*>(src + t * ld_src + c);
-      uint2 packed;
-      packed.x = mma::pack2<bf16>(x.x, x.y);
-      packed.y = mma::pack2<bf16>(x.z, x.w);
-      *reinterpret_cast<uint2*>(d + t * ld_dst + c) = packed;
+  sm.load_state(S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr, V, st.j0);
+  auto stage = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
+      const int64_t row = st.hv * sq_.tokens + t0;
+      sm.stage(in, row, L, in.Ut + row * V + st.j0, V);
     }
   };
-
-  int64_t slot, t0;
-  int L;
-  if (st.chunks > 0 && st.chunk(sq_, 0, slot, t0, L)) stage(st.hv * sq_.tokens + t0, L);
+  stage(0);
   for (int64_t i = 0; i < st.chunks; ++i) {
+    int64_t slot, t0;
+    int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
-    if (starts != nullptr) {
-      float* base = starts + (st.hv * sq_.slots + slot) * kK * V + st.j0;
-#pragma unroll
-      for (int j = 0; j < F::kSTiles; ++j) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) base[srow(r) * V + scol(j, r)] = S[j][r];
-      }
-    }
+    sm.store_state(S, starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr, V, st.j0);
     mma::cp_async_wait<0>();
     __syncthreads();
-    round_tile(bW, F::kLdK, stW, kK, kChunk, kK);
-    round_tile(bQ, F::kLdK, stQ, kK, kChunk, kK);
-    round_tile(bKd, F::kLdK, stKd, kK, kChunk, kK);
-    // Aqk's columns from L on are not written by the intra kernel: zero them here.
-    for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += F::kThreads) {
-      const int t = e / (kChunk / 2), c = e % (kChunk / 2) * 2;
-      const float2 x = *reinterpret_cast<const float2*>(stA + t * kChunk + c);
-      *reinterpret_cast<uint32_t*>(bA + t * F::kLdC + c) =
-          mma::pack2<bf16>(c < L ? x.x : 0.f, c + 1 < L ? x.y : 0.f);
+    sm.round_chunk(L, 1.f, 1.f, 1.f);
+    sm.round_state(S);
+    float u[4][4], acc_o[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        u[j][r] = 0.f;
+        acc_o[j][r] = 0.f;
+      }
     }
     float ut[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) ut[j][r] = stU[urow(r) * F::kLdU + ucol(j, r)];
+      for (int r = 0; r < 4; ++r) ut[j][r] = sm.stX[sm.urow(r) * F::kLdX + sm.ucol(j, r)];
     }
-#pragma unroll
-    for (int j = 0; j < F::kSTiles; ++j) {
-      *reinterpret_cast<uint32_t*>(bS + srow(0) * F::kLdC + scol(j, 0)) = mma::pack2<bf16>(S[j][0], S[j][1]);
-      *reinterpret_cast<uint32_t*>(bS + srow(2) * F::kLdC + scol(j, 2)) = mma::pack2<bf16>(S[j][2], S[j][3]);
-    }
-    const float* gc = in.gC + (st.hv * sq_.slots + slot) * kK;
-    const float gc0 = gc[srow(0)], gc1 = gc[srow(2)];
     __syncthreads();  // the staging area is free, the bf16 tiles are complete
-    {
-      int64_t next_slot, next_t0;
-      int next_L;
-      if (i + 1 < st.chunks && st.chunk(sq_, i + 1, next_slot, next_t0, next_L)) {
-        stage(st.hv * sq_.tokens + next_t0, next_L);
-      }
-    }
-    // U = Ut - W S and the first term of O, Qg S.
-    float accU[4][4], accO[4][4];
+    stage(i + 1);
+    sm.template mul_u<false>(u, sm.bW, F::kLdK, sm.bS, 0, kK / 16);
+    sm.template mul_u<false>(acc_o, sm.bQ, F::kLdK, sm.bS, 0, kK / 16);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) accU[j][r] = accO[j][r] = 0.f;
+      for (int r = 0; r < 4; ++r) u[j][r] = ut[j][r] - u[j][r];
     }
-#pragma unroll
-    for (int kk = 0; kk < kK / 16; ++kk) {
-      uint32_t aW[4], aQ[4];
-      mma::load_a(aW, bW, F::kLdK, 16 * ru, 16 * kk);
-      mma::load_a(aQ, bQ, F::kLdK, 16 * ru, 16 * kk);
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        uint32_t b[4];
-        mma::load_b_kn(b, bS, F::kLdC, 8 * cu0 + 16 * p, 16 * kk);
-        mma::mma_16816_x2<bf16>(accU[2 * p], accU[2 * p + 1], aW, b);
-        mma::mma_16816_x2<bf16>(accO[2 * p], accO[2 * p + 1], aQ, b);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      *reinterpret_cast<uint32_t*>(bU + urow(0) * F::kLdC + ucol(j, 0)) =
-          mma::pack2<bf16>(ut[j][0] - accU[j][0], ut[j][1] - accU[j][1]);
-      *reinterpret_cast<uint32_t*>(bU + urow(2) * F::kLdC + ucol(j, 2)) =
-          mma::pack2<bf16>(ut[j][2] - accU[j][2], ut[j][3] - accU[j][3]);
-    }
+    sm.round_u(u);
     __syncthreads();
-    // O += Aqk U over the key blocks up to this row block (Aqk is zero above the diagonal).
-    for (int kk = 0; kk <= ru; ++kk) {
-      uint32_t a[4];
-      mma::load_a(a, bA, F::kLdC, 16 * ru, 16 * kk);
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        uint32_t b[4];
-        mma::load_b_kn(b, bU, F::kLdC, 8 * cu0 + 16 * p, 16 * kk);
-        mma::mma_16816_x2<bf16>(accO[2 * p], accO[2 * p + 1], a, b);
-      }
-    }
+    sm.template mul_u<false>(acc_o, sm.bA, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
     if (o != nullptr) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int t = urow(2 * h);
+          const int t = sm.urow(2 * h);
           if (t < L) {
-            *reinterpret_cast<float2*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + ucol(j, 2 * h)) =
-                make_float2(scale * accO[j][2 * h], scale * accO[j][2 * h + 1]);
+            *reinterpret_cast<float2*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + sm.ucol(j, 2 * h)) =
+                make_float2(scale * acc_o[j][2 * h], scale * acc_o[j][2 * h + 1]);
           }
         }
       }
     }
-    // S <- diag(gC) S + Kd^T U.
-#pragma unroll
-    for (int j = 0; j < F::kSTiles; ++j) {
-      S[j][0] *= gc0;
-      S[j][1] *= gc0;
-      S[j][2] *= gc1;
-      S[j][3] *= gc1;
-    }
-#pragma unroll
-    for (int kk = 0; kk < kChunk / 16; ++kk) {
-      uint32_t a[4];
-      mma::load_a_trans(a, bKd, F::kLdK, 16 * rs, 16 * kk);
-#pragma unroll
-      for (int p = 0; p < F::kSTiles / 2; ++p) {
-        uint32_t b[4];
-        mma::load_b_kn(b, bU, F::kLdC, 8 * cs0 + 16 * p, 16 * kk);
-        mma::mma_16816_x2<bf16>(S[2 * p], S[2 * p + 1], a, b);
-      }
-    }
+    sm.scale_state_rows(S, in.gC + (st.hv * sq_.slots + slot) * kK);
+    sm.mul_state(S, sm.bKd, sm.bU);
     __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
   }
   mma::cp_async_wait<0>();
-  if (ht != nullptr) {
-    float* base = ht + st.matrix(z.HV) + st.j0;
-#pragma unroll
-    for (int j = 0; j < F::kSTiles; ++j) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) base[srow(r) * V + scol(j, r)] = S[j][r];
+  sm.store_state(S, ht != nullptr ? ht + st.matrix(z.HV) : nullptr, V, st.j0);
+}
+
+// Backward, chunks in reverse, dS the gradient of the chunk's end state (stored into dends):
+// dU = scale Aqk^T dO + Kd dS, dS <- diag(gC) dS + scale Qg^T dO - W^T dU (the factors scale and
+// -1 ride on the bf16 rounding of Aqk, Qg and W); the initial state's gradient into dh0.
+template <int kK>
+__global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_bwd_bf16_kernel(Seqs sq_, Sizes<float> z, float scale,
+                                                                                Intra<float> in,
+                                                                                const float* __restrict__ dO,
+                                                                                const float* __restrict__ dht,
+                                                                                float* dends, float* dh0) {
+  using F = Bf16State<kK>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const F sm(smem_raw);
+  const StateTile<float> st(sq_, z);
+  const int64_t V = z.V;
+  float dS[F::kSTiles][4];
+  sm.load_state(dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr, V, st.j0);
+  auto stage = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i >= 0 && st.chunk(sq_, i, slot, t0, L)) {
+      sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V);
     }
+  };
+  stage(st.chunks - 1);
+  for (int64_t i = st.chunks - 1; i >= 0; --i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) {
+      stage(i - 1);  // keep one staged chunk in flight, as the generic kernel skips this one
+      continue;
+    }
+    sm.store_state(dS, dends + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
+    mma::cp_async_wait<0>();
+    __syncthreads();
+    sm.round_chunk(L, -1.f, scale, scale);
+    sm.round_state(dS);
+    F::round_tile(sm.bX, F::kLdC, sm.stX, F::kLdX, kChunk, kChunk, 1.f);
+    __syncthreads();
+    stage(i - 1);
+    float du[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) du[j][r] = 0.f;
+    }
+    sm.template mul_u<true>(du, sm.bA, F::kLdC, sm.bX, sm.ru, kChunk / 16);  // (Aqk^T)_ts is zero for s < t
+    sm.template mul_u<false>(du, sm.bKd, F::kLdK, sm.bS, 0, kK / 16);
+    sm.round_u(du);
+    __syncthreads();
+    sm.scale_state_rows(dS, in.gC + (st.hv * sq_.slots + slot) * kK);
+    sm.mul_state(dS, sm.bQ, sm.bX);
+    sm.mul_state(dS, sm.bW, sm.bU);
+    __syncthreads();
   }
+  mma::cp_async_wait<0>();
+  sm.store_state(dS, dh0 + st.matrix(z.HV), V, st.j0);
 }
 
 // Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
@@ -704,26 +780,33 @@ size_t state_smem_bytes(int64_t K) { return StateSmem<float>::bytes(K); }
 
 dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
 
-// The forward state pass (o, ht, starts each may be nullptr): on bf16 operands when the inputs
-// were bf16 and the head sizes fit its tiles, else on the generic kernel (3xTF32).
-void run_state_fwd(const Problem& p, const Launch& l, const Intra<float>& intra, const float* h0, float* o, float* ht,
-                   float* starts) {
+// A state pass: its bf16-operand kernel when the inputs were bf16 and the head sizes fit its
+// tiles, else the generic kernel (its products 3xTF32, or bf16 operands for bf16 inputs).
+template <typename Generic, typename Bf16K128, typename Bf16K64, typename... Args>
+void run_state_pass(const Problem& p, const Launch& l, Generic generic, Bf16K128 bf16_k128, Bf16K64 bf16_k64,
+                    Args... args) {
   const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_inputs};
   const float scale = static_cast<float>(p.scale);
-  const auto bf16_pass = [&](auto kernel, size_t smem, int threads) {
+  const auto launch = [&](auto kernel, size_t smem, int threads) {
     set_smem(kernel, smem);
-    kernel<<<state_grid(p), threads, smem, l.stream>>>(l.seqs, z, scale, intra, h0, o, ht, starts);
+    kernel<<<state_grid(p), threads, smem, l.stream>>>(l.seqs, z, scale, args...);
   };
-  if (p.bf16_inputs && p.K == 128 && p.V % kStateCols == 0) {
-    bf16_pass(state_fwd_bf16_kernel<128>, Bf16State<128>::bytes(), Bf16State<128>::kThreads);
-  } else if (p.bf16_inputs && p.K == 64 && p.V % kStateCols == 0) {
-    bf16_pass(state_fwd_bf16_kernel<64>, Bf16State<64>::bytes(), Bf16State<64>::kThreads);
+  const bool tiles = p.bf16_inputs && p.V % kStateCols == 0;
+  if (tiles && p.K == 128) {
+    launch(bf16_k128, Bf16State<128>::bytes(), Bf16State<128>::kThreads);
+  } else if (tiles && p.K == 64) {
+    launch(bf16_k64, Bf16State<64>::bytes(), Bf16State<64>::kThreads);
   } else {
-    const size_t smem = state_smem_bytes(p.K);
-    set_smem(state_fwd_kernel<float>, smem);
-    state_fwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(l.seqs, z, scale, intra, h0, o, ht, starts);
+    launch(generic, state_smem_bytes(p.K), kThreads);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Forward state passing (o, ht, starts each may be nullptr).
+void run_state_fwd(const Problem& p, const Launch& l, const Intra<float>& intra, const float* h0, float* o, float* ht,
+                   float* starts) {
+  run_state_pass(p, l, state_fwd_kernel<float>, state_fwd_bf16_kernel<128>, state_fwd_bf16_kernel<64>, intra, h0, o,
+                 ht, starts);
 }
 
 }  // namespace
@@ -753,13 +836,10 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   if (p.N > 0) {
     run_state_fwd(p, l, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, nullptr,
                   nullptr, starts.data_ptr<float>());
-    const size_t smem = state_smem_bytes(p.K);
-    set_smem(state_bwd_kernel<float>, smem);
-    state_bwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
-        l.seqs, z, scale, intra, grad_o.data_ptr<float>(),
-        grad_final_state.defined() ? grad_final_state.data_ptr<float>() : nullptr, dends.data_ptr<float>(),
-        gr.dinitial_state.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const float* dO = grad_o.data_ptr<float>();
+    const float* dht = grad_final_state.defined() ? grad_final_state.data_ptr<float>() : nullptr;
+    run_state_pass(p, l, state_bwd_kernel<float>, state_bwd_bf16_kernel<128>, state_bwd_bf16_kernel<64>, intra, dO,
+                   dht, dends.data_ptr<float>(), gr.dinitial_state.data_ptr<float>());
   }
   if (rows == 0) return;
   auto ws = [&](int64_t n) {
