@@ -13,7 +13,7 @@ def main():
     torch.manual_seed(0)
     dev = "cuda"
     for B, T, H, HV, Kd, V, lens in ((2, 70, 1, 2, 128, 128, None), (1, 203, 2, 2, 64, 40, [1, 64, 0, 65, 73]),
-                                      (1, 5, 1, 1, 16, 8, None)):
+                                      (1, 203, 1, 2, 64, 64, [1, 64, 0, 65, 73]), (1, 5, 1, 1, 16, 8, None)):
         q = torch.randn(B, T, H, Kd, device=dev, dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(B, T, H, Kd, device=dev, dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -48,6 +48,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+// c0 += a b (cols n0..), c1 += a b (cols n0 + 8..), with b[4] from load_b_nk / load_b_kn.
+template <typename T>
+__device__ __forceinline__ void mma_16816_x2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                                             const uint32_t (&b)[4]) {
+  mma_16816<T>(c0, a, b[0], b[1]);
+  mma_16816<T>(c1, a, b[2], b[3]);
+}
+
 // A fragment (16 x 16) of a row-major tile: rows row0.., cols k0...
 template <typename T>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* s, int ld, int row0, int k0) {

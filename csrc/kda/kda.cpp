@@ -59,7 +59,7 @@ Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     TORCH_CHECK(h0.sizes() == at::IntArrayRef({N, HV, K, V}), "kda: initial_state must be [N, HV, K, V] = [", N, ", ",
                 HV, ", ", K, ", ", V, "] (N = number of sequences), got ", shape_str(h0));
   }
-  return Problem{B, T, H, HV, K, V, N, scale, cu};
+  return Problem{B, T, H, HV, K, V, N, scale, cu, q.scalar_type() == at::kBFloat16};
 }
 
 // The backends' inputs; rinv_q / rinv_k receive 1/||x|| when normalising (for the backward).

@@ -19,6 +19,7 @@ struct Problem {
   int64_t B, T, H, HV, K, V, N;
   double scale;
   at::Tensor cu_seqlens;  // int32 [N+1] on the inputs' device, or undefined
+  bool bf16_inputs;       // q, k, v were bfloat16: the CUDA state pass may take bf16 operands
 };
 
 // Inputs of the backends: accumulation-type, contiguous; q, k already normalised.

@@ -6,6 +6,9 @@
 //                      final state, and for the backward the start state and end-state gradient
 //                      of every chunk.
 //   chunk bwd kernel   one block per (chunk, value head): every gradient of the chunk.
+//   bf16 state kernels the state passes for bf16 inputs (K 64 or 128, V a multiple of 64): the
+//                      state (gradient) in fp32 registers, the products on bf16 operands
+//                      (m16n8k16, fp32 accumulation), the next chunk staged while this one computes.
 // No host synchronisation: with cu_seqlens each block finds its chunk from the device copy.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "common/device.cuh"
+#include "common/mma.cuh"
 #include "kda/kda.h"
 #include "kda/kda_chunk.h"
 
@@ -50,45 +54,105 @@ __device__ __forceinline__ void split_tf32(const float (&x)[N], uint32_t (&hi)[N
   }
 }
 
-// team_gemm's contract on the tensor cores: each warp computes 16 x 8 tiles of C with split-tf32
-// m16n8k8 MMAs, operands read through the strided views (no layout requirement).
-__device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
-                          Prior<float> prior, const float* kscale) {
+// team_gemm's contract on the tensor cores: each warp computes a 16 x 8NB strip of C, operands
+// read through the strided views (no layout requirement); the A fragment of a k-step is loaded
+// and converted once for the NB column tiles of the strip, and each element of C sees the same
+// MMAs in the same order whatever NB is. kBf16 (the inputs were bf16): m16n8k16 MMAs on bf16
+// operands, one per 16 x 8 x 16 block; else split-tf32 m16n8k8 MMAs, three per 16 x 8 x 8 block
+// (fp32 accuracy). Both accumulate in fp32.
+template <int NB, bool kBf16>
+__device__ __forceinline__ void warp_gemm_strips(int M, int N, int Kn, float alpha, View<float> A, View<float> B,
+                                                 Out<float> C, Prior<float> prior, const float* kscale) {
+  using bf16 = __nv_bfloat16;
+  constexpr int kStep = kBf16 ? 16 : 8;
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int mt = (M + 15) / 16, nt = (N + 7) / 8;
-  for (int tile = threadIdx.x / 32; tile < mt * nt; tile += blockDim.x / 32) {
-    const int m0 = tile / nt * 16, n0 = tile % nt * 8;
-    const int r0 = m0 + g, r1 = r0 + 8, cb = n0 + g;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int k0 = 0; k0 < Kn; k0 += 8) {
-      const int k_lo = k0 + q, k_hi = k_lo + 4;
-      const float s_lo = k_lo < Kn ? (kscale != nullptr ? kscale[k_lo] : 1.f) : 0.f;
-      const float s_hi = k_hi < Kn ? (kscale != nullptr ? kscale[k_hi] : 1.f) : 0.f;
-      const float a[4] = {r0 < M && s_lo != 0.f ? A(r0, k_lo) * s_lo : 0.f, r1 < M && s_lo != 0.f ? A(r1, k_lo) * s_lo : 0.f,
-                          r0 < M && s_hi != 0.f ? A(r0, k_hi) * s_hi : 0.f, r1 < M && s_hi != 0.f ? A(r1, k_hi) * s_hi : 0.f};
-      const float b[2] = {cb < N && k_lo < Kn ? B(k_lo, cb) : 0.f, cb < N && k_hi < Kn ? B(k_hi, cb) : 0.f};
-      uint32_t a_hi[4], a_lo[4], b_hi[2], b_lo[2];
-      split_tf32(a, a_hi, a_lo);
-      split_tf32(b, b_hi, b_lo);
-      mma_tf32(acc, a_lo, b_hi);
-      mma_tf32(acc, a_hi, b_lo);
-      mma_tf32(acc, a_hi, b_hi);
+  const int mt = (M + 15) / 16, ns = (N + 8 * NB - 1) / (8 * NB);
+  for (int strip = threadIdx.x / 32; strip < mt * ns; strip += blockDim.x / 32) {
+    const int m0 = strip / ns * 16, n_first = strip % ns * 8 * NB;
+    const int r0 = m0 + g, r1 = r0 + 8;
+    float acc[NB][4];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int k0 = 0; k0 < Kn; k0 += kStep) {
+      // This lane's reduction indices: bf16 k0 + 2q + {0, 1, 8, 9}; tf32 k0 + q + {0, 4}.
+      constexpr int kIdx = kBf16 ? 4 : 2;
+      int kc[kIdx];
+      float ks[kIdx];
+#pragma unroll
+      for (int i = 0; i < kIdx; ++i) {
+        kc[i] = kBf16 ? k0 + 2 * q + (i / 2) * 8 + i % 2 : k0 + q + 4 * i;
+        ks[i] = kc[i] < Kn ? (kscale != nullptr ? kscale[kc[i]] : 1.f) : 0.f;
+      }
+      auto a_at = [&](int r, int i) { return r < M && ks[i] != 0.f ? A(r, kc[i]) * ks[i] : 0.f; };
+      if constexpr (kBf16) {
+        const uint32_t a[4] = {mma::pack2<bf16>(a_at(r0, 0), a_at(r0, 1)), mma::pack2<bf16>(a_at(r1, 0), a_at(r1, 1)),
+                               mma::pack2<bf16>(a_at(r0, 2), a_at(r0, 3)), mma::pack2<bf16>(a_at(r1, 2), a_at(r1, 3))};
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          const int cb = n_first + 8 * j + g;
+          auto b_at = [&](int i) { return cb < N && kc[i] < Kn ? B(kc[i], cb) : 0.f; };
+          mma::mma_16816<bf16>(acc[j], a, mma::pack2<bf16>(b_at(0), b_at(1)), mma::pack2<bf16>(b_at(2), b_at(3)));
+        }
+      } else {
+        const float a[4] = {a_at(r0, 0), a_at(r1, 0), a_at(r0, 1), a_at(r1, 1)};
+        uint32_t a_hi[4], a_lo[4];
+        split_tf32(a, a_hi, a_lo);
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          const int cb = n_first + 8 * j + g;
+          const float b[2] = {cb < N && kc[0] < Kn ? B(kc[0], cb) : 0.f, cb < N && kc[1] < Kn ? B(kc[1], cb) : 0.f};
+          uint32_t b_hi[2], b_lo[2];
+          split_tf32(b, b_hi, b_lo);
+          mma_tf32(acc[j], a_lo, b_hi);
+          mma_tf32(acc[j], a_hi, b_lo);
+          mma_tf32(acc[j], a_hi, b_hi);
+        }
+      }
     }
-    for (int r = 0; r < 4; ++r) {
-      const int m = m0 + g + 8 * (r / 2), n = n0 + 2 * q + r % 2;
-      if (m < M && n < N) prior.store(C(m, n), alpha * acc[r], m, n);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int m = m0 + g + 8 * (r / 2), n = n_first + 8 * j + 2 * q + r % 2;
+        if (m < M && n < N) prior.store(C(m, n), alpha * acc[j][r], m, n);
+      }
     }
+  }
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void warp_gemm_of(int nb, int M, int N, int Kn, float alpha, View<float> A, View<float> B,
+                                             Out<float> C, Prior<float> prior, const float* kscale) {
+  if (nb == 4) {
+    warp_gemm_strips<4, kBf16>(M, N, Kn, alpha, A, B, C, prior, kscale);
+  } else if (nb == 2) {
+    warp_gemm_strips<2, kBf16>(M, N, Kn, alpha, A, B, C, prior, kscale);
+  } else {
+    warp_gemm_strips<1, kBf16>(M, N, Kn, alpha, A, B, C, prior, kscale);
+  }
+}
+
+// Strips as wide as keep every warp of the block busy (up to 4 column tiles).
+__device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
+                                          Prior<float> prior, const float* kscale, bool bf16) {
+  const int tiles = (M + 15) / 16 * ((N + 7) / 8), warps = static_cast<int>(blockDim.x / 32);
+  const int nb = tiles >= 4 * warps ? 4 : tiles >= 2 * warps ? 2 : 1;
+  if (bf16) {
+    warp_gemm_of<true>(nb, M, N, Kn, alpha, A, B, C, prior, kscale);
+  } else {
+    warp_gemm_of<false>(nb, M, N, Kn, alpha, A, B, C, prior, kscale);
   }
 }
 
 // The CUDA kernels' team: the threads of a block, products on the tensor cores.
 struct BlockTeam {
+  bool bf16;  // products on bf16 operands (the inputs were bf16)
   __device__ int rank() const { return static_cast<int>(threadIdx.x); }
   __device__ int size() const { return static_cast<int>(blockDim.x); }
   __device__ void sync() const { __syncthreads(); }
   __device__ void gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
                        Prior<float> prior = Prior<float>{}, const float* kscale = nullptr) const {
-    warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale);
+    warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale, bf16);
   }
 };
 
@@ -153,6 +217,7 @@ struct Intra {
 template <typename T>
 struct Sizes {
   int64_t H, HV, K, V;
+  bool bf16;  // the inputs were bf16: products on bf16 operands
 };
 
 // Shared-memory copy of one chunk of one value head: q, k, G = hi + lo (cumulated), v, beta.
@@ -199,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
   int64_t t0;
   int L;
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
-  const BlockTeam tm;
+  const BlockTeam tm{z.bf16};
   const ChunkDims d{L, static_cast<int>(z.K), static_cast<int>(z.V)};
   load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
   const int64_t row = hv * sq_.tokens + t0;
@@ -278,7 +343,7 @@ __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> 
   extern __shared__ unsigned char smem_raw[];
   const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
   T* S = sm.S;
-  const BlockTeam tm;
+  const BlockTeam tm{z.bf16};
   const StateTile<T> st(sq_, z);
   st.load(tm, S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr);
   for (int64_t i = 0; i < st.chunks; ++i) {
@@ -306,7 +371,7 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
   extern __shared__ unsigned char smem_raw[];
   const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
   T* dS = sm.S;
-  const BlockTeam tm;
+  const BlockTeam tm{z.bf16};
   const StateTile<T> st(sq_, z);
   st.load(tm, dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr);
   for (int64_t i = st.chunks - 1; i >= 0; --i) {
@@ -322,6 +387,316 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
                     sm.tile, st.Vt, dS, st.Vt, sm.U);
   }
   st.store(tm, dS, dh0 + st.matrix(z.HV));
+}
+
+// The bf16-operand state passes (the inputs were bf16, as in flash-linear-attention's
+// chunk_kda; K 64 or 128, V a multiple of 64): one block of 8 warps per (64-column value tile,
+// value head, sequence), like the generic state kernels, with the state (or its gradient) tile
+// [kK, 64] in fp32 registers: warp w holds rows 16 (w % kK/16).. and its share of the columns.
+// Per chunk the fp32 terms of kda_chunk.h, staged by cp.async while the previous chunk computes,
+// are rounded to bf16 tiles (ldmatrix-friendly rows), and the products run as m16n8k16 MMAs with
+// fp32 accumulation; [L, 64] results (U, O, dU) are split over the warps as 4 row tiles x 2
+// column halves. Rows of a short chunk beyond L are zero in every staged term.
+template <int kK>
+struct Bf16State {
+  using bf16 = __nv_bfloat16;
+  static constexpr int kWarps = 8, kThreads = 32 * kWarps, kCols = kStateCols;
+  static constexpr int kLdK = kK + 8;        // bf16 rows of W, Qg, Kd: an odd multiple of 16 bytes
+  static constexpr int kLdC = kCols + 8;     // bf16 rows of the [*, 64] tiles (kChunk == kCols)
+  static constexpr int kLdX = kCols + 4;     // fp32 staged rows of Ut / dO (no bank conflicts on reads)
+  static constexpr int kRowTiles = kK / 16;  // 16-row tiles of the state
+  static constexpr int kSTiles = kCols / 8 * kRowTiles / kWarps;  // 8-column tiles of the state per warp
+  static constexpr size_t kStageFloats = 3 * kChunk * kK + kChunk * kChunk + kChunk * kLdX;
+  static constexpr size_t kBf16 = 3 * kChunk * kLdK + kK * kLdC + 3 * kChunk * kLdC;
+  static constexpr size_t bytes() { return kStageFloats * sizeof(float) + kBf16 * sizeof(bf16); }
+  static_assert(kChunk == kCols && kK % 64 == 0 && kSTiles % 2 == 0, "tile shapes");
+
+  // fp32 staging: W, Qg, Kd [kChunk, kK], Aqk [kChunk, kChunk], X (Ut or dO) [kChunk, kLdX];
+  // bf16 tiles: W, Qg, Kd, the state S [kK, 64], Aqk, X and the [L, 64] product U (or dU).
+  float *stW, *stQ, *stKd, *stA, *stX;
+  bf16 *bW, *bQ, *bKd, *bS, *bA, *bX, *bU;
+  int warp, g, q, rs, cs0, ru, cu0;
+
+  __device__ explicit Bf16State(unsigned char* smem)
+      : stW(reinterpret_cast<float*>(smem)), stQ(stW + kChunk * kK), stKd(stQ + kChunk * kK),
+        stA(stKd + kChunk * kK), stX(stA + kChunk * kChunk), bW(reinterpret_cast<bf16*>(stX + kChunk * kLdX)),
+        bQ(bW + kChunk * kLdK), bKd(bQ + kChunk * kLdK), bS(bKd + kChunk * kLdK), bA(bS + kK * kLdC),
+        bX(bA + kChunk * kLdC), bU(bX + kChunk * kLdC), warp(threadIdx.x / 32), g(threadIdx.x % 32 / 4),
+        q(threadIdx.x % 4), rs(warp % kRowTiles), cs0(warp / kRowTiles * kSTiles), ru(warp % 4), cu0(warp / 4 * 4) {}
+
+  // Element r of this thread's fragment j: state row / column, [L, 64] row / column.
+  __device__ int srow(int r) const { return 16 * rs + g + 8 * (r / 2); }
+  __device__ int scol(int j, int r) const { return 8 * (cs0 + j) + 2 * q + r % 2; }
+  __device__ int urow(int r) const { return 16 * ru + g + 8 * (r / 2); }
+  __device__ int ucol(int j, int r) const { return 8 * (cu0 + j) + 2 * q + r % 2; }
+
+  // The state tile from / to a [kK, V] matrix at m (columns j0..; nullptr: zeros / nothing).
+  __device__ void load_state(float (&S)[kSTiles][4], const float* m, int64_t V, int j0) const {
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) S[j][r] = m != nullptr ? m[srow(r) * V + j0 + scol(j, r)] : 0.f;
+    }
+  }
+  __device__ void store_state(const float (&S)[kSTiles][4], float* m, int64_t V, int j0) const {
+    if (m == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) m[srow(r) * V + j0 + scol(j, r)] = S[j][r];
+    }
+  }
+
+  // The chunk at workspace row `row` (L steps) into the staging area; X's rows at x + t * ldx.
+  __device__ void stage(const Intra<float>& in, int64_t row, int L, const float* x, int64_t ldx) const {
+    const float* src[3] = {in.W + row * kK, in.Qg + row * kK, in.Kd + row * kK};
+    float* dst[3] = {stW, stQ, stKd};
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+      for (int i = threadIdx.x; i < kChunk * (kK / 4); i += kThreads) {
+        const int t = i / (kK / 4), c = i % (kK / 4) * 4;
+        copy4(dst[m] + t * kK + c, t < L ? src[m] + t * kK + c : nullptr);
+      }
+    }
+    for (int i = threadIdx.x; i < kChunk * (kChunk / 4); i += kThreads) {
+      const int t = i / (kChunk / 4), c = i % (kChunk / 4) * 4;
+      copy4(stA + t * kChunk + c, t < L ? in.Aqk + (row + t) * kChunk + c : nullptr);
+      copy4(stX + t * kLdX + c, t < L ? x + t * ldx + c : nullptr);
+    }
+    mma::cp_async_commit();
+  }
+  __device__ static void copy4(float* d, const float* s) {
+    if (s != nullptr) {
+      mma::cp_async_16(d, s);
+    } else {
+      *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+
+  // rows x cols of fp32 (leading dim ld_src) times `factor` -> bf16 (leading dim ld_dst).
+  __device__ static void round_tile(bf16* d, int ld_dst, const float* src, int ld_src, int rows, int cols,
+                                    float factor) {
+    for (int i = threadIdx.x; i < rows * (cols / 4); i += kThreads) {
+      const int t = i / (cols / 4), c = i % (cols / 4) * 4;
+      const float4 x = *reinterpret_cast<const float4*>(src + t * ld_src + c);
+      uint2 packed;
+      packed.x = mma::pack2<bf16>(factor * x.x, factor * x.y);
+      packed.y = mma::pack2<bf16>(factor * x.z, factor * x.w);
+      *reinterpret_cast<uint2*>(d + t * ld_dst + c) = packed;
+    }
+  }
+  // The staged terms as bf16 tiles; the intra kernel leaves Aqk's columns from L on unwritten:
+  // they are zeroed here.
+  __device__ void round_chunk(int L, float w_factor, float q_factor, float a_factor) const {
+    round_tile(bW, kLdK, stW, kK, kChunk, kK, w_factor);
+    round_tile(bQ, kLdK, stQ, kK, kChunk, kK, q_factor);
+    round_tile(bKd, kLdK, stKd, kK, kChunk, kK, 1.f);
+    for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += kThreads) {
+      const int t = e / (kChunk / 2), c = e % (kChunk / 2) * 2;
+      const float2 x = *reinterpret_cast<const float2*>(stA + t * kChunk + c);
+      *reinterpret_cast<uint32_t*>(bA + t * kLdC + c) =
+          mma::pack2<bf16>(c < L ? a_factor * x.x : 0.f, c + 1 < L ? a_factor * x.y : 0.f);
+    }
+  }
+  // The state tile as the bf16 B operand [kK, 64].
+  __device__ void round_state(const float (&S)[kSTiles][4]) const {
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      *reinterpret_cast<uint32_t*>(bS + srow(0) * kLdC + scol(j, 0)) = mma::pack2<bf16>(S[j][0], S[j][1]);
+      *reinterpret_cast<uint32_t*>(bS + srow(2) * kLdC + scol(j, 2)) = mma::pack2<bf16>(S[j][2], S[j][3]);
+    }
+  }
+  // An [L, 64] fragment set into the bf16 tile bU.
+  __device__ void round_u(const float (&u)[4][4]) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<uint32_t*>(bU + urow(0) * kLdC + ucol(j, 0)) = mma::pack2<bf16>(u[j][0], u[j][1]);
+      *reinterpret_cast<uint32_t*>(bU + urow(2) * kLdC + ucol(j, 2)) = mma::pack2<bf16>(u[j][2], u[j][3]);
+    }
+  }
+  // acc (this warp's [L, 64] fragments) += A B over k blocks [kk0, kk1): A rows 16 ru.. of a
+  // [*, ld_a] row-major tile (or of the transpose of one when kTransA), B [*, 64] row-major.
+  template <bool kTransA>
+  __device__ void mul_u(float (&acc)[4][4], const bf16* a_tile, int ld_a, const bf16* b_tile, int kk0,
+                        int kk1) const {
+    for (int kk = kk0; kk < kk1; ++kk) {
+      uint32_t a[4];
+      if constexpr (kTransA) {
+        mma::load_a_trans(a, a_tile, ld_a, 16 * ru, 16 * kk);
+      } else {
+        mma::load_a(a, a_tile, ld_a, 16 * ru, 16 * kk);
+      }
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        uint32_t b[4];
+        mma::load_b_kn(b, b_tile, kLdC, 8 * cu0 + 16 * p, 16 * kk);
+        mma::mma_16816_x2<bf16>(acc[2 * p], acc[2 * p + 1], a, b);
+      }
+    }
+  }
+  // S (this warp's state fragments) += X^T Y over the chunk's steps: X [kChunk, kK] (ld kLdK),
+  // Y [kChunk, 64].
+  __device__ void mul_state(float (&S)[kSTiles][4], const bf16* x, const bf16* y) const {
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[4];
+      mma::load_a_trans(a, x, kLdK, 16 * rs, 16 * kk);
+#pragma unroll
+      for (int p = 0; p < kSTiles / 2; ++p) {
+        uint32_t b[4];
+        mma::load_b_kn(b, y, kLdC, 8 * cs0 + 16 * p, 16 * kk);
+        mma::mma_16816_x2<bf16>(S[2 * p], S[2 * p + 1], a, b);
+      }
+    }
+  }
+  __device__ void scale_state_rows(float (&S)[kSTiles][4], const float* gc) const {
+    const float g0 = gc[srow(0)], g1 = gc[srow(2)];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      S[j][0] *= g0;
+      S[j][1] *= g0;
+      S[j][2] *= g1;
+      S[j][3] *= g1;
+    }
+  }
+};
+
+// Forward: U = Ut - W S, O = scale (Qg S + Aqk U), S <- diag(gC) S + Kd^T U; o, ht, starts as
+// for state_fwd_kernel.
+template <int kK>
+__global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel(Seqs sq_, Sizes<float> z, float scale,
+                                                                                Intra<float> in,
+                                                                                const float* __restrict__ h0, float* o,
+                                                                                float* ht, float* starts) {
+  using F = Bf16State<kK>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const F sm(smem_raw);
+  const StateTile<float> st(sq_, z);
+  const int64_t V = z.V;
+  float S[F::kSTiles][4];
+  sm.load_state(S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr, V, st.j0);
+  auto stage = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
+      const int64_t row = st.hv * sq_.tokens + t0;
+      sm.stage(in, row, L, in.Ut + row * V + st.j0, V);
+    }
+  };
+  stage(0);
+  for (int64_t i = 0; i < st.chunks; ++i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) break;
+    sm.store_state(S, starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr, V, st.j0);
+    mma::cp_async_wait<0>();
+    __syncthreads();
+    sm.round_chunk(L, 1.f, 1.f, 1.f);
+    sm.round_state(S);
+    float u[4][4], acc_o[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        u[j][r] = 0.f;
+        acc_o[j][r] = 0.f;
+      }
+    }
+    float ut[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ut[j][r] = sm.stX[sm.urow(r) * F::kLdX + sm.ucol(j, r)];
+    }
+    __syncthreads();  // the staging area is free, the bf16 tiles are complete
+    stage(i + 1);
+    sm.template mul_u<false>(u, sm.bW, F::kLdK, sm.bS, 0, kK / 16);
+    sm.template mul_u<false>(acc_o, sm.bQ, F::kLdK, sm.bS, 0, kK / 16);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) u[j][r] = ut[j][r] - u[j][r];
+    }
+    sm.round_u(u);
+    __syncthreads();
+    sm.template mul_u<false>(acc_o, sm.bA, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
+    if (o != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int t = sm.urow(2 * h);
+          if (t < L) {
+            *reinterpret_cast<float2*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + sm.ucol(j, 2 * h)) =
+                make_float2(scale * acc_o[j][2 * h], scale * acc_o[j][2 * h + 1]);
+          }
+        }
+      }
+    }
+    sm.scale_state_rows(S, in.gC + (st.hv * sq_.slots + slot) * kK);
+    sm.mul_state(S, sm.bKd, sm.bU);
+    __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
+  }
+  mma::cp_async_wait<0>();
+  sm.store_state(S, ht != nullptr ? ht + st.matrix(z.HV) : nullptr, V, st.j0);
+}
+
+// Backward, chunks in reverse, dS the gradient of the chunk's end state (stored into dends):
+// dU = scale Aqk^T dO + Kd dS, dS <- diag(gC) dS + scale Qg^T dO - W^T dU (the factors scale and
+// -1 ride on the bf16 rounding of Aqk, Qg and W); the initial state's gradient into dh0.
+template <int kK>
+__global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_bwd_bf16_kernel(Seqs sq_, Sizes<float> z, float scale,
+                                                                                Intra<float> in,
+                                                                                const float* __restrict__ dO,
+                                                                                const float* __restrict__ dht,
+                                                                                float* dends, float* dh0) {
+  using F = Bf16State<kK>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const F sm(smem_raw);
+  const StateTile<float> st(sq_, z);
+  const int64_t V = z.V;
+  float dS[F::kSTiles][4];
+  sm.load_state(dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr, V, st.j0);
+  auto stage = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i >= 0 && st.chunk(sq_, i, slot, t0, L)) {
+      sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V);
+    }
+  };
+  stage(st.chunks - 1);
+  for (int64_t i = st.chunks - 1; i >= 0; --i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) {
+      stage(i - 1);  // keep one staged chunk in flight, as the generic kernel skips this one
+      continue;
+    }
+    sm.store_state(dS, dends + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
+    mma::cp_async_wait<0>();
+    __syncthreads();
+    sm.round_chunk(L, -1.f, scale, scale);
+    sm.round_state(dS);
+    F::round_tile(sm.bX, F::kLdC, sm.stX, F::kLdX, kChunk, kChunk, 1.f);
+    __syncthreads();
+    stage(i - 1);
+    float du[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) du[j][r] = 0.f;
+    }
+    sm.template mul_u<true>(du, sm.bA, F::kLdC, sm.bX, sm.ru, kChunk / 16);  // (Aqk^T)_ts is zero for s < t
+    sm.template mul_u<false>(du, sm.bKd, F::kLdK, sm.bS, 0, kK / 16);
+    sm.round_u(du);
+    __syncthreads();
+    sm.scale_state_rows(dS, in.gC + (st.hv * sq_.slots + slot) * kK);
+    sm.mul_state(dS, sm.bQ, sm.bX);
+    sm.mul_state(dS, sm.bW, sm.bU);
+    __syncthreads();
+  }
+  mma::cp_async_wait<0>();
+  sm.store_state(dS, dh0 + st.matrix(z.HV), V, st.j0);
 }
 
 // Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
@@ -344,7 +719,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
   int64_t t0;
   int L;
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
-  const BlockTeam tm;
+  const BlockTeam tm{z.bf16};
   const int K = static_cast<int>(z.K), V = static_cast<int>(z.V);
   const ChunkDims d{L, K, V};
   load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
@@ -395,7 +770,7 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool
   const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * 2 * kChunk * kChunk;
   set_smem(intra_kernel<float>, smem);
   intra_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
-      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
+      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, p.bf16_inputs}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
       in.v.data_ptr<float>(), in.g.data_ptr<float>(), in.beta.data_ptr<float>(), out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -405,6 +780,35 @@ size_t state_smem_bytes(int64_t K) { return StateSmem<float>::bytes(K); }
 
 dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
 
+// A state pass: its bf16-operand kernel when the inputs were bf16 and the head sizes fit its
+// tiles, else the generic kernel (its products 3xTF32, or bf16 operands for bf16 inputs).
+template <typename Generic, typename Bf16K128, typename Bf16K64, typename... Args>
+void run_state_pass(const Problem& p, const Launch& l, Generic generic, Bf16K128 bf16_k128, Bf16K64 bf16_k64,
+                    Args... args) {
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_inputs};
+  const float scale = static_cast<float>(p.scale);
+  const auto launch = [&](auto kernel, size_t smem, int threads) {
+    set_smem(kernel, smem);
+    kernel<<<state_grid(p), threads, smem, l.stream>>>(l.seqs, z, scale, args...);
+  };
+  const bool tiles = p.bf16_inputs && p.V % kStateCols == 0;
+  if (tiles && p.K == 128) {
+    launch(bf16_k128, Bf16State<128>::bytes(), Bf16State<128>::kThreads);
+  } else if (tiles && p.K == 64) {
+    launch(bf16_k64, Bf16State<64>::bytes(), Bf16State<64>::kThreads);
+  } else {
+    launch(generic, state_smem_bytes(p.K), kThreads);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Forward state passing (o, ht, starts each may be nullptr).
+void run_state_fwd(const Problem& p, const Launch& l, const Intra<float>& intra, const float* h0, float* o, float* ht,
+                   float* starts) {
+  run_state_pass(p, l, state_fwd_kernel<float>, state_fwd_bf16_kernel<128>, state_fwd_bf16_kernel<64>, intra, h0, o,
+                 ht, starts);
+}
+
 }  // namespace
 
 void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& final_state) {
@@ -413,13 +817,8 @@ void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
   std::vector<at::Tensor> keep;
   const Intra<float> intra = run_intra(p, in, l, false, keep);
   if (p.N == 0) return;
-  const size_t smem = state_smem_bytes(p.K);
-  set_smem(state_fwd_kernel<float>, smem);
-  state_fwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
-      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V}, static_cast<float>(p.scale), intra,
-      in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, o.data_ptr<float>(),
-      final_state.defined() ? final_state.data_ptr<float>() : nullptr, nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  run_state_fwd(p, l, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr,
+                o.data_ptr<float>(), final_state.defined() ? final_state.data_ptr<float>() : nullptr, nullptr);
 }
 
 void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
@@ -428,25 +827,19 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   const Launch l = launch_setup(p, in.q);
   std::vector<at::Tensor> keep;
   const Intra<float> intra = run_intra(p, in, l, true, keep);
-  const Sizes<float> z{p.H, p.HV, p.K, p.V};
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_inputs};
   const auto opts = in.q.options();
   const int64_t tokens = l.seqs.tokens, rows = p.HV * tokens;
   const at::Tensor starts = at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * p.K * p.V)}, opts);
   const at::Tensor dends = at::empty_like(starts);
   const float scale = static_cast<float>(p.scale);
   if (p.N > 0) {
-    const size_t smem = state_smem_bytes(p.K);
-    set_smem(state_fwd_kernel<float>, smem);
-    state_fwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
-        l.seqs, z, scale, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, nullptr,
-        nullptr, starts.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    set_smem(state_bwd_kernel<float>, smem);
-    state_bwd_kernel<float><<<state_grid(p), kThreads, smem, l.stream>>>(
-        l.seqs, z, scale, intra, grad_o.data_ptr<float>(),
-        grad_final_state.defined() ? grad_final_state.data_ptr<float>() : nullptr, dends.data_ptr<float>(),
-        gr.dinitial_state.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    run_state_fwd(p, l, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr, nullptr,
+                  nullptr, starts.data_ptr<float>());
+    const float* dO = grad_o.data_ptr<float>();
+    const float* dht = grad_final_state.defined() ? grad_final_state.data_ptr<float>() : nullptr;
+    run_state_pass(p, l, state_bwd_kernel<float>, state_bwd_bf16_kernel<128>, state_bwd_bf16_kernel<64>, intra, dO,
+                   dht, dends.data_ptr<float>(), gr.dinitial_state.data_ptr<float>());
   }
   if (rows == 0) return;
   auto ws = [&](int64_t n) {
