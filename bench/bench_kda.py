@@ -3,8 +3,10 @@ flash-linear-attention's chunk_kda (when installed; warmed up first, its Triton 
 autotuning kept out of the figures) and beside causal SDPA (flash) at the same shape.
 
 Inputs as a model produces them: bf16 q, k, v and beta, fp32 log-decay g = logsigmoid(.), q/k
-L2-normalised in the kernel. Before timing, the outputs and gradients of both implementations are
-compared (relative RMS, each also against an fp32 run of this package's kernels).
+L2-normalised in the kernel. This package's kernels are timed at both internal precisions
+(matmul_precision "highest": 3xTF32 products, the default; "medium": bf16 operands, fla's
+precision). Before timing, the outputs and gradients are compared (relative RMS of each
+against an fp32 run of this package's kernels, and ours at "medium" against fla).
 FLOPs: forward 2*C*K*5 + 2*K*V*3 per token and head (C = 64); forward+backward counted as 3x.
 
     python bench/bench_kda.py [--quick] [--no-fla | --fla-cases N] [--out DIR]
@@ -43,13 +45,25 @@ def fwd_bytes(B, T, H, D):
     return B * T * H * (2 * D * 2 + D * 2 + D * 4 + 2 + D * 2)
 
 
-def run_kda(fn, ins, cu):
-    return fn(*ins, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+PRECISIONS = ("highest", "medium")
+NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta"]
 
 
-def fwd_bwd(fn, ins, cu, do):
-    o = run_kda(fn, ins, cu)
+def run_kda(fn, ins, cu, **kw):
+    return fn(*ins, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, **kw)[0]
+
+
+def fwd_bwd(fn, ins, cu, do, **kw):
+    o = run_kda(fn, ins, cu, **kw)
     return torch.autograd.grad(o, ins, do)
+
+
+def ours(precision):
+    return lambda *a, **kw: K.chunk_kda(*a, matmul_precision=precision, **kw)
+
+
+def outputs(fn, ins, cu, do) -> list:
+    return [run_kda(fn, ins, cu)] + list(fwd_bwd(fn, ins, cu, do))
 
 
 def load_fla():
@@ -62,16 +76,16 @@ def load_fla():
 
 
 def compare(ins, cu, do, fla) -> dict:
-    """Relative RMS differences: this package vs fla (bf16), and each vs this package in fp32."""
+    """Relative RMS differences against this package's kernels on fp32 inputs (precision "highest"):
+    ours at each precision and fla on the bf16 inputs; ours at "medium" against fla."""
     ref_ins = [t.detach().float().requires_grad_() for t in ins]
-    ref = [run_kda(K.chunk_kda, ref_ins, cu)] + list(fwd_bwd(K.chunk_kda, ref_ins, cu, do.float()))
-    ours = [run_kda(K.chunk_kda, ins, cu)] + list(fwd_bwd(K.chunk_kda, ins, cu, do))
-    out = {"ours_vs_fp32": {n: rel_rms(a, b) for n, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], ours, ref)}}
+    ref = outputs(ours("highest"), ref_ins, cu, do.float())
+    mine = {p: outputs(ours(p), ins, cu, do) for p in PRECISIONS}
+    out = {f"ours_{p}_vs_fp32": {n: rel_rms(a, b) for n, a, b in zip(NAMES, mine[p], ref)} for p in PRECISIONS}
     if fla is not None:
-        cu64 = None if cu is None else cu.long()
-        theirs = [run_kda(fla, ins, cu64)] + list(fwd_bwd(fla, ins, cu64, do))
-        out["fla_vs_fp32"] = {n: rel_rms(a, b) for n, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], theirs, ref)}
-        out["ours_vs_fla"] = {n: rel_rms(a, b) for n, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], ours, theirs)}
+        theirs = outputs(fla, ins, None if cu is None else cu.long(), do)
+        out["fla_vs_fp32"] = {n: rel_rms(a, b) for n, a, b in zip(NAMES, theirs, ref)}
+        out["ours_medium_vs_fla"] = {n: rel_rms(a, b) for n, a, b in zip(NAMES, mine["medium"], theirs)}
     return out
 
 
@@ -88,8 +102,8 @@ def bench_case(label, B, T, H, D, lens, fla, use_sdpa) -> list[Result]:
     cu = None if lens is None else torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
     shape = {"B": B, "T": T, "H": H, "K": D, "V": D, "varlen": lens}
-    first = {"fwd": first_call_ms(lambda: run_kda(K.chunk_kda, ins, cu)),
-             "fwd+bwd": first_call_ms(lambda: fwd_bwd(K.chunk_kda, ins, cu, do))}
+    first = {(p, "fwd"): first_call_ms(lambda: run_kda(ours(p), ins, cu)) for p in PRECISIONS}
+    first.update({(p, "fwd+bwd"): first_call_ms(lambda: fwd_bwd(ours(p), ins, cu, do)) for p in PRECISIONS})
     fla_first = {}
     if fla is not None:
         cu64 = None if cu is None else cu.long()
@@ -102,15 +116,12 @@ def bench_case(label, B, T, H, D, lens, fla, use_sdpa) -> list[Result]:
     q, k, v = (t.detach().transpose(1, 2) for t in ins[:3])
     results = []
     for mode, mult in (("fwd", 1), ("fwd+bwd", 3)):
-        ours = (lambda: run_kda(K.chunk_kda, ins, cu)) if mode == "fwd" else (lambda: fwd_bwd(K.chunk_kda, ins, cu, do))
-        ms = bench_ms(ours)
-        extra = {"first_call_ms": first[mode], "parity": parity}
         flops, nbytes = mult * fwd_flops(B, T, H, D), mult * fwd_bytes(B, T, H, D)
+        baselines = []  # (name, ms, extra) measured once per mode
         if fla is not None:
             cu64 = None if cu is None else cu.long()
             theirs = ((lambda: run_kda(fla, ins, cu64)) if mode == "fwd" else (lambda: fwd_bwd(fla, ins, cu64, do)))
-            results.append(Result("kda", f"{mode} {label}", shape, ms, flops, nbytes, "fla chunk_kda",
-                                  bench_ms(theirs), dict(extra, fla_first_call_ms=fla_first[mode])))
+            baselines.append(("fla chunk_kda", bench_ms(theirs), {"fla_first_call_ms": fla_first[mode]}))
         if use_sdpa:
             qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
             if mode == "fwd":
@@ -119,11 +130,17 @@ def bench_case(label, B, T, H, D, lens, fla, use_sdpa) -> list[Result]:
                 dos = do.transpose(1, 2)
                 sdpa = lambda: torch.autograd.grad(  # noqa: E731
                     torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True), (qs, ks, vs), dos)
-            results.append(Result("kda", f"{mode} {label}", shape, ms, flops, nbytes, "sdpa causal", bench_ms(sdpa),
-                                  extra))
-        if fla is None and not use_sdpa:
-            results.append(Result("kda", f"{mode} {label}", shape, ms, flops, nbytes, extra=extra))
-        print(f"  {results[-1].name}: {ms:.3f} ms", flush=True)
+            baselines.append(("sdpa causal", bench_ms(sdpa), {}))
+        for p in PRECISIONS:
+            fn = ours(p)
+            ms = bench_ms((lambda: run_kda(fn, ins, cu)) if mode == "fwd" else (lambda: fwd_bwd(fn, ins, cu, do)))
+            extra = {"matmul_precision": p, "first_call_ms": first[(p, mode)], "parity": parity}
+            name = f"{mode} {label} {p}"
+            results += [Result("kda", name, shape, ms, flops, nbytes, base, base_ms, dict(extra, **more))
+                        for base, base_ms, more in baselines]
+            if not baselines:
+                results.append(Result("kda", name, shape, ms, flops, nbytes, extra=extra))
+            print(f"  {name}: {ms:.3f} ms", flush=True)
     return results
 
 

@@ -32,10 +32,10 @@ void set_value_checks(bool enabled) { value_checks_flag().store(enabled, std::me
 TORCH_LIBRARY(kda_dsa_ops, m) {
   // KDA, chunked: o [B,T,HV,V] in q's dtype; final_state [N,HV,K,V] fp32 (fp64 for fp64 inputs), [0] when not asked for.
   m.def("kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
-        "Tensor? cu_seqlens, bool output_final_state, bool use_qk_l2norm) -> (Tensor, Tensor)");
+        "Tensor? cu_seqlens, bool output_final_state, bool use_qk_l2norm, bool bf16_products=False) -> (Tensor, Tensor)");
   // (dq, dk, dv, dg, dbeta, dinitial_state); dinitial_state is [0] without an initial_state.
   m.def("kda_bwd(Tensor grad_o, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
-        "float scale, Tensor? initial_state, Tensor? cu_seqlens, bool use_qk_l2norm) "
+        "float scale, Tensor? initial_state, Tensor? cu_seqlens, bool use_qk_l2norm, bool bf16_products=False) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Lightning indexer: indices [T,topk] int32 (-1 past the visible keys), scores [T,topk] fp32.
   m.def("lightning_indexer_fwd(Tensor q, Tensor k, Tensor w, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int topk) "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the CUDA tests, run compute-sanitizer on
-# every kernel, run the benchmarks; logs and results go to $OUT (default ./gpu_out), a short
-# table is printed last.
+# every kernel, run the benchmarks; logs and results go to $OUT (default ./gpu_out), packed at the
+# end into $OUT/gpu_check-HHMMSS.tgz beside $OUT/summary.txt (the device tool brings back few files);
+# a short table is printed last.
 #
 #   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [bench|bench-quick] ...
 #   (default: build test sanitize demo train bench; ep needs two or more GPUs)
@@ -96,3 +97,7 @@ for md in "$OUT"/results/*.md; do
 done
 echo
 cat "$summary"
+packed=$(cd "$OUT" && ls -A | grep -v -x -e summary.txt -e 'gpu_check-.*\.tgz')
+if [ -n "$packed" ]; then
+  (cd "$OUT" && tar czf "gpu_check-$(date -u +%H%M%S).tgz" $packed && rm -rf $packed)
+fi

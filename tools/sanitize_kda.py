@@ -22,9 +22,10 @@ def main():
         cu = None if lens is None else torch.tensor([0] + lens, device=dev).cumsum(0).int()
         N = B if lens is None else len(lens)
         h0 = torch.randn(N, HV, Kd, V, device=dev, requires_grad=True)
-        o, ht = K.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                           cu_seqlens=cu)
-        torch.autograd.grad(o.float().sum() + ht.sum(), (q, k, v, g, beta, h0))
+        for precision in ("highest", "medium"):  # 3xTF32 and bf16-operand kernels
+            o, ht = K.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, cu_seqlens=cu, matmul_precision=precision)
+            torch.autograd.grad(o.float().sum() + ht.sum(), (q, k, v, g, beta, h0))
     torch.cuda.synchronize()
     print("sanitize_kda: done")
 

@@ -15,7 +15,7 @@ constexpr double kL2NormEps = 1e-6;  // x / sqrt(sum(x^2) + eps), as reference/k
 
 Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                      const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
-                     const std::optional<at::Tensor>& cu_seqlens) {
+                     const std::optional<at::Tensor>& cu_seqlens, bool bf16_products) {
   check_dim(q, 4, "q", "[B, T, H, K]");
   check_dim(k, 4, "k", "[B, T, H, K]");
   check_dim(v, 4, "v", "[B, T, HV, V]");
@@ -59,7 +59,7 @@ Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     TORCH_CHECK(h0.sizes() == at::IntArrayRef({N, HV, K, V}), "kda: initial_state must be [N, HV, K, V] = [", N, ", ",
                 HV, ", ", K, ", ", V, "] (N = number of sequences), got ", shape_str(h0));
   }
-  return Problem{B, T, H, HV, K, V, N, scale, cu, q.scalar_type() == at::kBFloat16};
+  return Problem{B, T, H, HV, K, V, N, scale, cu, bf16_products};
 }
 
 // The backends' inputs; rinv_q / rinv_k receive 1/||x|| when normalising (for the backward).
@@ -98,8 +98,8 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& g, const at::Tensor& beta, double scale,
                                            const std::optional<at::Tensor>& initial_state,
                                            const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
-                                           bool use_qk_l2norm) {
-  const Problem p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens);
+                                           bool use_qk_l2norm, bool bf16_products) {
+  const Problem p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
   const Inputs in = prepare(q, k, v, g, beta, initial_state, use_qk_l2norm);
   const auto acc = accumulation_type(q);
   at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, q.options().dtype(acc));
@@ -117,8 +117,9 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_bwd(
     const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
-    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm) {
-  const Problem p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens);
+    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm,
+    bool bf16_products) {
+  const Problem p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
   TORCH_CHECK(grad_o.sizes() == v.sizes(), "kda_bwd: grad_o must have the shape of o ", shape_str(v), ", got ",
               shape_str(grad_o));
   check_same_device(grad_o, q, "grad_o", "q");

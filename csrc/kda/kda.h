@@ -19,7 +19,7 @@ struct Problem {
   int64_t B, T, H, HV, K, V, N;
   double scale;
   at::Tensor cu_seqlens;  // int32 [N+1] on the inputs' device, or undefined
-  bool bf16_inputs;       // q, k, v were bfloat16: the CUDA state pass may take bf16 operands
+  bool bf16_products;     // CUDA: products on bf16 operands (matmul precision "medium"), else 3xTF32
 };
 
 // Inputs of the backends: accumulation-type, contiguous; q, k already normalised.
@@ -45,10 +45,11 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& g, const at::Tensor& beta, double scale,
                                            const std::optional<at::Tensor>& initial_state,
                                            const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
-                                           bool use_qk_l2norm);
+                                           bool use_qk_l2norm, bool bf16_products);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_bwd(
     const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
-    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm);
+    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm,
+    bool bf16_products);
 
 }  // namespace kda_dsa_ops::kda

@@ -6,7 +6,7 @@
 //                      final state, and for the backward the start state and end-state gradient
 //                      of every chunk.
 //   chunk bwd kernel   one block per (chunk, value head): every gradient of the chunk.
-//   bf16 state kernels the state passes for bf16 inputs (K 64 or 128, V a multiple of 64): the
+//   bf16 state kernels the state passes in bf16-product mode (K 64 or 128, V % 64 == 0): the
 //                      state (gradient) in fp32 registers, the products on bf16 operands
 //                      (m16n8k16, fp32 accumulation), the next chunk staged while this one computes.
 // No host synchronisation: with cu_seqlens each block finds its chunk from the device copy.
@@ -57,7 +57,7 @@ __device__ __forceinline__ void split_tf32(const float (&x)[N], uint32_t (&hi)[N
 // team_gemm's contract on the tensor cores: each warp computes a 16 x 8NB strip of C, operands
 // read through the strided views (no layout requirement); the A fragment of a k-step is loaded
 // and converted once for the NB column tiles of the strip, and each element of C sees the same
-// MMAs in the same order whatever NB is. kBf16 (the inputs were bf16): m16n8k16 MMAs on bf16
+// MMAs in the same order whatever NB is. kBf16 (bf16-product mode): m16n8k16 MMAs on bf16
 // operands, one per 16 x 8 x 16 block; else split-tf32 m16n8k8 MMAs, three per 16 x 8 x 8 block
 // (fp32 accuracy). Both accumulate in fp32.
 template <int NB, bool kBf16>
@@ -146,7 +146,7 @@ __device__ __forceinline__ void warp_gemm(int M, int N, int Kn, float alpha, Vie
 
 // The CUDA kernels' team: the threads of a block, products on the tensor cores.
 struct BlockTeam {
-  bool bf16;  // products on bf16 operands (the inputs were bf16)
+  bool bf16;  // products on bf16 operands (Problem::bf16_products)
   __device__ int rank() const { return static_cast<int>(threadIdx.x); }
   __device__ int size() const { return static_cast<int>(blockDim.x); }
   __device__ void sync() const { __syncthreads(); }
@@ -217,7 +217,7 @@ struct Intra {
 template <typename T>
 struct Sizes {
   int64_t H, HV, K, V;
-  bool bf16;  // the inputs were bf16: products on bf16 operands
+  bool bf16;  // products on bf16 operands (Problem::bf16_products)
 };
 
 // Shared-memory copy of one chunk of one value head: q, k, G = hi + lo (cumulated), v, beta.
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
   st.store(tm, dS, dh0 + st.matrix(z.HV));
 }
 
-// The bf16-operand state passes (the inputs were bf16, as in flash-linear-attention's
+// The bf16-operand state passes (bf16-product mode, the precision of flash-linear-attention's
 // chunk_kda; K 64 or 128, V a multiple of 64): one block of 8 warps per (64-column value tile,
 // value head, sequence), like the generic state kernels, with the state (or its gradient) tile
 // [kK, 64] in fp32 registers: warp w holds rows 16 (w % kK/16).. and its share of the columns.
@@ -770,7 +770,7 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool
   const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * 2 * kChunk * kChunk;
   set_smem(intra_kernel<float>, smem);
   intra_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
-      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, p.bf16_inputs}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
+      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, p.bf16_products}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
       in.v.data_ptr<float>(), in.g.data_ptr<float>(), in.beta.data_ptr<float>(), out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -780,18 +780,18 @@ size_t state_smem_bytes(int64_t K) { return StateSmem<float>::bytes(K); }
 
 dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
 
-// A state pass: its bf16-operand kernel when the inputs were bf16 and the head sizes fit its
-// tiles, else the generic kernel (its products 3xTF32, or bf16 operands for bf16 inputs).
+// A state pass: its bf16-operand kernel in bf16-product mode where the head sizes fit its
+// tiles, else the generic kernel (its products 3xTF32, or bf16 operands in bf16-product mode).
 template <typename Generic, typename Bf16K128, typename Bf16K64, typename... Args>
 void run_state_pass(const Problem& p, const Launch& l, Generic generic, Bf16K128 bf16_k128, Bf16K64 bf16_k64,
                     Args... args) {
-  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_inputs};
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_products};
   const float scale = static_cast<float>(p.scale);
   const auto launch = [&](auto kernel, size_t smem, int threads) {
     set_smem(kernel, smem);
     kernel<<<state_grid(p), threads, smem, l.stream>>>(l.seqs, z, scale, args...);
   };
-  const bool tiles = p.bf16_inputs && p.V % kStateCols == 0;
+  const bool tiles = p.bf16_products && p.V % kStateCols == 0;
   if (tiles && p.K == 128) {
     launch(bf16_k128, Bf16State<128>::bytes(), Bf16State<128>::kThreads);
   } else if (tiles && p.K == 64) {
@@ -827,7 +827,7 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   const Launch l = launch_setup(p, in.q);
   std::vector<at::Tensor> keep;
   const Intra<float> intra = run_intra(p, in, l, true, keep);
-  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_inputs};
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_products};
   const auto opts = in.q.options();
   const int64_t tokens = l.seqs.tokens, rows = p.HV * tokens;
   const at::Tensor starts = at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * p.K * p.V)}, opts);
