@@ -63,12 +63,40 @@ def test_route_matches_reference(seed, device, case, score_fn, renorm, with_bias
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [5, 40])
+def test_route_bwd_repeated_and_many_choices(device, k):
+    """moe_route_bwd on ids given directly, sigmoid scores: an expert chosen twice gets the sum of
+    both choices' gradients, the others zero; k <= 32 (the CUDA kernel that reads the chosen
+    logits only) and k > 32, against the formula in float64."""
+    torch.manual_seed(0)
+    T, E = 7, 50
+    logits = torch.randn(T, E).to(F64)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+    ids[:, 1] = ids[:, 0]
+    g = torch.randn(T, k).to(F64)
+    s = torch.sigmoid(logits)
+    u = s.gather(1, ids.long())
+    unnormalised = torch.zeros_like(logits).scatter_add_(1, ids.long(), 1.5 * g) * s * (1 - s)
+    for renorm in (False, True):
+        got = torch.ops.kda_dsa_ops.moe_route_bwd(g.float().to(device), logits.float().to(device), ids.to(device),
+                                                  "sigmoid", renorm, 1.5)
+        D = u.sum(1, keepdim=True) + 1e-20
+        ds = 1.5 * (g / D - (g * u).sum(1, keepdim=True) / D**2) if renorm else 1.5 * g
+        expected = torch.zeros_like(logits).scatter_add_(1, ids.long(), ds) * s * (1 - s)
+        assert_close(got, expected, torch.float32, f"grad_logits (renorm={renorm})", scale=unnormalised)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_route_ties_and_nan(device):
     logits = torch.zeros(3, 6, device=device)
     logits[1, 4] = float("nan")
+    logits.requires_grad_()
     w, ids = K.moe_route(logits, 3)
     assert ids[0].tolist() == [0, 1, 2]
     assert ids[1].tolist() == [0, 1, 2]  # NaN ranks last
+    (grad,) = torch.autograd.grad(w.sum() + (w * w).sum(), logits)
+    assert torch.isfinite(grad).all() and grad[1, 4] == 0  # an expert not chosen gets no gradient
+    logits = logits.detach()
     bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0], device=device)
     w, ids = K.moe_route(logits, 2, bias, renorm=False)
     assert ids[0].tolist() == [5, 0]

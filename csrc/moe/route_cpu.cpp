@@ -114,9 +114,10 @@ at::Tensor route_bwd_cpu(const at::Tensor& grad_weights_in, const at::Tensor& lo
         }
         if (fn == ScoreFn::kSigmoid) {
           // d sigmoid / dx = q / (1 + q)^2 with q = exp(-|x|): no cancellation near saturation.
+          // Experts not chosen get exactly zero, whatever their logit (NaN included).
           for (int64_t e = 0; e < E; ++e) {
             const acc_t q = std::exp(-std::abs(static_cast<acc_t>(lp[t * E + e])));
-            op[t * E + e] = static_cast<scalar_t>(dscores[e] * q / ((1 + q) * (1 + q)));
+            op[t * E + e] = dscores[e] == 0 ? scalar_t(0) : static_cast<scalar_t>(dscores[e] * q / ((1 + q) * (1 + q)));
           }
         } else {
           acc_t dot = 0;

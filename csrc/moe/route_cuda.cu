@@ -4,7 +4,9 @@
 // above it can be chosen; those few candidates are sorted as (key, index) pairs by one warp
 // bitonic sort. When k > 32 or too many keys tie at the bound, k rounds of a warp arg-max
 // select instead. The chosen scores are recomputed from their logits, renormalised and scaled.
-// The backward recomputes the scores the same way.
+// The backward recomputes the scores the same way: for softmax scores every expert's, for
+// sigmoid scores (each depending on its own logit alone) only the chosen ones, scattered into a
+// zeroed gradient.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
@@ -21,13 +23,15 @@ constexpr int kMaxExperts = 2048;
 constexpr int kCandidates = 64;  // per warp: keys at or above the bound, sorted 2 per lane
 
 struct SoftmaxStats {
-  float max = 0.f, sum = 1.f;
+  float max = 0.f, inv_sum = 1.f;  // the row's maximum logit and 1 / sum(exp(x - max))
 };
 
 // The score of one logit, computed exactly as warp_scores computes it. The hardware exp2 and
-// reciprocal keep the relative error near 1e-6 for |x| <= 16, far below what separates experts.
+// reciprocal (MUFU; __fdividef, not the correctly rounded __frcp_rn, whose slow-path branch
+// around every score cost more than the rest of the selection) keep the relative error near 1e-6
+// for |x| <= 16, far below what separates experts.
 __device__ __forceinline__ float score_of(float x, ScoreFn fn, SoftmaxStats st) {
-  return fn == ScoreFn::kSigmoid ? __frcp_rn(1.f + __expf(-x)) : __expf(x - st.max) * __frcp_rn(st.sum);
+  return fn == ScoreFn::kSigmoid ? __fdividef(1.f, 1.f + __expf(-x)) : __expf(x - st.max) * st.inv_sum;
 }
 
 template <typename T, int kPerLane>
@@ -46,7 +50,7 @@ __device__ __forceinline__ SoftmaxStats warp_scores(const T* logits, int E, Scor
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) sum += i * kWarpSize + lane < E ? __expf(s[i] - st.max) : 0.f;
-    st.sum = warp_reduce(sum, SumOp{});
+    st.inv_sum = __frcp_rn(warp_reduce(sum, SumOp{}));
   }
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) s[i] = i * kWarpSize + lane < E ? score_of(s[i], fn, st) : 0.f;
@@ -272,8 +276,42 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_bwd_kernel(
     const int e = i * kWarpSize + lane;
     if (e >= E) continue;
     const float ds = dscores[e];
-    out[e] = from_float<T>(fn == ScoreFn::kSigmoid ? ds * sigmoid_grad(to_float(row[e])) : s[i] * (ds - dot));
+    out[e] = from_float<T>(fn == ScoreFn::kSigmoid ? (ds == 0.f ? 0.f : ds * sigmoid_grad(to_float(row[e])))
+                                                   : s[i] * (ds - dot));
   }
+}
+
+// Sigmoid scores, k <= 32: the gradient is zero but at the chosen experts, so grad_logits comes
+// zeroed and only the chosen logits are read. One warp per token, lane j holds choice j; a
+// repeated expert gets the sum of its choices' gradients, written by its first lane.
+template <typename T>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_bwd_sigmoid_kernel(
+    const float* __restrict__ grad_weights, const T* __restrict__ logits, const int* __restrict__ ids, int T_, int E,
+    int k, bool renorm, float scale, T* __restrict__ grad_logits) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int t = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  if (t >= T_) return;
+  const int64_t row = static_cast<int64_t>(t) * E;
+  const int e = lane < k ? ids[static_cast<int64_t>(t) * k + lane] : -1;
+  const bool valid = e >= 0 && e < E;
+  const float x = valid ? to_float(logits[row + e]) : 0.f;
+  const float g = lane < k ? grad_weights[static_cast<int64_t>(t) * k + lane] : 0.f;
+  const float u = valid ? score_of(x, ScoreFn::kSigmoid, SoftmaxStats{}) : 0.f;
+  const float sum = warp_reduce(u, SumOp{}), gsum = warp_reduce(g * u, SumOp{});
+  // As route_bwd_kernel: dL/du_j = scale * (g_j / D - gsum / D^2), D = sum + eps.
+  const float denom = sum + static_cast<float>(kRenormEps);
+  const float ds = valid ? (renorm ? scale * (g / denom - gsum / (denom * denom)) : scale * g) : 0.f;
+  float total = 0.f;
+  bool first = true;
+  for (int j = 0; j < k; ++j) {
+    const int ej = __shfl_sync(0xffffffffu, e, j);
+    const float dj = __shfl_sync(0xffffffffu, ds, j);
+    if (ej == e) {
+      total += dj;
+      first = first && j >= lane;
+    }
+  }
+  if (valid && first) grad_logits[row + e] = from_float<T>(total * sigmoid_grad(x));
 }
 
 // Calls f(std::integral_constant<int, P>) with P the smallest power of two >= ceil(E / 32).
@@ -334,10 +372,21 @@ at::Tensor route_bwd_cuda(const at::Tensor& grad_weights_in, const at::Tensor& l
   const at::Tensor ids = ids_in.contiguous();
   const at::Tensor gw = grad_weights_in.to(at::kFloat).contiguous();
   const int64_t T = logits.size(0), E = logits.size(1), k = ids.size(1);
-  at::Tensor grad_logits = at::empty_like(logits);
-  if (T == 0) return grad_logits;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(ceil_div(T, kWarpsPerBlock));
+  if (fn == ScoreFn::kSigmoid && k <= kWarpSize) {
+    at::Tensor grad_logits = at::zeros_like(logits);
+    if (T == 0 || k == 0) return grad_logits;
+    KDA_DISPATCH_CUDA_FLOATING(logits.scalar_type(), "moe_route_bwd", [&] {
+      route_bwd_sigmoid_kernel<scalar_t><<<grid, kWarpsPerBlock * kWarpSize, 0, stream>>>(
+          gw.data_ptr<float>(), static_cast<const scalar_t*>(logits.data_ptr()), ids.data_ptr<int>(), T, E, k, renorm,
+          static_cast<float>(scale), static_cast<scalar_t*>(grad_logits.data_ptr()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return grad_logits;
+  }
+  at::Tensor grad_logits = at::empty_like(logits);
+  if (T == 0) return grad_logits;
   const size_t smem = static_cast<size_t>(kWarpsPerBlock) * 2 * E * sizeof(float);
   KDA_DISPATCH_CUDA_FLOATING(logits.scalar_type(), "moe_route_bwd", [&] {
     dispatch_per_lane(E, [&](auto per_lane) {
