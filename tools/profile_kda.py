@@ -1,5 +1,6 @@
-"""Per-kernel device time of one chunk_kda forward and forward+backward (torch.profiler), to see
-where the time goes:  python tools/profile_kda.py [B T H D]"""
+"""Per-kernel device time of one chunk_kda forward and forward+backward (torch.profiler) at each
+internal precision (matmul_precision "highest" and "medium"), to see where the time goes:
+python tools/profile_kda.py [B T H D]"""
 
 import sys
 
@@ -16,16 +17,18 @@ def main():
     beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ins = (q, k, v, g, beta)
 
-    def step():
-        o, _ = K.chunk_kda(*ins, use_qk_l2norm_in_kernel=True)
-        torch.autograd.grad(o, ins, torch.ones_like(o))
+    for precision in ("highest", "medium"):
+        def step(precision=precision):
+            o, _ = K.chunk_kda(*ins, use_qk_l2norm_in_kernel=True, matmul_precision=precision)
+            torch.autograd.grad(o, ins, torch.ones_like(o))
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(f"matmul_precision={precision!r}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
 if __name__ == "__main__":
