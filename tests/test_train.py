@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kda_dsa_ops import train
-from kda_dsa_ops.train import recall_batch
+from kda_dsa_ops.train import recall_batch, warmup_lr
 
 COMMON = ["--config", "tiny", "--seqs", "2", "--pairs", "4", "--queries", "2", "--log-every", "1000"]
 
@@ -28,10 +28,12 @@ def test_recall_batch_labels_are_the_asked_values():
 
 
 def test_resume_reproduces_the_next_steps_exactly():
+    """Also across a learning-rate warmup that the checkpoint falls inside."""
+    warmup = ["--warmup-steps", "5"]
     with tempfile.TemporaryDirectory() as d:
-        straight = train.main(COMMON + ["--steps", "6", "--out", os.path.join(d, "a")])["history"]
-        train.main(COMMON + ["--steps", "3", "--checkpoint-every", "3", "--out", os.path.join(d, "b")])
-        resumed = train.main(COMMON + ["--steps", "6", "--resume", "--out", os.path.join(d, "b")])["history"]
+        straight = train.main(COMMON + warmup + ["--steps", "6", "--out", os.path.join(d, "a")])["history"]
+        train.main(COMMON + warmup + ["--steps", "3", "--checkpoint-every", "3", "--out", os.path.join(d, "b")])
+        resumed = train.main(COMMON + warmup + ["--steps", "6", "--resume", "--out", os.path.join(d, "b")])["history"]
     assert [h["step"] for h in resumed] == [4, 5, 6]
     assert [h["loss"] for h in resumed] == [h["loss"] for h in straight[3:]]
 
@@ -46,6 +48,15 @@ def test_max_grad_norm_clips_the_update():
     assert free[0]["grad_norm"] == clipped[0]["grad_norm"] > 1e-3
     assert free[0]["loss"] == clipped[0]["loss"]
     assert clipped[1]["loss"] != free[1]["loss"]
+
+
+def test_warmup_raises_the_learning_rate_linearly():
+    assert [warmup_lr(s, 3e-3, 4) for s in range(6)] == [3e-3 * 0.25, 3e-3 * 0.5, 3e-3 * 0.75, 3e-3, 3e-3, 3e-3]
+    assert warmup_lr(0, 3e-3, 0) == 3e-3
+    with tempfile.TemporaryDirectory() as d:  # the first update is smaller: the second loss changes
+        constant = train.main(COMMON + ["--steps", "2", "--out", os.path.join(d, "a")])["history"]
+        warm = train.main(COMMON + ["--steps", "2", "--warmup-steps", "10", "--out", os.path.join(d, "b")])["history"]
+    assert constant[0]["loss"] == warm[0]["loss"] and constant[1]["loss"] != warm[1]["loss"]
 
 
 def _free_port():

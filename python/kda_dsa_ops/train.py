@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--pairs", type=int, default=4, help="key-value pairs per sequence")
     p.add_argument("--queries", type=int, default=4, help="asked keys per sequence")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="raise the learning rate linearly to --lr over this many steps (0: constant)")
     p.add_argument("--max-grad-norm", type=float, default=0.0,
                    help="clip the global gradient norm to this (0: no clipping; the norm is reported either way)")
     p.add_argument("--seed", type=int, default=0)
@@ -149,6 +151,12 @@ def plot_losses(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
+    """The learning rate of 0-based step `step`: lr * (step + 1) / warmup_steps during the warmup,
+    lr after it. A function of the step alone, so a resumed run continues the same schedule."""
+    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -193,6 +201,8 @@ def main(argv=None) -> dict:
         if mesh is not None:
             reduce_expert_gradients(model, mesh)
         grad_norm = clip_grad_norm(model, args.max_grad_norm, mesh)
+        for group in opt.param_groups:
+            group["lr"] = warmup_lr(step, args.lr, args.warmup_steps)
         opt.step()
         opt.zero_grad()
         model.update_router_biases()
