@@ -9,7 +9,8 @@
 #
 # Environment: KDA_DSA_OPS_COMMIT (commit id recorded in the results when .git is absent),
 # TEST_ARGS (extra pytest arguments), SANITIZE (scripts for compute-sanitizer, default
-# tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only),
+# tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only), FLA_CASES (the KDA
+# cases timed beside fla: its first calls autotune for ~4 minutes per shape),
 # MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline) are
 # installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
 # keeps fla's autotuning between calls.
@@ -81,9 +82,10 @@ for step in "${steps[@]}"; do
     bench | bench-quick)
       quick=()
       [ "$step" = bench-quick ] && quick=(--quick)
-      only=()
-      [ -n "${BENCH_ONLY:-}" ] && only=(--only $BENCH_ONLY)
-      run_step bench 540 python3 bench/run_all.py "${quick[@]}" "${only[@]}" --out "$OUT/results"
+      select=()
+      [ -n "${BENCH_ONLY:-}" ] && select=(--only $BENCH_ONLY)
+      [ -n "${FLA_CASES:-}" ] && select+=(--fla-cases "$FLA_CASES")
+      run_step bench 540 python3 bench/run_all.py "${quick[@]}" "${select[@]}" --out "$OUT/results"
       ;;
     *)
       echo "unknown step: $step" >&2
