@@ -82,10 +82,10 @@ for step in "${steps[@]}"; do
     bench | bench-quick)
       quick=()
       [ "$step" = bench-quick ] && quick=(--quick)
-      select=()
-      [ -n "${BENCH_ONLY:-}" ] && select=(--only $BENCH_ONLY)
-      [ -n "${FLA_CASES:-}" ] && select+=(--fla-cases "$FLA_CASES")
-      run_step bench 540 python3 bench/run_all.py "${quick[@]}" "${select[@]}" --out "$OUT/results"
+      bench_args=()
+      [ -n "${BENCH_ONLY:-}" ] && bench_args=(--only $BENCH_ONLY)
+      [ -n "${FLA_CASES:-}" ] && bench_args+=(--fla-cases "$FLA_CASES")
+      run_step bench 540 python3 bench/run_all.py "${quick[@]}" "${bench_args[@]}" --out "$OUT/results"
       ;;
     *)
       echo "unknown step: $step" >&2
