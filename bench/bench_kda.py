@@ -49,12 +49,12 @@ PRECISIONS = ("highest", "medium")
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta"]
 
 
-def run_kda(fn, ins, cu, **kw):
-    return fn(*ins, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, **kw)[0]
+def run_kda(fn, ins, cu):
+    return fn(*ins, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
 
 
-def fwd_bwd(fn, ins, cu, do, **kw):
-    o = run_kda(fn, ins, cu, **kw)
+def fwd_bwd(fn, ins, cu, do):
+    o = run_kda(fn, ins, cu)
     return torch.autograd.grad(o, ins, do)
 
 
