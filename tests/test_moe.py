@@ -169,6 +169,26 @@ def test_unpermute_matches_reference(seed, device, case, capacity, D, data):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("F", [5, 32])
+def test_permute_reroute_many_overflows(device, F):
+    """Thousands of overflowing copies (several windows of the CUDA pass), tokens with several
+    of them, fallback lists with -1 and repeated experts, and experts that fill up."""
+    torch.manual_seed(F)
+    T, E, k = 3000, 32, 4
+    w, ids = R.moe_route((torch.randn(T, E) + torch.linspace(2, -2, E)).to(F64), None, k)  # skewed loads
+    ids, w = ids.to(torch.int32), w.to(torch.float32)
+    fallback = torch.randint(-1, E, (T, F), dtype=torch.int32)
+    x = torch.randn(T, 24).to(torch.bfloat16)
+    capacity = 3 * T * k // (4 * E)
+    expected = R.moe_permute(x, ids, E, w, capacity, "reroute", fallback)
+    assert (torch.bincount(ids.view(-1).long(), minlength=E) - capacity).clamp(min=0).sum() > 2048
+    got = K.moe_permute(x.to(device), ids.to(device), E, w.to(device), capacity, policy="reroute",
+                        fallback_ids=fallback.to(device))
+    for name, a, b in zip(("x_sorted", "row_map", "offs"), got, expected):
+        assert torch.equal(a.cpu(), b), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_permute_is_deterministic(device):
     ids, w, fallback = routed_case(300, 16, 4, device)
     x = torch.randn(300, 64, device=device, dtype=torch.bfloat16)

@@ -5,7 +5,8 @@
 // (3) one block turns the counts into each expert's kept rows and output offsets; for
 // 'reroute', the overflowing copies are compacted in copy order and one block assigns them
 // to fallback experts sequentially (the policy is sequential by definition); (4) the row map
-// is scattered and the rows of x gathered with 16-byte accesses.
+// and copy maps are scattered, and each token's row is read once and written to the rows of its
+// kept copies with 16-byte accesses (a gather by output row would read each row k times).
 // unpermute: invert the row map, then each token sums its k rows in fp32 in slot order.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_select.cuh>
@@ -71,7 +72,9 @@ __global__ void mark_overflow_kernel(const uint64_t* __restrict__ sorted_keys, c
 }
 
 // One block: overflowing copies, in copy order, take the first fallback expert of their token
-// with room left, continuing from where the token's previous overflowing copy stopped.
+// with room left, continuing from where the token's previous overflowing copy stopped. The pass
+// is sequential by definition; one warp runs it, lane j looking at fallback j (F <= 32) so that a
+// copy costs one round of shared-memory reads and a ballot instead of a scan.
 __global__ void __launch_bounds__(kScanThreads) reroute_kernel(
     const int* __restrict__ overflow_copies, const int* __restrict__ num_overflow, const int* __restrict__ fallback,
     int F, int k, int E, int capacity, const int* __restrict__ kept, int* __restrict__ assigned_expert,
@@ -80,38 +83,42 @@ __global__ void __launch_bounds__(kScanThreads) reroute_kernel(
   extern __shared__ int shared[];
   int* room = shared;                              // [E]
   int* taken = room + E;                           // [E] rerouted copies per expert
-  int* candidates = taken + E;                     // [kRerouteWindow * F]
+  int* tokens = taken + E;                         // [kRerouteWindow]
+  int* candidates = tokens + kRerouteWindow;       // [kRerouteWindow * F]
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     room[e] = capacity - kept[e];
     taken[e] = 0;
   }
   const int total = *num_overflow;
-  int token = -1, cursor = 0;  // thread 0's state, carried across windows
+  const int lane = static_cast<int>(threadIdx.x);
+  int token = -1, cursor = 0;  // the first warp's state, carried across windows
   for (int base = 0; base < total; base += kRerouteWindow) {
     const int count = min(kRerouteWindow, total - base);
     __syncthreads();
+    for (int i = threadIdx.x; i < count; i += blockDim.x) tokens[i] = overflow_copies[base + i] / k;
     for (int i = threadIdx.x; i < count * F; i += blockDim.x) {
       const int c = overflow_copies[base + i / F];
-      candidates[i] = fallback[static_cast<int64_t>(c / k) * F + i % F];
+      const int e = fallback[static_cast<int64_t>(c / k) * F + i % F];
+      candidates[i] = e >= 0 && e < E ? e : -1;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < count; ++i) {
-        const int t = overflow_copies[base + i] / k;
-        if (t != token) token = t, cursor = 0;
-        int expert = -1, slot = -1;
-        while (cursor < F) {
-          const int e = candidates[i * F + cursor++];
-          if (e >= 0 && e < E && room[e] > 0) {
-            --room[e];
-            expert = e;
-            slot = taken[e]++;
-            break;
-          }
-        }
-        assigned_expert[base + i] = expert;
-        assigned_slot[base + i] = slot;
+    if (threadIdx.x >= kWarpSize) continue;
+    for (int i = 0; i < count; ++i) {
+      const int t = tokens[i];
+      if (t != token) token = t, cursor = 0;
+      const int e = lane < F ? candidates[i * F + lane] : -1;
+      const unsigned open = __ballot_sync(~0u, lane >= cursor && e >= 0 && room[e] > 0);
+      const int first = open != 0 ? __ffs(open) - 1 : -1;
+      if (lane == first) {
+        --room[e];
+        assigned_expert[base + i] = e;
+        assigned_slot[base + i] = taken[e]++;
+      } else if (first < 0 && lane == 0) {
+        assigned_expert[base + i] = -1;
+        assigned_slot[base + i] = -1;
       }
+      cursor = first < 0 ? F : first + 1;
+      __syncwarp();
     }
   }
   __syncthreads();
@@ -121,58 +128,77 @@ __global__ void __launch_bounds__(kScanThreads) reroute_kernel(
   });
 }
 
+// Row map and copy map of the kept copies; every copy's entry of copy_row is written (-1 unless
+// kept), so this runs before scatter_rerouted_kernel.
 __global__ void scatter_kept_kernel(const uint64_t* __restrict__ sorted_keys, const int* __restrict__ sorted_copies,
                                     int64_t n, int E, bool by_weight, const int* __restrict__ seg_start,
                                     const int* __restrict__ kept, const int* __restrict__ out_start,
-                                    int* __restrict__ row_map) {
+                                    int* __restrict__ row_map, int* __restrict__ copy_row) {
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < n;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int e = static_cast<int>(by_weight ? sorted_keys[p] >> 32 : sorted_keys[p]);
-    if (e >= E) continue;
-    const int rank = static_cast<int>(p - seg_start[e]);
-    if (rank < kept[e]) row_map[out_start[e] + rank] = sorted_copies[p];
+    const int c = sorted_copies[p];
+    int row = -1;
+    if (e < E) {
+      const int rank = static_cast<int>(p - seg_start[e]);
+      if (rank < kept[e]) row = out_start[e] + rank;
+    }
+    if (row >= 0) row_map[row] = c;
+    copy_row[c] = row;
   }
 }
 
 __global__ void scatter_rerouted_kernel(const int* __restrict__ overflow_copies, const int* __restrict__ num_overflow,
                                         const int* __restrict__ assigned_expert,
                                         const int* __restrict__ assigned_slot, const int* __restrict__ kept,
-                                        const int* __restrict__ out_start, int* __restrict__ row_map) {
+                                        const int* __restrict__ out_start, int* __restrict__ row_map,
+                                        int* __restrict__ copy_row) {
   const int total = *num_overflow;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
     const int e = assigned_expert[i];
-    if (e >= 0) row_map[out_start[e] + kept[e] + assigned_slot[i]] = overflow_copies[i];
+    if (e < 0) continue;
+    const int row = out_start[e] + kept[e] + assigned_slot[i], c = overflow_copies[i];
+    row_map[row] = c;
+    copy_row[c] = row;
   }
-}
-
-// dst[m] = src[source_row(m)] or zeros; one block per destination row, kVec elements per access.
-template <int kVec, typename SourceRow>
-__device__ __forceinline__ void copy_row(const char* __restrict__ src, char* __restrict__ dst, int64_t row_bytes,
-                                         int64_t m, SourceRow source_row) {
-  using Vec = std::conditional_t<kVec == 16, uint4, uint16_t>;
-  const int64_t r = source_row(m);
-  Vec* out = reinterpret_cast<Vec*>(dst + m * row_bytes);
-  const int64_t n = row_bytes / sizeof(Vec);
-  if (r < 0) {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = Vec{};
-    return;
-  }
-  const Vec* in = reinterpret_cast<const Vec*>(src + r * row_bytes);
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = in[i];
 }
 
 template <int kVec>
-__global__ void __launch_bounds__(kRowThreads) gather_rows_kernel(const char* __restrict__ x, char* __restrict__ out,
-                                                                  int64_t row_bytes, const int* __restrict__ row_map,
-                                                                  int k) {
-  copy_row<kVec>(x, out, row_bytes, blockIdx.x, [&](int64_t m) -> int64_t {
-    const int c = row_map[m];
-    return c < 0 ? -1 : c / k;
-  });
+using RowVec = std::conditional_t<kVec == 16, uint4, uint16_t>;
+
+// One block per token: its row of x read once, written to the rows of its kept copies.
+template <int kVec>
+__global__ void __launch_bounds__(kRowThreads) scatter_rows_kernel(const char* __restrict__ x, char* __restrict__ out,
+                                                                   int64_t row_bytes, const int* __restrict__ copy_row,
+                                                                   int k) {
+  using Vec = RowVec<kVec>;
+  const int64_t t = blockIdx.x, n = row_bytes / sizeof(Vec);
+  const Vec* in = reinterpret_cast<const Vec*>(x + t * row_bytes);
+  const int* rows = copy_row + t * k;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const Vec v = in[i];
+    for (int j = 0; j < k; ++j) {
+      const int m = __ldg(rows + j);
+      if (m >= 0) reinterpret_cast<Vec*>(out + m * row_bytes)[i] = v;
+    }
+  }
+}
+
+// Rows [offs[E-1], M) hold no copy: zeros.
+template <int kVec>
+__global__ void zero_rows_kernel(char* __restrict__ out, int64_t row_bytes, int64_t M, const int* __restrict__ offs,
+                                 int E) {
+  using Vec = RowVec<kVec>;
+  const int64_t first = offs[E - 1], n = (M - first) * (row_bytes / static_cast<int64_t>(sizeof(Vec)));
+  Vec* dst = reinterpret_cast<Vec*>(out + first * row_bytes);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = Vec{};
+  }
 }
 
 template <typename F>
-void launch_gather(int64_t row_bytes, const void* a, const void* b, F&& f) {
+void launch_rows(int64_t row_bytes, const void* a, const void* b, F&& f) {
   const bool vec16 = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(b) % 16 == 0;
   if (vec16) {
@@ -213,6 +239,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_cuda(const at::Tensor& x_
 
   at::Tensor x_sorted = at::empty({M, D}, x.options());
   at::Tensor row_map = at::full({M}, -1, int_opts);
+  at::Tensor copy_row = at::empty({n}, int_opts);  // the row of each copy, -1 if dropped
   at::Tensor offs = at::empty({E}, int_opts);
   at::Tensor counts = at::zeros({E}, int_opts);
   at::Tensor plan = at::empty({3, E}, int_opts);  // seg_start, kept, out_start
@@ -243,12 +270,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_cuda(const at::Tensor& x_
     permute_plan_kernel<<<1, kScanThreads, 0, stream>>>(counts.data_ptr<int>(), E, static_cast<int>(capacity),
                                                          !reroute, seg_start, kept, out_start, offs.data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor overflow_copies, assigned;  // reroute: the overflowing copies (then their count), their places
     if (reroute) {
       const at::Tensor fallback = fallback_in->contiguous();
       const int F = static_cast<int>(fallback.size(1));
       at::Tensor overflow = at::empty({n}, ids.options().dtype(at::kByte));
-      at::Tensor overflow_copies = at::empty({n + 1}, int_opts);  // the list, then its length
-      at::Tensor assigned = at::empty({2, n}, int_opts);
+      overflow_copies = at::empty({n + 1}, int_opts);
+      assigned = at::empty({2, n}, int_opts);
       int* num_overflow = overflow_copies.data_ptr<int>() + n;
       mark_overflow_kernel<<<grid_for(n, 256), 256, 0, stream>>>(keys_out, copies_out, n, E, by_weight, seg_start,
                                                                  kept, overflow.data_ptr<uint8_t>());
@@ -262,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_cuda(const at::Tensor& x_
       C10_CUDA_CHECK(cub::DeviceSelect::Flagged(select_temp.data_ptr(), select_bytes, copy_index,
                                                 overflow.data_ptr<uint8_t>(), overflow_copies.data_ptr<int>(),
                                                 num_overflow, static_cast<int>(n), stream));
-      const size_t smem = (2 * static_cast<size_t>(E) + static_cast<size_t>(kRerouteWindow) * F) * sizeof(int);
+      const size_t smem = (2 * static_cast<size_t>(E) + static_cast<size_t>(kRerouteWindow) * (F + 1)) * sizeof(int);
       TORCH_CHECK(smem <= 200 * 1024, "moe_permute: reroute with E = ", E, " and F = ", F,
                   " needs more shared memory than a block has; use fewer fallback experts");
       set_smem(reroute_kernel, smem);
@@ -271,25 +299,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_cuda(const at::Tensor& x_
           static_cast<int>(capacity), kept, assigned[0].data_ptr<int>(), assigned[1].data_ptr<int>(), out_start,
           offs.data_ptr<int>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      scatter_rerouted_kernel<<<grid_for(n, 256), 256, 0, stream>>>(overflow_copies.data_ptr<int>(), num_overflow,
-                                                                    assigned[0].data_ptr<int>(),
-                                                                    assigned[1].data_ptr<int>(), kept, out_start,
-                                                                    row_map.data_ptr<int>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     scatter_kept_kernel<<<grid_for(n, 256), 256, 0, stream>>>(keys_out, copies_out, n, E, by_weight, seg_start, kept,
-                                                              out_start, row_map.data_ptr<int>());
+                                                              out_start, row_map.data_ptr<int>(),
+                                                              copy_row.data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (reroute) {
+      scatter_rerouted_kernel<<<grid_for(n, 256), 256, 0, stream>>>(
+          overflow_copies.data_ptr<int>(), overflow_copies.data_ptr<int>() + n, assigned[0].data_ptr<int>(),
+          assigned[1].data_ptr<int>(), kept, out_start, row_map.data_ptr<int>(), copy_row.data_ptr<int>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   } else {
     offs.zero_();
   }
   if (M > 0 && D > 0) {
     const int64_t row_bytes = D * x.element_size();
-    launch_gather(row_bytes, x.data_ptr(), x_sorted.data_ptr(), [&](auto vec) {
+    launch_rows(row_bytes, x.data_ptr(), x_sorted.data_ptr(), [&](auto vec) {
       constexpr int kVec = decltype(vec)::value;
-      gather_rows_kernel<kVec><<<M, kRowThreads, 0, stream>>>(static_cast<const char*>(x.data_ptr()),
-                                                             static_cast<char*>(x_sorted.data_ptr()), row_bytes,
-                                                             row_map.data_ptr<int>(), static_cast<int>(k));
+      auto* out = static_cast<char*>(x_sorted.data_ptr());
+      if (n > 0) {
+        scatter_rows_kernel<kVec><<<T, kRowThreads, 0, stream>>>(static_cast<const char*>(x.data_ptr()), out,
+                                                                  row_bytes, copy_row.data_ptr<int>(),
+                                                                  static_cast<int>(k));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      const int zero_blocks = std::min(grid_for(M * row_bytes / kVec, 256), 1024);  // grid-stride
+      zero_rows_kernel<kVec><<<zero_blocks, 256, 0, stream>>>(out, row_bytes, M, offs.data_ptr<int>(), E);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }

@@ -21,21 +21,37 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxExperts = 2048;
 constexpr int kCandidates = 64;  // per warp: keys at or above the bound, sorted 2 per lane
+constexpr float kLog2e = 1.4426950408889634f;
 
 struct SoftmaxStats {
   float max = 0.f, inv_sum = 1.f;  // the row's maximum logit and 1 / sum(exp(x - max))
 };
 
-// The score of one logit, computed exactly as warp_scores computes it. The hardware exp2 and
-// reciprocal (MUFU; __fdividef rather than the correctly rounded __frcp_rn, which wraps every
-// score in a slow-path branch: 5% of the forward, measured) keep the relative error near 1e-6
-// for |x| <= 16, far below what separates experts.
-__device__ __forceinline__ float score_of(float x, ScoreFn fn, SoftmaxStats st) {
-  return fn == ScoreFn::kSigmoid ? __fdividef(1.f, 1.f + __expf(-x)) : __expf(x - st.max) * st.inv_sum;
+// 2^x and 1/x on the MUFU unit with denormals flushed (exp2f / __fdividef add a range check
+// and rescale around every call to honour denormals, ~4 instructions per score).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
-template <typename T, int kPerLane>
-__device__ __forceinline__ SoftmaxStats warp_scores(const T* logits, int E, ScoreFn fn, float (&s)[kPerLane]) {
+// The score of one logit, computed exactly as warp_scores computes it: hardware exp2 and
+// reciprocal (relative error near 1e-6 for |x| <= 16, far below what separates experts; the
+// correctly rounded __frcp_rn wrapped every score in a slow-path branch: 5% of the forward).
+template <ScoreFn kFn>
+__device__ __forceinline__ float score_of(float x, SoftmaxStats st) {
+  return kFn == ScoreFn::kSigmoid ? rcp_ftz(1.f + exp2_ftz(-kLog2e * x)) : exp2_ftz(kLog2e * (x - st.max)) * st.inv_sum;
+}
+
+// The scores of one token: lane l holds experts l, l + 32, ... in s (slots past E: -inf for
+// sigmoid, 0 for softmax).
+template <typename T, int kPerLane, ScoreFn kFn>
+__device__ __forceinline__ SoftmaxStats warp_scores(const T* logits, int E, float (&s)[kPerLane]) {
   const int lane = threadIdx.x % kWarpSize;
   SoftmaxStats st;
   float mx = -INFINITY;
@@ -45,15 +61,17 @@ __device__ __forceinline__ SoftmaxStats warp_scores(const T* logits, int E, Scor
     s[i] = e < E ? to_float(logits[e]) : -INFINITY;
     mx = fmaxf(mx, s[i]);
   }
-  if (fn == ScoreFn::kSoftmax) {
+  if constexpr (kFn == ScoreFn::kSoftmax) {
     st.max = warp_reduce(mx, MaxOp{});
     float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) sum += i * kWarpSize + lane < E ? __expf(s[i] - st.max) : 0.f;
+    for (int i = 0; i < kPerLane; ++i) sum += i * kWarpSize + lane < E ? exp2_ftz(kLog2e * (s[i] - st.max)) : 0.f;
     st.inv_sum = __frcp_rn(warp_reduce(sum, SumOp{}));
   }
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) s[i] = i * kWarpSize + lane < E ? score_of(s[i], fn, st) : 0.f;
+  for (int i = 0; i < kPerLane; ++i) {
+    s[i] = i * kWarpSize + lane < E ? score_of<kFn>(s[i], st) : (kFn == ScoreFn::kSigmoid ? -INFINITY : 0.f);
+  }
   return st;
 }
 
@@ -96,29 +114,33 @@ __device__ __forceinline__ void warp_sort64_ascending(uint64_t& lo, uint64_t& hi
   }
 }
 
-// Selection keys (score + bias; -inf for NaN and for slots past E) of one token.
-template <typename T, int kPerLane>
-__device__ __forceinline__ SoftmaxStats warp_keys(const T* row, const float* bias, int E, ScoreFn fn,
-                                                  float (&key)[kPerLane]) {
+// Selection keys of one token: score + bias, -inf for NaN and for slots past E (the fast
+// selection takes only keys above -inf; select_by_rounds tells the slots past E apart).
+// Sigmoid scores need no row statistics: one pass, each slot's bounds check made once.
+template <typename T, int kPerLane, ScoreFn kFn>
+__device__ __forceinline__ SoftmaxStats warp_keys(const T* row, const float* bias, int E, float (&key)[kPerLane]) {
   const int lane = threadIdx.x % kWarpSize;
-  const SoftmaxStats st = warp_scores<T, kPerLane>(row, E, fn, key);
+  SoftmaxStats st;
+  if constexpr (kFn == ScoreFn::kSoftmax) st = warp_scores<T, kPerLane, kFn>(row, E, key);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = i * kWarpSize + lane;
-    const float v = e < E ? key[i] + (bias ? bias[e] : 0.f) : -INFINITY;
-    key[i] = isnan(v) ? -INFINITY : v;
+    const bool valid = e < E;
+    const float score = kFn == ScoreFn::kSigmoid ? score_of<kFn>(valid ? to_float(row[e]) : 0.f, st) : key[i];
+    key[i] = valid ? fmaxf(score + (bias != nullptr ? bias[e] : 0.f), -INFINITY) : -INFINITY;  // NaN -> -inf
   }
   return st;
 }
 
 // k rounds of a warp arg-max over the token's keys (recomputed here: the rare path keeps its
 // registers out of the common one); ids[j] receives the j-th pick (any k <= E).
-template <typename T, int kPerLane>
-__device__ __noinline__ void select_by_rounds(const T* row, const float* bias, int E, ScoreFn fn, int k,
-                                              int* __restrict__ ids) {
+template <typename T, int kPerLane, ScoreFn kFn>
+__device__ __noinline__ void select_by_rounds(const T* row, const float* bias, int E, int k, int* __restrict__ ids) {
   const int lane = threadIdx.x % kWarpSize;
   float key[kPerLane];
-  warp_keys<T, kPerLane>(row, bias, E, fn, key);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) key[i] = -INFINITY;
+  warp_keys<T, kPerLane, kFn>(row, bias, E, key);
   uint64_t taken = 0;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
@@ -150,20 +172,19 @@ __device__ __noinline__ void select_by_rounds(const T* row, const float* bias, i
   }
 }
 
-// Up to 32 keys per lane the kernel is held to 80 registers (6 blocks, 24 warps per SM; ptxas
-// spills ~48 bytes), measured 8% faster than at 128 registers and 16 warps; more keys per lane
-// keep their registers.
-template <typename T, int kPerLane>
+// Up to 32 keys per lane the kernel is held to 80 registers (6 blocks, 24 warps per SM), measured
+// 8% faster than at 128 registers and 16 warps; more keys per lane keep their registers.
+template <typename T, int kPerLane, ScoreFn kFn>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 6 : 1) route_kernel(
-    const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, ScoreFn fn, bool renorm,
-    float scale, float* __restrict__ weights, int* __restrict__ ids) {
-  __shared__ uint64_t candidates[kWarpsPerBlock][kCandidates];
+    const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, bool renorm, float scale,
+    float* __restrict__ weights, int* __restrict__ ids) {
+  __shared__ int2 candidates[kWarpsPerBlock][kCandidates];
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int t = blockIdx.x * kWarpsPerBlock + warp;
   if (t >= T_) return;
   const T* row = logits + static_cast<int64_t>(t) * E;
   float key[kPerLane];
-  const SoftmaxStats st = warp_keys<T, kPerLane>(row, bias, E, fn, key);
+  const SoftmaxStats st = warp_keys<T, kPerLane, kFn>(row, bias, E, key);
   float lane_max = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) lane_max = fmaxf(lane_max, key[i]);
@@ -173,28 +194,30 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 6
   bool selected = false;
   int chosen = 0;  // lane j < k: the j-th pick
   if (k <= kWarpSize) {
+    // Keys at or above the bound are finite, so none of them is a slot past E.
     const float bound = __shfl_sync(0xffffffffu, warp_sort32<false>(lane_max), k - 1);
     int count = 0;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) count += i * kWarpSize + lane < E && key[i] >= bound;
+    for (int i = 0; i < kPerLane; ++i) count += key[i] >= bound;
     const int inclusive = warp_inclusive_scan(count, SumOp{});
     const int total = __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
-    if (total <= kCandidates) {
-      uint64_t* cand = candidates[warp];
+    if (bound > -INFINITY && total <= kCandidates) {
+      int2* cand = candidates[warp];
       int pos = inclusive - count;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
-        const int e = i * kWarpSize + lane;
-        if (e < E && key[i] >= bound) {
-          cand[pos++] = (static_cast<uint64_t>(descending_bits(key[i])) << 32) | static_cast<uint32_t>(e);
-        }
+        if (key[i] >= bound) cand[pos++] = make_int2(__float_as_int(key[i]), i * kWarpSize + lane);
       }
       __syncwarp();
-      uint64_t lo = lane < total ? cand[lane] : ~0ull;
+      auto sort_key = [&](int j) {
+        const int2 c = cand[j];
+        return (static_cast<uint64_t>(descending_bits(__int_as_float(c.x))) << 32) | static_cast<uint32_t>(c.y);
+      };
+      uint64_t lo = lane < total ? sort_key(lane) : ~0ull;
       if (total <= kWarpSize) {
         lo = warp_sort32<true>(lo);
       } else {
-        uint64_t hi = lane + kWarpSize < total ? cand[lane + kWarpSize] : ~0ull;
+        uint64_t hi = lane + kWarpSize < total ? sort_key(lane + kWarpSize) : ~0ull;
         warp_sort64_ascending(lo, hi);
       }
       chosen = static_cast<int>(lo & 0xffffffffu);
@@ -202,7 +225,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 6
     }
   }
   if (selected) {
-    const float w = lane < k ? score_of(to_float(row[chosen]), fn, st) : 0.f;
+    const float w = lane < k ? score_of<kFn>(to_float(row[chosen]), st) : 0.f;
     const float sum = warp_reduce(w, SumOp{});
     const float norm = renorm ? scale / (sum + static_cast<float>(kRenormEps)) : scale;
     if (lane < k) {
@@ -211,11 +234,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 6
     }
     return;
   }
-  select_by_rounds<T, kPerLane>(row, bias, E, fn, k, id_out);
+  select_by_rounds<T, kPerLane, kFn>(row, bias, E, k, id_out);
   __syncwarp();
   float sum = 0.f;
   for (int j = lane; j < k; j += kWarpSize) {
-    const float w = score_of(to_float(row[id_out[j]]), fn, st);
+    const float w = score_of<kFn>(to_float(row[id_out[j]]), st);
     w_out[j] = w;
     sum += w;
   }
@@ -238,7 +261,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_bwd_kernel(
   float* dscores = scores + E;
   const T* row = logits + static_cast<int64_t>(t) * E;
   float s[kPerLane];
-  warp_scores<T, kPerLane>(row, E, fn, s);
+  if (fn == ScoreFn::kSigmoid) {
+    warp_scores<T, kPerLane, ScoreFn::kSigmoid>(row, E, s);
+  } else {
+    warp_scores<T, kPerLane, ScoreFn::kSoftmax>(row, E, s);
+  }
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = i * kWarpSize + lane;
@@ -303,7 +330,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize) route_bwd_sigmoid_
   const bool valid = e >= 0 && e < E;
   const float x = valid ? to_float(logits[row + e]) : 0.f;
   const float g = lane < k ? grad_weights[static_cast<int64_t>(t) * k + lane] : 0.f;
-  const float u = valid ? score_of(x, ScoreFn::kSigmoid, SoftmaxStats{}) : 0.f;
+  const float u = valid ? score_of<ScoreFn::kSigmoid>(x, SoftmaxStats{}) : 0.f;
   const float sum = warp_reduce(u, SumOp{}), gsum = warp_reduce(g * u, SumOp{});
   // As route_bwd_kernel: dL/du_j = scale * (g_j / D - gsum / D^2), D = sum + eps.
   const float denom = sum + static_cast<float>(kRenormEps);
@@ -363,10 +390,17 @@ std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits_in, const
   KDA_DISPATCH_CUDA_FLOATING(logits.scalar_type(), "moe_route", [&] {
     dispatch_per_lane(E, [&](auto per_lane) {
       constexpr int kPerLane = decltype(per_lane)::value;
-      route_kernel<scalar_t, kPerLane><<<grid, kWarpsPerBlock * kWarpSize, 0, stream>>>(
-          static_cast<const scalar_t*>(logits.data_ptr()), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
-          k, fn, renorm, static_cast<float>(scale), weights.data_ptr<float>(), ids.data_ptr<int>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const auto launch = [&](auto kernel) {
+        kernel<<<grid, kWarpsPerBlock * kWarpSize, 0, stream>>>(
+            static_cast<const scalar_t*>(logits.data_ptr()), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
+            k, renorm, static_cast<float>(scale), weights.data_ptr<float>(), ids.data_ptr<int>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (fn == ScoreFn::kSigmoid) {
+        launch(route_kernel<scalar_t, kPerLane, ScoreFn::kSigmoid>);
+      } else {
+        launch(route_kernel<scalar_t, kPerLane, ScoreFn::kSoftmax>);
+      }
     });
   });
   return {weights, ids};
