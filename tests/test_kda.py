@@ -67,7 +67,8 @@ def check_against_reference(device, dtype, g_dtype, B, T, H, group, Kd, V, lens,
     ref_grads = torch.autograd.grad((ro * do.to(dtype).to(F64)).sum() + (rht * dht.to(state_dtype).to(F64)).sum(),
                                     ref_ins)
     names = ["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
-    scales = {"dg": dg_scale(ref_ins, ref_grads), "dbeta": dbeta_scale(ref_ins, ref_grads)}
+    scales = {"dg": dg_scale(ref_ins, ref_grads), "dbeta": dbeta_scale(ref_ins, ref_grads),
+              "dq": dq_scale(ref_ins, do, l2, lens, with_h0)}
     for name, a, b, x in zip(names, grads, ref_grads, ins):
         assert a.dtype == x.dtype
         assert_close(a, b, torch.bfloat16 if bf16_row else x.dtype, name, scale=scales.get(name), table=table)
@@ -78,6 +79,27 @@ def dbeta_scale(ins, grads):
     dot product over V that can cancel: |dv_t| |v_t| / beta_t per (t, head)."""
     v, beta, dv = ins[2], ins[4], grads[2]
     return dv.norm(dim=-1) * v.norm(dim=-1) / beta.clamp_min(1e-3)
+
+
+def dq_scale(ins, do, l2, lens, with_h0):
+    """The first token of a sequence without an initial state has dq_t = K^-0.5 beta_t
+    (dO_t . v_t) k_t alone: one dot product over V, which can cancel. Its terms' size,
+    K^-0.5 beta_t sum_j |dO_tj v_tj| |k_t| (|k_t| = 1 and over |q_t| when q and k are normalised
+    in the kernel), at those tokens; other tokens sum many such products and need no scale."""
+    if with_h0:
+        return None
+    q, k, v, beta = ins[0], ins[1], ins[2], ins[4]
+    group = v.shape[2] // q.shape[2]
+    size = 1.0 / q.norm(dim=-1).clamp_min(1e-6) if l2 else k.norm(dim=-1)  # |k_t| = 1 once normalised
+    size = size.repeat_interleave(group, dim=2)
+    terms = (do * v).abs().sum(dim=-1) * beta * size * q.shape[-1] ** -0.5
+    starts = torch.zeros(terms.shape[:2], dtype=torch.bool)
+    if lens is None:
+        starts[:, 0] = True
+    else:
+        first = torch.tensor([0] + lens[:-1]).cumsum(0)
+        starts[0, first[torch.tensor(lens) > 0]] = True
+    return terms * starts[:, :, None]
 
 
 def dg_scale(ins, grads):

@@ -157,8 +157,10 @@ KDA_HD void team_gemm(const Team& tm, int M, int N, int Kn, T alpha, View<T> A, 
 }
 
 // The CPU kernel's team: one member, nothing to wait for, products by team_gemm. A team (also
-// the CUDA kernels' block team) provides rank(), size(), sync() and gemm(...) with the arguments
-// of team_gemm after the team.
+// the CUDA kernels' block team) provides rank(), size(), sync(), gemm(...) with the arguments
+// of team_gemm after the team, gemm_fp32(...), the same at fp32 accuracy whatever the team's
+// product precision, and pair_exp(x), the exp of the diagonal blocks' pair terms (the bulk of
+// a chunk's exps; a hardware approximation where the products are bf16 anyway).
 struct SerialTeam {
   KDA_HD int rank() const { return 0; }
   KDA_HD int size() const { return 1; }
@@ -168,16 +170,30 @@ struct SerialTeam {
                    const T* kscale = nullptr) const {
     team_gemm(*this, M, N, Kn, alpha, A, B, C, prior, kscale);
   }
+  template <typename T>
+  KDA_HD T pair_exp(T x) const {
+    return exp_of(x);
+  }
+  template <typename T>
+  KDA_HD void gemm_fp32(int M, int N, int Kn, T alpha, View<T> A, View<T> B, Out<T> C, Prior<T> prior = Prior<T>{},
+                        const T* kscale = nullptr) const {
+    team_gemm(*this, M, N, Kn, alpha, A, B, C, prior, kscale);
+  }
 };
 
 constexpr int kSub = 16;  // A, Aqk: diagonal blocks computed pair by pair
+static_assert(kChunk == 4 * kSub, "chunk_intra's scratch layout holds three block rows below the first");
+
+// Elements of chunk_intra's scratch: kSub rows of kChunk, or 3 kSub rows of K.
+KDA_HD int intra_scratch(int K) { return kSub * kChunk > 3 * kSub * K ? kSub * kChunk : 3 * kSub * K; }
 
 // Everything of a chunk that does not depend on the state.
 // In: q, k [L,K]; G (chunk_cumsum); v [L,V]; beta [L]. Out: A, Aqk, Minv [L,kChunk] (entries
 // above the diagonal are zero, Minv's diagonal one); W, Qg, Kd [L,K]; Ut [L,V]; gC [K].
+// Y [intra_scratch(K)] is scratch.
 template <typename T, typename Team>
 KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gates<T> G, const T* v, const T* beta,
-                        T* A, T* Aqk, T* Minv, T* W, T* Ut, T* Qg, T* Kd, T* gC) {
+                        T* A, T* Aqk, T* Minv, T* W, T* Ut, T* Qg, T* Kd, T* gC, T* Y) {
   const int L = d.L, K = d.K, V = d.V;
   // Rows scaled to the first row r of their block: k exp(G_t - G_r) into Kd, q exp(G_t - G_r)
   // into Qg (scratch until the end).
@@ -187,46 +203,70 @@ KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gat
     Kd[i] = k[i] * e;
     Qg[i] = q[i] * e;
   }
-  // Diagonal blocks, pair by pair (the members of a warp start at different c: no bank conflicts).
-  for (int i = tm.rank(); i < L * kSub; i += tm.size()) {
-    const int t = i / kSub, s = t / kSub * kSub + i % kSub;
-    if (s >= L) continue;
+  // Diagonal blocks, pair by pair over the pairs s <= t of each block (136 of a full block's
+  // 256, so that every member has work); the members of a warp start at different c (no bank
+  // conflicts). Entries right of the diagonal are zero.
+  constexpr int kPairs = kSub * (kSub + 1) / 2;
+  for (int i = tm.rank(); i < (L + kSub - 1) / kSub * kPairs; i += tm.size()) {
+    const int b0 = i / kPairs * kSub, pair = i % kPairs;
+    int dt = 0;
+    while ((dt + 1) * (dt + 2) / 2 <= pair) ++dt;
+    const int t = b0 + dt, s = b0 + pair - dt * (dt + 1) / 2;
+    if (t >= L) continue;
     T a = 0, b = 0;
-    if (s <= t) {
-      const int start = s % K;
-      for (int cc = 0; cc < K; ++cc) {
-        const int c = cc + start < K ? cc + start : cc + start - K;
-        const T e = G.exp_diff(t * K + c, s * K + c) * k[s * K + c];
-        a += k[t * K + c] * e;
-        b += q[t * K + c] * e;
-      }
+    const int start = s % K;
+    for (int cc = 0; cc < K; ++cc) {
+      const int c = cc + start < K ? cc + start : cc + start - K;
+      const T e = tm.pair_exp(G.diff(t * K + c, s * K + c)) * k[s * K + c];
+      a += k[t * K + c] * e;
+      b += q[t * K + c] * e;
     }
     A[t * kChunk + s] = s < t ? a : T(0);
     Aqk[t * kChunk + s] = b;
   }
   for (int i = tm.rank(); i < L * L; i += tm.size()) {
     const int t = i / L, s = i % L;
-    if (s / kSub > t / kSub) A[t * kChunk + s] = Aqk[t * kChunk + s] = 0;
+    if (s > t) A[t * kChunk + s] = Aqk[t * kChunk + s] = 0;
+  }
+  // Blocks left of the diagonal, block row b = [r, r + kSub): A[b, :r] = Kd[b] X_r^T and
+  // Aqk[b, :r] = Qg[b] X_r^T with X_r = k_s exp(G_r - G_s) for s < r. The three X_r (16, 32 and
+  // 48 rows) sit in Y[0, 16), Y[16, 48) and W[0, 48) (W has L > 48 rows when X_48 exists), so
+  // that all six products run in one pass.
+  const auto keys_of = [&](int r) { return r == 3 * kSub ? W : Y + (r - kSub) * K; };
+  for (int r = kSub; r < L; r += kSub) {
+    T* X = keys_of(r);
+    for (int i = tm.rank(); i < r * K; i += tm.size()) X[i] = k[i] * G.exp_diff(r * K + i % K, i);
   }
   tm.sync();
-  // Blocks left of the diagonal, one block row at a time: k_s exp(G_r - G_s) for s < r into W (scratch).
   for (int r = kSub; r < L; r += kSub) {
     const int n = L - r < kSub ? L - r : kSub;
-    for (int i = tm.rank(); i < r * K; i += tm.size()) W[i] = k[i] * G.exp_diff(r * K + i % K, i);
-    tm.sync();
-    tm.gemm(n, r, K, T(1), rows_of(Kd + r * K, K), cols_of<T>(W, K), out_rows(A + r * kChunk, kChunk));
-    tm.gemm(n, r, K, T(1), rows_of(Qg + r * K, K), cols_of<T>(W, K), out_rows(Aqk + r * kChunk, kChunk));
-    tm.sync();
+    tm.gemm(n, r, K, T(1), rows_of(Kd + r * K, K), cols_of<T>(keys_of(r), K), out_rows(A + r * kChunk, kChunk));
+    tm.gemm(n, r, K, T(1), rows_of(Qg + r * K, K), cols_of<T>(keys_of(r), K), out_rows(Aqk + r * kChunk, kChunk));
   }
-  // Minv = (I + diag(beta) A)^-1, one column per member: x_s = 1, x_t = -beta_t sum_{s<=u<t} A_tu x_u.
+  tm.sync();
+  // Minv = (I + diag(beta) A)^-1 by kSub x kSub blocks. The diagonal blocks D_b by substitution,
+  // one column per member (x_s = 1, x_t = -beta_t sum_{s<=u<t} A_tu x_u within the block), with
+  // the zeros right of them; then block row by block row below:
+  // Minv[b, :b] = -D_b diag(beta_b) A[b, :b] Minv[:b, :b], through Y = A[b, :b] Minv[:b, :b]
+  // (products at fp32 accuracy in every precision mode: the inverse is not an operand rounding).
   for (int s = tm.rank(); s < L; s += tm.size()) {
+    const int b1 = s / kSub * kSub + kSub < L ? s / kSub * kSub + kSub : L;
     for (int t = 0; t < s; ++t) Minv[t * kChunk + s] = 0;
     Minv[s * kChunk + s] = 1;
-    for (int t = s + 1; t < L; ++t) {
+    for (int t = s + 1; t < b1; ++t) {
       T acc = 0;
       for (int u = s; u < t; ++u) acc += A[t * kChunk + u] * Minv[u * kChunk + s];
       Minv[t * kChunk + s] = -beta[t] * acc;
     }
+  }
+  tm.sync();
+  for (int r = kSub; r < L; r += kSub) {
+    const int n = L - r < kSub ? L - r : kSub;
+    tm.gemm_fp32(n, r, r, T(1), rows_of(A + r * kChunk, kChunk), rows_of<T>(Minv, kChunk), out_rows(Y, kChunk));
+    tm.sync();
+    tm.gemm_fp32(n, r, n, T(-1), rows_of<T>(Minv + r * kChunk + r, kChunk), rows_of<T>(Y, kChunk),
+                 out_rows(Minv + r * kChunk, kChunk), Prior<T>{}, beta + r);
+    tm.sync();
   }
   for (int i = tm.rank(); i < L * K; i += tm.size()) Qg[i] = k[i] * G.exp_at(i);  // k exp(G), scratch
   tm.sync();
@@ -358,12 +398,12 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
     const int t = i / K, c = i % K, b0 = t / kSub * kSub, b1 = b0 + kSub < L ? b0 + kSub : L;
     T p_row_a = 0, p_row_q = 0, p_col = 0;
     for (int s = b0; s <= t; ++s) {
-      const T e = G.exp_diff(i, s * K + c) * k[s * K + c];
+      const T e = tm.pair_exp(G.diff(i, s * K + c)) * k[s * K + c];
       p_row_a += sc.dA[t * kChunk + s] * e;
       p_row_q += sc.dAqk[t * kChunk + s] * e;
     }
     for (int r = t; r < b1; ++r) {
-      const T e = G.exp_diff(r * K + c, i);
+      const T e = tm.pair_exp(G.diff(r * K + c, i));
       p_col += (sc.dA[r * kChunk + t] * k[r * K + c] + sc.dAqk[r * kChunk + t] * q[r * K + c]) * e;
     }
     const T kt = k[i], qt = q[i], eg = G.exp_at(i), zw = beta[t] * sc.ZW[i];

@@ -28,11 +28,11 @@ std::vector<std::pair<int64_t, int64_t>> sequences(const Problem& p) {
 template <typename T>
 struct ChunkWork {
   int K, V;
-  std::vector<T> q, k, G, Glo, v, beta, A, Aqk, Minv, W, Ut, Qg, Kd, gC;
+  std::vector<T> q, k, G, Glo, v, beta, A, Aqk, Minv, W, Ut, Qg, Kd, gC, Y;
   ChunkWork(int K_, int V_)
       : K(K_), V(V_), q(kChunk * K), k(kChunk * K), G(kChunk * K), Glo(kChunk * K), v(kChunk * V), beta(kChunk),
         A(kChunk * kChunk), Aqk(kChunk * kChunk), Minv(kChunk * kChunk), W(kChunk * K), Ut(kChunk * V), Qg(kChunk * K),
-        Kd(kChunk * K), gC(K) {}
+        Kd(kChunk * K), gC(K), Y(intra_scratch(K_)) {}
 
   Gates<T> gates() const { return {G.data(), Glo.data()}; }
 
@@ -55,7 +55,7 @@ struct ChunkWork {
     const ChunkDims d{L, K, V};
     chunk_cumsum(tm, d, G.data(), Glo.data());
     chunk_intra(tm, d, q.data(), k.data(), gates(), v.data(), beta.data(), A.data(), Aqk.data(), Minv.data(), W.data(),
-                Ut.data(), Qg.data(), Kd.data(), gC.data());
+                Ut.data(), Qg.data(), Kd.data(), gC.data(), Y.data());
   }
 };
 

@@ -154,6 +154,11 @@ struct BlockTeam {
                        Prior<float> prior = Prior<float>{}, const float* kscale = nullptr) const {
     warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale, bf16);
   }
+  __device__ float pair_exp(float x) const { return bf16 ? __expf(x) : expf(x); }
+  __device__ void gemm_fp32(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
+                            Prior<float> prior = Prior<float>{}, const float* kscale = nullptr) const {
+    warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale, false);
+  }
 };
 
 // The sequences of a call: rows of the batch, or the segments of cu_seqlens. Values of cu_seqlens
@@ -260,6 +265,7 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
   const ChunkSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K, z.V);
   T* sA = sm.end;                   // [kChunk, kChunk]
   T* sMinv = sA + kChunk * kChunk;  // [kChunk, kChunk]
+  T* sY = sMinv + kChunk * kChunk;  // [intra_scratch(K)]
   const int64_t slot = blockIdx.x, hv = blockIdx.y;
   int64_t t0;
   int L;
@@ -271,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
   chunk_intra(tm, d, sm.q, sm.k, sm.gates(), sm.v, sm.beta, out.A != nullptr ? out.A + row * kChunk : sA,
               out.Aqk + row * kChunk, out.Minv != nullptr ? out.Minv + row * kChunk : sMinv,
               out.W + row * z.K, out.Ut + row * z.V, out.Qg + row * z.K, out.Kd + row * z.K,
-              out.gC + (hv * sq_.slots + slot) * z.K);
+              out.gC + (hv * sq_.slots + slot) * z.K, sY);
 }
 
 // Copy a rows x cols block (leading dim ld) into dense shared memory.
@@ -767,7 +773,8 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool
                    ws(rows * p.K), ws(rows * p.V), ws(rows * p.K), ws(rows * p.K),
                    ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K))};
   if (l.seqs.slots == 0) return out;
-  const size_t smem = ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * 2 * kChunk * kChunk;
+  const size_t smem =
+      ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + intra_scratch(static_cast<int>(p.K)));
   set_smem(intra_kernel<float>, smem);
   intra_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
       l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, p.bf16_products}, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
