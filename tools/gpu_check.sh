@@ -7,9 +7,10 @@
 #   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [bench|bench-quick] ...
 #   (default: build test sanitize demo train bench; ep needs two or more GPUs)
 #
-# Environment: KDA_DSA_OPS_COMMIT (commit id recorded in the results when .git is absent),
-# TEST_ARGS (extra pytest arguments), SANITIZE (scripts for compute-sanitizer, default
-# tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only), FLA_CASES (the KDA
+# Environment: KDA_DSA_OPS_COMMIT (the commit id the results record; pass it: a copied tree's
+# .git can name an older commit than the files that run), TEST_ARGS (extra pytest arguments,
+# split at spaces: a -k expression must be one word), SANITIZE (scripts for compute-sanitizer,
+# default tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only), FLA_CASES (the KDA
 # cases timed beside fla: its first calls autotune for ~4 minutes per shape),
 # MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline) are
 # installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
