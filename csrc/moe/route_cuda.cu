@@ -48,8 +48,7 @@ __device__ __forceinline__ float score_of(float x, SoftmaxStats st) {
   return kFn == ScoreFn::kSigmoid ? rcp_ftz(1.f + exp2_ftz(-kLog2e * x)) : exp2_ftz(kLog2e * (x - st.max)) * st.inv_sum;
 }
 
-// The scores of one token: lane l holds experts l, l + 32, ... in s (slots past E: -inf for
-// sigmoid, 0 for softmax).
+// The scores of one token: lane l holds experts l, l + 32, ... in s (slots past E: 0).
 template <typename T, int kPerLane, ScoreFn kFn>
 __device__ __forceinline__ SoftmaxStats warp_scores(const T* logits, int E, float (&s)[kPerLane]) {
   const int lane = threadIdx.x % kWarpSize;
@@ -70,7 +69,7 @@ __device__ __forceinline__ SoftmaxStats warp_scores(const T* logits, int E, floa
   }
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
-    s[i] = i * kWarpSize + lane < E ? score_of<kFn>(s[i], st) : (kFn == ScoreFn::kSigmoid ? -INFINITY : 0.f);
+    s[i] = i * kWarpSize + lane < E ? score_of<kFn>(s[i], st) : 0.f;
   }
   return st;
 }
