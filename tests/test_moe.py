@@ -63,6 +63,27 @@ def test_route_matches_reference(seed, device, case, score_fn, renorm, with_bias
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, E, offset", [(torch.float32, 896, 0), (torch.float32, 896, 1),
+                                              (torch.bfloat16, 900, 0), (torch.float16, 136, 8)])
+@pytest.mark.parametrize("score_fn", ["sigmoid", "softmax"])
+def test_route_many_tokens(device, dtype, E, offset, score_fn):
+    """More tokens than the CUDA grid has warps (each warp walks several tokens through its two
+    row buffers), rows copied in bulk (16-byte aligned) and by the lanes (misaligned storage, or
+    rows of a length that breaks the alignment): the same picks as the float64 reference."""
+    torch.manual_seed(E + offset)
+    T, k = 9000, 16
+    rows = torch.stack([torch.randperm(E) for _ in range(T)]).to(F64) * (8.0 / E) - 4.0
+    storage = torch.empty(T * E + offset, dtype=dtype, device=device)
+    logits = storage[offset:].view(T, E)
+    logits.copy_(rows.to(dtype))
+    bias = integer_bias(E, device)
+    w, ids = K.moe_route(logits, k, bias, score_fn)
+    w_ref, ids_ref = R.moe_route(logits.cpu().to(F64), bias.cpu(), k, score_fn)
+    assert torch.equal(ids.cpu(), ids_ref)
+    assert_close(w, w_ref, torch.float32, "weights")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [5, 40])
 def test_route_bwd_repeated_and_many_choices(device, k):
     """moe_route_bwd on ids given directly, sigmoid scores: an expert chosen twice gets the sum of

@@ -16,6 +16,8 @@ def main():
     logits = torch.randn(T, E, device=dev, requires_grad=True)
     w, ids = K.moe_route(logits, k, torch.randn(E, device=dev))
     torch.autograd.grad(w.sum(), logits)
+    for dtype, E_ in ((torch.float32, 64), (torch.bfloat16, 96)):  # rows copied in bulk, warps walking many tokens
+        K.moe_route(torch.randn(40000, E_, device=dev, dtype=dtype), 8, torch.randn(E_, device=dev))
     fallback = torch.topk(torch.randn(T, E, device=dev), 6, dim=-1).indices.int()
     x = torch.randn(T, 40, device=dev, dtype=torch.bfloat16, requires_grad=True)
     for capacity, policy in ((None, "drop_probs"), (5, "drop_probs"), (5, "drop_position"), (4, "reroute")):

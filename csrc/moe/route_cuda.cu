@@ -1,17 +1,19 @@
-// moe_route on CUDA. One warp per token: lane l holds the scores of experts l, l+32, ...
-// (kPerLane of them) in registers. Selection (ties to the lower index, NaN keys last): the
-// k-th largest of the 32 lane maxima bounds the k-th largest key from below, so only keys at or
-// above it can be chosen; those few candidates are sorted as (key, index) pairs by one warp
-// bitonic sort. When k > 32 or too many keys tie at the bound, k rounds of a warp arg-max
-// select instead. The chosen scores are recomputed from their logits, renormalised and scaled.
-// The backward recomputes the scores the same way: for softmax scores every expert's, for
-// sigmoid scores (each depending on its own logit alone) only the chosen ones, written with the
-// zeros of the rest in one pass.
+// moe_route on CUDA. One warp per token, its row staged in shared memory: lane l holds the
+// keys (score + bias) of kPerLane experts in registers, in 16-byte vectors. Selection (ties to
+// the lower index, NaN keys last): the k-th largest of the 32 lane maxima bounds the k-th
+// largest key from below, so only keys at or above it can be chosen; those few candidates are
+// sorted as (key, index) pairs by one warp bitonic sort. When k > 32 or too many keys tie at the
+// bound, k rounds of a warp arg-max select instead. The chosen scores are recomputed from their
+// logits, renormalised and scaled. The backward recomputes the scores the same way: for softmax
+// scores every expert's, for sigmoid scores (each depending on its own logit alone) only the
+// chosen ones, written with the zeros of the rest in one pass.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
+#include "common/hopper.cuh"
 #include "moe/moe.h"
 
+#include <algorithm>
 #include <limits>
 #include <type_traits>
 
@@ -46,6 +48,13 @@ __device__ __forceinline__ float rcp_ftz(float x) {
 template <ScoreFn kFn>
 __device__ __forceinline__ float score_of(float x, SoftmaxStats st) {
   return kFn == ScoreFn::kSigmoid ? rcp_ftz(1.f + exp2_ftz(-kLog2e * x)) : exp2_ftz(kLog2e * (x - st.max)) * st.inv_sum;
+}
+
+// The selection key of one slot: score plus bias, the sum kept apart from the score's product
+// (no fused multiply-add) so that every recomputation of a key gives the same bits.
+template <ScoreFn kFn>
+__device__ __forceinline__ float key_of(float x, float bias, SoftmaxStats st) {
+  return __fadd_rn(score_of<kFn>(x, st), bias);
 }
 
 // The scores of one token: lane l holds experts l, l + 32, ... in s (slots past E: 0).
@@ -113,37 +122,23 @@ __device__ __forceinline__ void warp_sort64_ascending(uint64_t& lo, uint64_t& hi
   }
 }
 
-// Selection keys of one token: score + bias, -inf for NaN and for slots past E (the fast
-// selection takes only keys above -inf; select_by_rounds tells the slots past E apart).
-// Sigmoid scores need no row statistics: one pass, each slot's bounds check made once.
-template <typename T, int kPerLane, ScoreFn kFn>
-__device__ __forceinline__ SoftmaxStats warp_keys(const T* row, const float* bias, int E, float (&key)[kPerLane]) {
-  const int lane = threadIdx.x % kWarpSize;
-  SoftmaxStats st;
-  if constexpr (kFn == ScoreFn::kSoftmax) st = warp_scores<T, kPerLane, kFn>(row, E, key);
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = i * kWarpSize + lane;
-    const bool valid = e < E;
-    const float score = kFn == ScoreFn::kSigmoid ? score_of<kFn>(valid ? to_float(row[e]) : 0.f, st) : key[i];
-    key[i] = valid ? fmaxf(score + (bias != nullptr ? bias[e] : 0.f), -INFINITY) : -INFINITY;  // NaN -> -inf
-  }
-  return st;
-}
-
-// k rounds of a warp arg-max over the token's keys (recomputed here: the rare path keeps its
-// registers out of the common one); ids[j] receives the j-th pick (any k <= E).
+// k rounds of a warp arg-max over the token's keys (score + bias, NaN ranking last), computed
+// here so that the rare path keeps its registers out of the common one; ids[j] receives the
+// j-th pick (any k <= E). The row may be in shared or global memory.
 template <typename T, int kPerLane, ScoreFn kFn>
 __device__ __noinline__ void select_by_rounds(const T* row, const float* bias, int E, int k, int* __restrict__ ids) {
   const int lane = threadIdx.x % kWarpSize;
   float key[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) key[i] = -INFINITY;
-  warp_keys<T, kPerLane, kFn>(row, bias, E, key);
-  uint64_t taken = 0;
+  warp_scores<T, kPerLane, kFn>(row, E, key);
+  uint64_t taken = 0;  // slots past E are never picked
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
-    if (i * kWarpSize + lane >= E) taken |= 1ull << i;
+    const int e = i * kWarpSize + lane;
+    if (e < E) {
+      key[i] = fmaxf(__fadd_rn(key[i], bias != nullptr ? bias[e] : 0.f), -INFINITY);  // NaN -> -inf
+    } else {
+      taken |= 1ull << i;
+    }
   }
   for (int j = 0; j < k; ++j) {
     float best = -INFINITY;
@@ -171,41 +166,101 @@ __device__ __noinline__ void select_by_rounds(const T* row, const float* bias, i
   }
 }
 
-// Up to 32 keys per lane the kernel is held to 80 registers (6 blocks, 24 warps per SM), measured
-// 8% faster than at 128 registers and 16 warps; more keys per lane keep their registers.
-template <typename T, int kPerLane, ScoreFn kFn>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 6 : 1) route_kernel(
-    const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, bool renorm, float scale,
-    float* __restrict__ weights, int* __restrict__ ids) {
-  __shared__ int2 candidates[kWarpsPerBlock][kCandidates];
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int t = blockIdx.x * kWarpsPerBlock + warp;
-  if (t >= T_) return;
-  const T* row = logits + static_cast<int64_t>(t) * E;
-  float key[kPerLane];
-  const SoftmaxStats st = warp_keys<T, kPerLane, kFn>(row, bias, E, key);
-  float lane_max = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) lane_max = fmaxf(lane_max, key[i]);
-  int* id_out = ids + static_cast<int64_t>(t) * k;
-  float* w_out = weights + static_cast<int64_t>(t) * k;
+// The forward stages each token's row in shared memory. A warp owns two row buffers and, when
+// rows are 16-byte aligned, fetches its next token's row with one bulk copy while it selects for
+// the current one (otherwise its lanes copy the row first). Rows and the bias are padded with
+// -inf to whole groups of 16-byte vectors: a padded slot's key is -inf, so the key pass reads
+// vectors and checks no bounds.
+template <typename T, int kPerLane>
+struct StagedRow {
+  static constexpr int kVec = std::min<int>(16 / sizeof(T), kPerLane);  // slots per vector
+  static constexpr int kGroups = kPerLane / kVec;
+  // Slot i of a lane is expert (i / kVec * 32 + lane) * kVec + i % kVec.
+  __device__ static int expert(int i, int lane) { return (i / kVec * kWarpSize + lane) * kVec + i % kVec; }
+  __host__ __device__ static int groups(int E) { return static_cast<int>(ceil_div(E, kWarpSize * kVec)); }
+  __host__ __device__ static int padded(int E) { return groups(E) * kWarpSize * kVec; }
+  // Bytes of shared memory per block: the bias, two rows and the candidates per warp, two
+  // mbarriers per warp.
+  static size_t smem_bytes(int E) {
+    return padded(E) * (sizeof(float) + kWarpsPerBlock * 2 * sizeof(T)) +
+           kWarpsPerBlock * (kCandidates * sizeof(int2) + 2 * sizeof(uint64_t));
+  }
+};
 
-  bool selected = false;
-  int chosen = 0;  // lane j < k: the j-th pick
-  if (k <= kWarpSize) {
-    // Keys at or above the bound are finite, so none of them is a slot past E.
-    const float bound = __shfl_sync(0xffffffffu, warp_sort32<false>(lane_max), k - 1);
-    int count = 0;
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+
+// One token, its row staged in shared memory; writes the token's k weights and ids.
+template <typename T, int kPerLane, ScoreFn kFn>
+__device__ __forceinline__ void route_token(const T* row, const float* bias_s, const float* bias, int E, int k,
+                                            bool renorm, float scale, int2* cand, float* w_out, int* id_out) {
+  using Row = StagedRow<T, kPerLane>;
+  constexpr int kVec = Row::kVec;
+  using Mask = std::conditional_t<(kPerLane > 32), uint64_t, uint32_t>;
+  const int lane = threadIdx.x % kWarpSize, groups = Row::groups(E);
+  SoftmaxStats st;
+  if constexpr (kFn == ScoreFn::kSoftmax) {  // padded slots: exp2(-inf) = 0
+    float mx = -INFINITY, sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) count += key[i] >= bound;
+    for (int g = 0; g < Row::kGroups; ++g) {
+      if (g >= groups) continue;
+      const auto x = load_pack<T, kVec>(row + (g * kWarpSize + lane) * kVec);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) mx = fmaxf(mx, to_float(x.v[j]));
+    }
+    st.max = warp_reduce(mx, MaxOp{});
+#pragma unroll
+    for (int g = 0; g < Row::kGroups; ++g) {
+      if (g >= groups) continue;
+      const auto x = load_pack<T, kVec>(row + (g * kWarpSize + lane) * kVec);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sum += exp2_ftz(kLog2e * (to_float(x.v[j]) - st.max));
+    }
+    st.inv_sum = __frcp_rn(warp_reduce(sum, SumOp{}));
+  }
+  float key[kPerLane];  // slots of groups past `groups` are never read
+  float lane_max = -INFINITY;  // fmaxf passes over NaN keys: they never reach the candidates
+#pragma unroll
+  for (int g = 0; g < Row::kGroups; ++g) {
+    if (g >= groups) continue;
+    const auto x = load_pack<T, kVec>(row + (g * kWarpSize + lane) * kVec);
+    const auto b = load_pack<float, kVec>(bias_s + (g * kWarpSize + lane) * kVec);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      key[g * kVec + j] = key_of<kFn>(to_float(x.v[j]), b.v[j], st);
+      lane_max = fmaxf(lane_max, key[g * kVec + j]);
+    }
+  }
+  if (k <= kWarpSize) {
+    // Keys at or above the bound are not NaN and, when the bound is above -inf, not padding.
+    const float bound = __shfl_sync(0xffffffffu, warp_sort32<false>(lane_max), k - 1);
+    Mask mask = 0;
+#pragma unroll
+    for (int g = 0; g < Row::kGroups; ++g) {
+      if (g >= groups) continue;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        if (key[g * kVec + j] >= bound) mask |= Mask{1} << (g * kVec + j);
+      }
+    }
+    const int count = kPerLane > 32 ? __popcll(mask) : __popc(static_cast<uint32_t>(mask));
     const int inclusive = warp_inclusive_scan(count, SumOp{});
     const int total = __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
     if (bound > -INFINITY && total <= kCandidates) {
-      int2* cand = candidates[warp];
+      // Each candidate's key is recomputed from the row: the same operations give the same bits.
       int pos = inclusive - count;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        if (key[i] >= bound) cand[pos++] = make_int2(__float_as_int(key[i]), i * kWarpSize + lane);
+      while (mask != 0) {
+        const int i = kPerLane > 32 ? __ffsll(mask) - 1 : __ffs(static_cast<uint32_t>(mask)) - 1;
+        mask &= mask - 1;
+        const int e = Row::expert(i, lane);
+        cand[pos++] = make_int2(__float_as_int(key_of<kFn>(to_float(row[e]), bias_s[e], st)), e);
       }
       __syncwarp();
       auto sort_key = [&](int j) {
@@ -219,19 +274,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 6
         uint64_t hi = lane + kWarpSize < total ? sort_key(lane + kWarpSize) : ~0ull;
         warp_sort64_ascending(lo, hi);
       }
-      chosen = static_cast<int>(lo & 0xffffffffu);
-      selected = true;
+      const int chosen = static_cast<int>(lo & 0xffffffffu);
+      const float w = lane < k ? score_of<kFn>(to_float(row[chosen]), st) : 0.f;
+      const float sum = warp_reduce(w, SumOp{});
+      const float norm = renorm ? scale / (sum + static_cast<float>(kRenormEps)) : scale;
+      if (lane < k) {
+        id_out[lane] = chosen;
+        w_out[lane] = w * norm;
+      }
+      return;
     }
-  }
-  if (selected) {
-    const float w = lane < k ? score_of<kFn>(to_float(row[chosen]), st) : 0.f;
-    const float sum = warp_reduce(w, SumOp{});
-    const float norm = renorm ? scale / (sum + static_cast<float>(kRenormEps)) : scale;
-    if (lane < k) {
-      id_out[lane] = chosen;
-      w_out[lane] = w * norm;
-    }
-    return;
   }
   select_by_rounds<T, kPerLane, kFn>(row, bias, E, k, id_out);
   __syncwarp();
@@ -244,6 +296,67 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 6
   sum = warp_reduce(sum, SumOp{});
   const float norm = renorm ? scale / (sum + static_cast<float>(kRenormEps)) : scale;
   for (int j = lane; j < k; j += kWarpSize) w_out[j] *= norm;
+}
+
+// Warps walk tokens blockIdx.x * 4 + warp, then + gridDim.x * 4, ... (the grid fills the GPU
+// once). Up to 32 keys per lane the kernel is held to 80 registers (6 blocks, 24 warps per SM),
+// measured 8% faster than at 128 registers and 16 warps; more keys per lane keep their registers.
+template <typename T, int kPerLane, ScoreFn kFn>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 5 : 1) route_kernel(
+    const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, bool renorm, float scale,
+    bool bulk, float* __restrict__ weights, int* __restrict__ ids) {
+  using Row = StagedRow<T, kPerLane>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int padded = Row::padded(E);
+  float* bias_s = reinterpret_cast<float*>(smem);
+  T* all_rows = reinterpret_cast<T*>(bias_s + padded);
+  int2* all_cand = reinterpret_cast<int2*>(all_rows + kWarpsPerBlock * 2 * padded);
+  T* rows = all_rows + warp * 2 * padded;
+  int2* cand = all_cand + warp * kCandidates;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(all_cand + kWarpsPerBlock * kCandidates) + warp * 2;
+#ifndef KDA_SM90A_ENABLED
+  bulk = false;  // bulk copies and their mbarriers: sm_90a builds
+#endif
+  for (int i = threadIdx.x; i < padded; i += blockDim.x) {
+    bias_s[i] = i >= E ? -INFINITY : bias != nullptr ? bias[i] : 0.f;
+  }
+  for (int i = E + lane; i < padded; i += kWarpSize) rows[i] = rows[padded + i] = from_float<T>(-INFINITY);
+#ifdef KDA_SM90A_ENABLED
+  if (bulk && lane == 0) {
+    sm90::mbar_init(bars, 1);
+    sm90::mbar_init(bars + 1, 1);
+    sm90::mbar_init_fence();
+  }
+#endif
+  __syncthreads();
+  const int stride = gridDim.x * kWarpsPerBlock;
+  const auto fetch = [&](int t, int s) {
+#ifdef KDA_SM90A_ENABLED
+    const uint32_t bytes = static_cast<uint32_t>(E * sizeof(T));
+    sm90::mbar_arrive_expect_tx(bars + s, bytes);
+    sm90::bulk_load(rows + s * padded, logits + static_cast<int64_t>(t) * E, bytes, bars + s);
+#endif
+  };
+  int t = blockIdx.x * kWarpsPerBlock + warp;
+  if (bulk && lane == 0 && t < T_) fetch(t, 0);
+  for (int iter = 0; t < T_; t += stride, ++iter) {
+    const int s = iter & 1;
+    T* row = rows + s * padded;
+    if (bulk) {
+      if (lane == 0 && t + stride < T_) fetch(t + stride, s ^ 1);  // its buffer was read last token
+#ifdef KDA_SM90A_ENABLED
+      sm90::mbar_wait(bars + s, (iter >> 1) & 1);
+#endif
+    } else {
+      const T* src = logits + static_cast<int64_t>(t) * E;
+      for (int i = lane; i < E; i += kWarpSize) row[i] = src[i];
+      __syncwarp();
+    }
+    route_token<T, kPerLane, kFn>(row, bias_s, bias, E, k, renorm, scale, cand, weights + static_cast<int64_t>(t) * k,
+                                  ids + static_cast<int64_t>(t) * k);
+    __syncwarp();  // every lane is done with the row and the candidates before they are rewritten
+  }
 }
 
 // Per warp, shared memory holds the token's scores and their gradients ([2, E] floats), so
@@ -385,14 +498,20 @@ std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits_in, const
   at::Tensor ids = at::empty({T, k}, logits.options().dtype(at::kInt));
   if (T == 0) return {weights, ids};
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid(ceil_div(T, kWarpsPerBlock));
   KDA_DISPATCH_CUDA_FLOATING(logits.scalar_type(), "moe_route", [&] {
     dispatch_per_lane(E, [&](auto per_lane) {
       constexpr int kPerLane = decltype(per_lane)::value;
+      const bool bulk = E * sizeof(scalar_t) % 16 == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+      const size_t smem = StagedRow<scalar_t, kPerLane>::smem_bytes(static_cast<int>(E));
       const auto launch = [&](auto kernel) {
-        kernel<<<grid, kWarpsPerBlock * kWarpSize, 0, stream>>>(
+        set_smem(kernel, smem);
+        int blocks_per_sm = 0;
+        C10_CUDA_CHECK(
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kWarpsPerBlock * kWarpSize, smem));
+        const int64_t fill = static_cast<int64_t>(std::max(blocks_per_sm, 1)) * num_sms(logits.get_device());
+        kernel<<<std::min(ceil_div(T, kWarpsPerBlock), fill), kWarpsPerBlock * kWarpSize, smem, stream>>>(
             static_cast<const scalar_t*>(logits.data_ptr()), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
-            k, renorm, static_cast<float>(scale), weights.data_ptr<float>(), ids.data_ptr<int>());
+            k, renorm, static_cast<float>(scale), bulk, weights.data_ptr<float>(), ids.data_ptr<int>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (fn == ScoreFn::kSigmoid) {
