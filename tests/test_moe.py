@@ -292,6 +292,23 @@ def test_grouped_mm_matches_torch_grouped_mm(dtype, transposed_b):
     assert_close(wgrad, torch._grouped_mm(a.t(), dy, offs=offs), dtype, "wgrad vs torch._grouped_mm")
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not IS_HOPPER, reason="the CUDA grouped GEMM needs sm_90")
+def test_grouped_mm_wgrad_many_tiles_uneven_experts():
+    """Several output tiles per cluster and experts of very different lengths (including empty
+    ones and lengths not a multiple of 64): the CUDA wgrad starts each tile's reduction at a
+    slice given by its cluster's schedule, which must still sum every row of its expert once."""
+    torch.manual_seed(0)
+    counts = torch.randint(0, 700, (48,))
+    counts[::7] = 0
+    counts[3] = 2500
+    a, _, offs = gemm_case(counts.tolist(), 512, 512, torch.bfloat16, "cuda", tail=9)
+    dy = torch.randn(a.shape[0], 512, device="cuda").to(torch.bfloat16)
+    out = K.grouped_mm_wgrad(a, dy, offs)
+    assert_close(out, R.grouped_mm_wgrad(a.cpu().to(F64), dy.cpu().to(F64), offs.cpu()), torch.bfloat16, "wgrad")
+    assert torch.equal(out, K.grouped_mm_wgrad(a, dy, offs))  # the same order on every run
+
+
 # ---- no host synchronisation, opcheck, torch.compile -------------------------------------------
 
 @pytest.mark.cuda
