@@ -295,9 +295,9 @@ def test_grouped_mm_matches_torch_grouped_mm(dtype, transposed_b):
 @pytest.mark.cuda
 @pytest.mark.skipif(not IS_HOPPER, reason="the CUDA grouped GEMM needs sm_90")
 def test_grouped_mm_wgrad_many_tiles_uneven_experts():
-    """Several output tiles per cluster and experts of very different lengths (including empty
-    ones and lengths not a multiple of 64): the CUDA wgrad starts each tile's reduction at a
-    slice given by its cluster's schedule, which must still sum every row of its expert once."""
+    """Several output tile pairs per cluster (the persistent walk over experts) and experts of
+    very different lengths, empty ones and lengths not a multiple of 64 among them; the same
+    bits on a second run."""
     torch.manual_seed(0)
     counts = torch.randint(0, 700, (48,))
     counts[::7] = 0

@@ -20,8 +20,6 @@
 // (wgrad runs 3 stages to make room). Either way the producer already streams the next tile.
 // In wgrad the last reduction slice of an expert can reach into the next expert's rows: the
 // consumers zero those rows first.
-// A wgrad tile's reduction starts at a slice set by its cluster's place in the schedule and
-// wraps around (first_slice), so that tiles of one expert running together read the same rows.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
@@ -139,26 +137,6 @@ __device__ __forceinline__ Tile decode_tile(const GemmParams& p, const int* tile
   return t;
 }
 
-// wgrad: which reduction slice a tile runs at its step ks. A cluster's `clock` counts the slices
-// (plus a fixed allowance per tile for its epilogue) it ran before the tile; the tile starts at
-// slice clock % k_steps and wraps around. Tiles of one expert that run at the same time then
-// read the same rows of a and dy whatever time they started at (a tile started later joins at
-// the rows the others are reading), so those rows come from L2 once per wave; started all at
-// slice 0, the tiles of a long expert on clusters that began it at different times read rows
-// thousands apart and each streamed them from DRAM. With equal loads every clock is a multiple of
-// k_steps and nothing changes. The order depends only on offs and the grid, so it is the same on
-// every run. The forward's tiles all have K / 64 slices: they start together anyway.
-constexpr int kTileClockSlices = 2;
-
-template <GemmMode kMode>
-__device__ __forceinline__ int first_slice(const Tile& t, int clock) {
-  return kMode == GemmMode::kWgrad && t.k_steps > 0 ? clock % t.k_steps : 0;
-}
-
-__device__ __forceinline__ int slice_at(int ks, int first, int k_steps) {
-  return ks + first < k_steps ? ks + first : ks + first - k_steps;
-}
-
 // Loads one reduction slice of an operand made of `kChunks` equal boxes into `dst`. A shared
 // operand is split between the two CTAs of the cluster, each multicasting its half to both.
 template <int kChunks, int kChunkBytes, typename Load, typename Multicast>
@@ -236,7 +214,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
     if (threadIdx.x == Tr::kConsumers * 128) {
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
-      int stage = 0, clock = 0;
+      int stage = 0;
       uint32_t phase = 0;
       for (int pair = cluster; pair < pairs; pair += clusters) {
         const Tile t = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank));
@@ -244,14 +222,12 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
         const bool same_expert = t.expert == peer.expert;
         const bool share_a = t.m0 == peer.m0 && (kMode != GemmMode::kWgrad || same_expert);
         const bool share_b = same_expert && t.n0 == peer.n0;
-        const int first = first_slice<kMode>(t, clock);
-        clock += t.k_steps + kTileClockSlices;
         for (int ks = 0; ks < t.k_steps; ++ks) {
           mbar_wait(empty + stage, phase ^ 1);
           uint8_t* sa = smem + stage * Tr::kStageBytes;
           uint8_t* sb = sa + Tr::kABytes;
           uint64_t* bar = full + stage;
-          const int r = t.r0 + slice_at(ks, first, t.k_steps) * Tr::kBK;
+          const int r = t.r0 + ks * Tr::kBK;
           mbar_arrive_expect_tx(bar, Tr::kStageBytes);
           if constexpr (kMode == GemmMode::kWgrad) {
             load_operand<2, Tr::kChunkBytes>(
@@ -305,12 +281,10 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   }
 
   float acc[128];
-  int stage = 0, clock = 0;
+  int stage = 0;
   uint32_t phase = 0;
   for (int pair = cluster; pair < pairs; pair += clusters) {
     const Tile t = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank));
-    const int first = first_slice<kMode>(t, clock);
-    clock += t.k_steps + kTileClockSlices;
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     int previous = -1;
@@ -319,7 +293,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
       uint8_t* sa = smem + stage * Tr::kStageBytes;
       uint8_t* sb = sa + Tr::kABytes;
       if constexpr (kMode == GemmMode::kWgrad) {
-        const int valid = t.r_end - (t.r0 + slice_at(ks, first, t.k_steps) * Tr::kBK);
+        const int valid = t.r_end - (t.r0 + ks * Tr::kBK);
         if (valid < Tr::kBK) zero_stage_tail(sa, valid, consumer_thread);
       }
       const uint32_t a_base = smem_addr(sa) + warpgroup * Tr::kChunkBytes;
