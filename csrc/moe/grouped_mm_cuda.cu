@@ -20,6 +20,8 @@
 // (wgrad runs 3 stages to make room). Either way the producer already streams the next tile.
 // In wgrad the last reduction slice of an expert can reach into the next expert's rows: the
 // consumers zero those rows first.
+// A wgrad tile's reduction starts at a slice set by its cluster's place in the schedule and
+// wraps around (first_slice), so that tiles of one expert running together read the same rows.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
@@ -53,9 +55,12 @@ struct GemmTraits {
   static constexpr int kAlign = 1024;                        // 128B-swizzle atoms repeat every 1 KB
   static constexpr int kBarrierBytes = 2 * kMaxStages * 8;
 
-  // wgrad gives up a stage for the 64 KB output tile its TMA-store epilogue stages.
+  // wgrad gives up a stage for the 64 KB output tile its TMA-store epilogue stages; the forward
+  // stages its output 64 columns at a time, one 8 KB box per consumer warpgroup.
   static constexpr int stages(GemmMode mode) { return mode == GemmMode::kWgrad ? 3 : 4; }
-  static constexpr int epilogue_bytes(GemmMode mode) { return mode == GemmMode::kWgrad ? kBM * kBN * 2 : 0; }
+  static constexpr int epilogue_bytes(GemmMode mode) {
+    return mode == GemmMode::kWgrad ? kBM * kBN * 2 : kConsumers * kChunkBytes;
+  }
   static constexpr size_t smem_bytes(GemmMode mode, int tile_prefix_entries) {
     return kAlign + stages(mode) * kStageBytes + epilogue_bytes(mode) + kBarrierBytes +
            static_cast<size_t>(tile_prefix_entries) * 4;
@@ -137,6 +142,26 @@ __device__ __forceinline__ Tile decode_tile(const GemmParams& p, const int* tile
   return t;
 }
 
+// wgrad: which reduction slice a tile runs at its step ks. A cluster's `clock` counts the slices
+// (plus an allowance per tile for its epilogue) it ran before the tile; the tile starts at slice
+// clock % k_steps and wraps around. If tiles took exactly their slices' worth of time, tiles of
+// one expert running at the same time would then read the same rows of a and dy whenever they
+// started (one started later joins at the rows the others are reading), so those rows would come
+// from L2 once per wave; all starting at slice 0, the tiles of a long expert on clusters that
+// began it at different times read rows thousands apart, each from DRAM. Real tile times vary,
+// so the alignment is partial (bench/NOTES.md). With equal loads all clusters keep the same
+// clock. The order depends only on offs and the grid: the same on every run.
+constexpr int kTileClockSlices = 2;
+
+template <GemmMode kMode>
+__device__ __forceinline__ int first_slice(const Tile& t, int clock) {
+  return kMode == GemmMode::kWgrad && t.k_steps > 0 ? clock % t.k_steps : 0;
+}
+
+__device__ __forceinline__ int slice_at(int ks, int first, int k_steps) {
+  return ks + first < k_steps ? ks + first : ks + first - k_steps;
+}
+
 // Loads one reduction slice of an operand made of `kChunks` equal boxes into `dst`. A shared
 // operand is split between the two CTAs of the cluster, each multicasting its half to both.
 template <int kChunks, int kChunkBytes, typename Load, typename Multicast>
@@ -187,7 +212,8 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   constexpr uint16_t kBothCtas = 0b11;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((Tr::kAlign - (smem_addr(smem_raw) & (Tr::kAlign - 1))) & (Tr::kAlign - 1));
-  uint8_t* staging = smem + kStages * Tr::kStageBytes;  // wgrad epilogue: [2 warpgroups][4 boxes][64][64]
+  // Epilogue staging, 128B-swizzled 64 x 64 boxes: wgrad [2 warpgroups][4 boxes], forward [2 warpgroups].
+  uint8_t* staging = smem + kStages * Tr::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tr::epilogue_bytes(kMode));
   uint64_t* empty = full + kStages;
   int* tile_prefix = reinterpret_cast<int*>(full + Tr::kMaxStages * 2);
@@ -214,7 +240,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
     if (threadIdx.x == Tr::kConsumers * 128) {
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
-      int stage = 0;
+      int stage = 0, clock = 0;
       uint32_t phase = 0;
       for (int pair = cluster; pair < pairs; pair += clusters) {
         const Tile t = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank));
@@ -222,12 +248,14 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
         const bool same_expert = t.expert == peer.expert;
         const bool share_a = t.m0 == peer.m0 && (kMode != GemmMode::kWgrad || same_expert);
         const bool share_b = same_expert && t.n0 == peer.n0;
+        const int first = first_slice<kMode>(t, clock);
+        clock += t.k_steps + kTileClockSlices;
         for (int ks = 0; ks < t.k_steps; ++ks) {
           mbar_wait(empty + stage, phase ^ 1);
           uint8_t* sa = smem + stage * Tr::kStageBytes;
           uint8_t* sb = sa + Tr::kABytes;
           uint64_t* bar = full + stage;
-          const int r = t.r0 + ks * Tr::kBK;
+          const int r = t.r0 + slice_at(ks, first, t.k_steps) * Tr::kBK;
           mbar_arrive_expect_tx(bar, Tr::kStageBytes);
           if constexpr (kMode == GemmMode::kWgrad) {
             load_operand<2, Tr::kChunkBytes>(
@@ -281,10 +309,12 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   }
 
   float acc[128];
-  int stage = 0;
+  int stage = 0, clock = 0;
   uint32_t phase = 0;
   for (int pair = cluster; pair < pairs; pair += clusters) {
     const Tile t = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank));
+    const int first = first_slice<kMode>(t, clock);
+    clock += t.k_steps + kTileClockSlices;
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     int previous = -1;
@@ -293,7 +323,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
       uint8_t* sa = smem + stage * Tr::kStageBytes;
       uint8_t* sb = sa + Tr::kABytes;
       if constexpr (kMode == GemmMode::kWgrad) {
-        const int valid = t.r_end - (t.r0 + ks * Tr::kBK);
+        const int valid = t.r_end - (t.r0 + slice_at(ks, first, t.k_steps) * Tr::kBK);
         if (valid < Tr::kBK) zero_stage_tail(sa, valid, consumer_thread);
       }
       const uint32_t a_base = smem_addr(sa) + warpgroup * Tr::kChunkBytes;
@@ -350,18 +380,33 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
         tma_store_commit();
       }
     } else {
-      const int row0 = t.m0 + warpgroup * 64 + warp * 16 + lane / 4;
+      // 64 columns at a time through this warpgroup's box: the fragments go in as 4-byte pairs,
+      // then each thread moves whole 16-byte pieces of rows (a warp writes four full 128-byte
+      // row segments per store, where storing the pairs straight from registers touched eight
+      // rows with 16 bytes each), masked to the expert's rows and to N.
+      uint8_t* box = staging + warpgroup * Tr::kChunkBytes;
+      const int consumer = threadIdx.x % 128;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row0 + half * 8;
-        if (row >= t.m_end) continue;
-        T* out_row = out + static_cast<int64_t>(row) * p.N;
+      for (int sub = 0; sub < 4; ++sub) {
+        named_barrier_sync(2 + warpgroup, 128);  // the previous box's pieces are read
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int col = t.n0 + j * 8 + (lane % 4) * 2;
-          if (col < p.N) {
-            *reinterpret_cast<uint32_t*>(out_row + col) =
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + lane / 4 + half * 8;
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            const int j = sub * 8 + q;
+            *reinterpret_cast<uint32_t*>(box + r * 128 + ((q ^ (r % 8)) * 16) + (lane % 4) * 4) =
                 pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
+        }
+        named_barrier_sync(2 + warpgroup, 128);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int piece = consumer + i * 128, r = piece / 8, q = piece % 8;
+          const int row = t.m0 + warpgroup * 64 + r, col = t.n0 + sub * 64 + q * 8;
+          if (row < t.m_end && col < p.N) {
+            *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * p.N + col) =
+                *reinterpret_cast<const uint4*>(box + r * 128 + ((q ^ (r % 8)) * 16));
           }
         }
       }
