@@ -14,14 +14,15 @@
 // shared-memory tiles (48 KB a stage), and two consumer warpgroups, each holding a 64 x 256 fp32
 // accumulator in registers and issuing wgmma m64n256k16. A stage is refilled once the consumers
 // of both CTAs have released it (full/empty mbarriers, the empty ones cluster-wide). The forward
-// epilogue writes 16-bit pairs straight from registers, masked to the expert's rows and to N;
-// the wgrad epilogue (whose output, E x K x N, can outweigh its inputs) goes through a swizzled
-// shared-memory tile and TMA stores, so it costs the consumers only the shared-memory writes
-// (wgrad runs 3 stages to make room). Either way the producer already streams the next tile.
+// epilogue stages 64 output columns at a time in a swizzled shared-memory box per warpgroup and
+// stores whole 16-byte row pieces from it, masked to the expert's rows and to N; the wgrad
+// epilogue (whose output, E x K x N, can outweigh its inputs) stages the whole tile and leaves
+// it to TMA stores, so it costs the consumers only the shared-memory writes (wgrad runs 3
+// stages to make room). Either way the producer already streams the next tile.
 // In wgrad the last reduction slice of an expert can reach into the next expert's rows: the
-// consumers zero those rows first.
-// A wgrad tile's reduction starts at a slice set by its cluster's place in the schedule and
-// wraps around (first_slice), so that tiles of one expert running together read the same rows.
+// consumers zero those rows first. A wgrad tile's reduction starts at a slice set by its
+// cluster's place in the schedule and wraps around (first_slice), so that tiles of one expert
+// running together tend to read the same rows.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
