@@ -7,9 +7,9 @@
 //
 // Tiling: a persistent grid of 2-CTA clusters walks 128 x 256 output tiles two at a time
 // (forward: expert by expert, the 128-row tiles of an expert innermost so its weight tile stays
-// in L2; wgrad: expert, K tile, N tile). The two tiles of a pair usually share an operand (the
-// same weight columns, or the same rows of a): each CTA then loads half of it and multicasts it
-// to both, halving that operand's L2 traffic. Each CTA has one producer warpgroup whose single
+// in L2; wgrad: expert, N tile, K tile). The two tiles of a pair usually share an operand (the
+// same weight columns in the forward, the same dy columns in wgrad): each CTA then loads half of
+// it and multicasts it to both, halving that operand's L2 traffic. Each CTA has one producer warpgroup whose single
 // thread issues the TMA loads of 64-deep reduction slices into a 4-stage ring of 128B-swizzled
 // shared-memory tiles (48 KB a stage), and two consumer warpgroups, each holding a 64 x 256 fp32
 // accumulator in registers and issuing wgmma m64n256k16. A stage is refilled once the consumers
@@ -114,9 +114,12 @@ __device__ __forceinline__ Tile decode_tile(const GemmParams& p, const int* tile
     const int per_expert = p.k_row_tiles * p.n_tiles;
     t.expert = tile / per_expert;
     const int rem = tile - t.expert * per_expert;
-    t.m0 = (rem / p.n_tiles) * Tr::kBM;
+    // K tiles innermost: a pair (two K tiles of one N tile) shares its dy slice, 32 of the 48 KB
+    // a stage holds (N tiles innermost shared the 16 KB a^T slice); the tiles running together
+    // span all of K but a few N tiles, the smaller set of columns of a and dy per row.
+    t.m0 = (rem % p.k_row_tiles) * Tr::kBM;
     t.m_end = p.K;
-    t.n0 = (rem % p.n_tiles) * Tr::kBN;
+    t.n0 = (rem / p.k_row_tiles) * Tr::kBN;
     t.r0 = __ldg(p.bounds + t.expert);
     t.r_end = __ldg(p.bounds + t.expert + 1);
   } else {
