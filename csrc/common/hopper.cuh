@@ -133,9 +133,11 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
 
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-// Waits until this thread's committed stores have finished reading shared memory.
+// Waits until at most the kPending most recent of this thread's committed store groups are still
+// reading shared memory.
+template <int kPending = 0>
 __device__ __forceinline__ void tma_store_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
 
 // Waits until this thread's committed stores are complete.

@@ -16,9 +16,10 @@
 // of both CTAs have released it (full/empty mbarriers, the empty ones cluster-wide). The forward
 // epilogue stages 64 output columns at a time in a swizzled shared-memory box per warpgroup and
 // stores whole 16-byte row pieces from it, masked to the expert's rows and to N; the wgrad
-// epilogue (whose output, E x K x N, can outweigh its inputs) stages the whole tile and leaves
-// it to TMA stores, so it costs the consumers only the shared-memory writes (wgrad runs 3
-// stages to make room). Either way the producer already streams the next tile.
+// epilogue (whose output, E x K x N, can outweigh its inputs) stages 64 columns at a time in two
+// boxes per warpgroup taken in turn and leaves them to TMA stores, so it costs the consumers
+// little more than the shared-memory writes. Either way the producer already streams the next
+// tile.
 // In wgrad the last reduction slice of an expert can reach into the next expert's rows: the
 // consumers zero those rows first. A wgrad tile's reduction starts at a slice set by its
 // cluster's place in the schedule and wraps around (first_slice), so that tiles of one expert
@@ -56,11 +57,11 @@ struct GemmTraits {
   static constexpr int kAlign = 1024;                        // 128B-swizzle atoms repeat every 1 KB
   static constexpr int kBarrierBytes = 2 * kMaxStages * 8;
 
-  // wgrad gives up a stage for the 64 KB output tile its TMA-store epilogue stages; the forward
-  // stages its output 64 columns at a time, one 8 KB box per consumer warpgroup.
-  static constexpr int stages(GemmMode mode) { return mode == GemmMode::kWgrad ? 3 : 4; }
+  // Epilogue staging per consumer warpgroup: the forward one 8 KB box (64 output columns), wgrad
+  // two that its TMA stores read in turn.
+  static constexpr int stages(GemmMode) { return kMaxStages; }
   static constexpr int epilogue_bytes(GemmMode mode) {
-    return mode == GemmMode::kWgrad ? kBM * kBN * 2 : kConsumers * kChunkBytes;
+    return kConsumers * (mode == GemmMode::kWgrad ? 2 : 1) * kChunkBytes;
   }
   static constexpr size_t smem_bytes(GemmMode mode, int tile_prefix_entries) {
     return kAlign + stages(mode) * kStageBytes + epilogue_bytes(mode) + kBarrierBytes +
@@ -216,7 +217,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   constexpr uint16_t kBothCtas = 0b11;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((Tr::kAlign - (smem_addr(smem_raw) & (Tr::kAlign - 1))) & (Tr::kAlign - 1));
-  // Epilogue staging, 128B-swizzled 64 x 64 boxes: wgrad [2 warpgroups][4 boxes], forward [2 warpgroups].
+  // Epilogue staging, 128B-swizzled 64 x 64 boxes: wgrad [2 warpgroups][2 boxes], forward [2 warpgroups].
   uint8_t* staging = smem + kStages * Tr::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tr::epilogue_bytes(kMode));
   uint64_t* empty = full + kStages;
@@ -360,28 +361,30 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
 
     // Epilogue: this thread's rows are m0 + 64*warpgroup + 16*warp + lane/4 (+8).
     if constexpr (kMode == GemmMode::kWgrad) {
-      // Into this warpgroup's four 64 x 64 boxes, 128B-swizzled as the TMA store expects them.
+      // 64 columns at a time into this warpgroup's two 64 x 64 boxes in turn, 128B-swizzled as
+      // the TMA store expects them; a box is rewritten once the store of two boxes ago has read it.
       const bool leader = threadIdx.x % 128 == 0;
-      uint8_t* boxes = staging + warpgroup * 4 * Tr::kChunkBytes;
-      if (leader) tma_store_wait_read();  // the previous tile's stores are done reading
-      named_barrier_sync(2 + warpgroup, 128);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = warp * 16 + lane / 4 + half * 8;
+      for (int c = 0; c < 4; ++c) {
+        uint8_t* box = staging + (warpgroup * 2 + c % 2) * Tr::kChunkBytes;
+        if (leader) tma_store_wait_read<1>();
+        named_barrier_sync(2 + warpgroup, 128);
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int byte = (j % 8) * 16 + (lane % 4) * 4;  // within the box's 128-byte row
-          uint8_t* dst = boxes + (j / 8) * Tr::kChunkBytes + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
-          *reinterpret_cast<uint32_t*>(dst) = pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + lane / 4 + half * 8;
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            const int j = c * 8 + q;
+            *reinterpret_cast<uint32_t*>(box + r * 128 + ((q ^ (r % 8)) * 16) + (lane % 4) * 4) =
+                pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
         }
-      }
-      fence_proxy_async();
-      named_barrier_sync(2 + warpgroup, 128);
-      if (leader) {
-        for (int c = 0; c < 4; ++c) {
-          tma_store_3d(&map_out, boxes + c * Tr::kChunkBytes, t.n0 + 64 * c, t.m0 + 64 * warpgroup, t.expert);
+        fence_proxy_async();
+        named_barrier_sync(2 + warpgroup, 128);
+        if (leader) {
+          tma_store_3d(&map_out, box, t.n0 + 64 * c, t.m0 + 64 * warpgroup, t.expert);
+          tma_store_commit();
         }
-        tma_store_commit();
       }
     } else {
       // 64 columns at a time through this warpgroup's box: the fragments go in as 4-byte pairs,
