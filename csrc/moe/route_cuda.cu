@@ -299,8 +299,8 @@ __device__ __forceinline__ void route_token(const T* row, const float* bias_s, c
 }
 
 // Warps walk tokens blockIdx.x * 4 + warp, then + gridDim.x * 4, ... (the grid fills the GPU
-// once). Up to 32 keys per lane the kernel is held to 80 registers (6 blocks, 24 warps per SM),
-// measured 8% faster than at 128 registers and 16 warps; more keys per lane keep their registers.
+// once). Up to 32 keys per lane the kernel is held to 96 registers (5 blocks, 20 warps per SM; at
+// 80 the keys spilled); more keys per lane keep their registers.
 template <typename T, int kPerLane, ScoreFn kFn>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 5 : 1) route_kernel(
     const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, bool renorm, float scale,
