@@ -9,10 +9,10 @@
 // (forward: expert by expert, the 128-row tiles of an expert innermost so its weight tile stays
 // in L2; wgrad: expert, N tile, K tile). The two tiles of a pair usually share an operand (the
 // same weight columns in the forward, the same dy columns in wgrad): each CTA then loads half of
-// it and multicasts it to both, halving that operand's L2 traffic. Each CTA has one producer warpgroup whose single
-// thread issues the TMA loads of 64-deep reduction slices into a 4-stage ring of 128B-swizzled
-// shared-memory tiles (48 KB a stage), and two consumer warpgroups, each holding a 64 x 256 fp32
-// accumulator in registers and issuing wgmma m64n256k16. A stage is refilled once the consumers
+// it and multicasts it to both, halving that operand's L2 traffic. Each CTA has one producer
+// warpgroup whose single thread issues the TMA loads of 64-deep reduction slices into a 4-stage
+// ring of 128B-swizzled shared-memory tiles (48 KB a stage), and two consumer warpgroups, each
+// holding a 64 x 256 fp32 accumulator in registers and issuing wgmma m64n256k16. A stage is refilled once the consumers
 // of both CTAs have released it (full/empty mbarriers, the empty ones cluster-wide). The forward
 // epilogue stages 64 output columns at a time in a swizzled shared-memory box per warpgroup and
 // stores whole 16-byte row pieces from it, masked to the expert's rows and to N; the wgrad
@@ -44,7 +44,7 @@ enum class GemmMode {
 
 struct GemmTraits {
   static constexpr int kBM = 128, kBN = 256, kBK = 64;
-  static constexpr int kMaxStages = 4;
+  static constexpr int kStages = 4;
   static constexpr int kConsumers = 2;                      // warpgroups of 64 output rows
   static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
   static constexpr int kClusterSize = 2;
@@ -55,16 +55,15 @@ struct GemmTraits {
   static constexpr int kMaxExperts = 4096;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static constexpr int kAlign = 1024;                        // 128B-swizzle atoms repeat every 1 KB
-  static constexpr int kBarrierBytes = 2 * kMaxStages * 8;
+  static constexpr int kBarrierBytes = 2 * kStages * 8;
 
   // Epilogue staging per consumer warpgroup: the forward one 8 KB box (64 output columns), wgrad
   // two that its TMA stores read in turn.
-  static constexpr int stages(GemmMode) { return kMaxStages; }
   static constexpr int epilogue_bytes(GemmMode mode) {
     return kConsumers * (mode == GemmMode::kWgrad ? 2 : 1) * kChunkBytes;
   }
   static constexpr size_t smem_bytes(GemmMode mode, int tile_prefix_entries) {
-    return kAlign + stages(mode) * kStageBytes + epilogue_bytes(mode) + kBarrierBytes +
+    return kAlign + kStages * kStageBytes + epilogue_bytes(mode) + kBarrierBytes +
            static_cast<size_t>(tile_prefix_entries) * 4;
   }
 };
@@ -189,6 +188,25 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
          (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&h)) << 16);
 }
 
+// Byte offset of 16-byte piece q of row r in a 128B-swizzled 64 x 64 box of 16-bit values.
+__device__ __forceinline__ int box_offset(int r, int q) { return r * 128 + ((q ^ (r % 8)) * 16); }
+
+// This thread's accumulator columns [64 c, 64 c + 64) of its rows (16 warp + lane / 4, + 8) into
+// a box, as 16-bit pairs; c must be a compile-time constant after unrolling.
+template <typename T>
+__device__ __forceinline__ void stage_box(uint8_t* box, const float (&acc)[128], int c, int warp, int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + lane / 4 + half * 8;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const int j = c * 8 + q;
+      *reinterpret_cast<uint32_t*>(box + box_offset(r, q) + (lane % 4) * 4) =
+          pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    }
+  }
+}
+
 // Rows [valid, 64) of every 64-row box of a wgrad stage belong to the next expert (or past M):
 // zero them in both operands so they add nothing, then publish the writes to the async proxy.
 __device__ __forceinline__ void zero_stage_tail(uint8_t* stage, int valid, int consumer_thread) {
@@ -211,7 +229,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
                         const __grid_constant__ CUtensorMap map_b, const __grid_constant__ CUtensorMap map_out) {
 #ifdef KDA_SM90A_ENABLED
   using Tr = GemmTraits;
-  constexpr int kStages = Tr::stages(kMode);
+  constexpr int kStages = Tr::kStages;
   constexpr int kTransA = kMode == GemmMode::kWgrad ? 1 : 0;
   constexpr int kTransB = kMode == GemmMode::kForwardNK ? 0 : 1;
   constexpr uint16_t kBothCtas = 0b11;
@@ -221,7 +239,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   uint8_t* staging = smem + kStages * Tr::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tr::epilogue_bytes(kMode));
   uint64_t* empty = full + kStages;
-  int* tile_prefix = reinterpret_cast<int*>(full + Tr::kMaxStages * 2);
+  int* tile_prefix = reinterpret_cast<int*>(full + kStages * 2);
 
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = cluster_cta_rank();
@@ -369,16 +387,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
         uint8_t* box = staging + (warpgroup * 2 + c % 2) * Tr::kChunkBytes;
         if (leader) tma_store_wait_read<1>();
         named_barrier_sync(2 + warpgroup, 128);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = warp * 16 + lane / 4 + half * 8;
-#pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            const int j = c * 8 + q;
-            *reinterpret_cast<uint32_t*>(box + r * 128 + ((q ^ (r % 8)) * 16) + (lane % 4) * 4) =
-                pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-          }
-        }
+        stage_box<T>(box, acc, c, warp, lane);
         fence_proxy_async();
         named_barrier_sync(2 + warpgroup, 128);
         if (leader) {
@@ -396,16 +405,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
 #pragma unroll
       for (int sub = 0; sub < 4; ++sub) {
         named_barrier_sync(2 + warpgroup, 128);  // the previous box's pieces are read
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = warp * 16 + lane / 4 + half * 8;
-#pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            const int j = sub * 8 + q;
-            *reinterpret_cast<uint32_t*>(box + r * 128 + ((q ^ (r % 8)) * 16) + (lane % 4) * 4) =
-                pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-          }
-        }
+        stage_box<T>(box, acc, sub, warp, lane);
         named_barrier_sync(2 + warpgroup, 128);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
           const int row = t.m0 + warpgroup * 64 + r, col = t.n0 + sub * 64 + q * 8;
           if (row < t.m_end && col < p.N) {
             *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * p.N + col) =
-                *reinterpret_cast<const uint4*>(box + r * 128 + ((q ^ (r % 8)) * 16));
+                *reinterpret_cast<const uint4*>(box + box_offset(r, q));
           }
         }
       }
