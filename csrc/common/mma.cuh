@@ -112,6 +112,14 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(__cvta_generic_to_global(src))
                : "memory");
 }
+// 16 bytes global -> shared asynchronously, or 16 zero bytes where src is nullptr.
+__device__ __forceinline__ void cp_async_16_or_zero(void* dst, const void* src) {
+  if (src != nullptr) {
+    cp_async_16(dst, src);
+  } else {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most kPending of this thread's committed groups are still in flight.
 template <int kPending>
@@ -132,11 +140,7 @@ __device__ __forceinline__ void gather_rows(T* dst, int ld, int rows, int width,
   for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
     const int r = i / chunks, c = i % chunks * 8;
     const T* row = src(r);
-    if (row != nullptr && c < width) {
-      cp_async_16(dst + r * ld + c, row + c);
-    } else {
-      *reinterpret_cast<uint4*>(dst + r * ld + c) = make_uint4(0, 0, 0, 0);
-    }
+    cp_async_16_or_zero(dst + r * ld + c, row != nullptr && c < width ? row + c : nullptr);
   }
 }
 

@@ -100,12 +100,26 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
                                            bool use_qk_l2norm, bool bf16_products) {
   const Problem p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
-  const Inputs in = prepare(q, k, v, g, beta, initial_state, use_qk_l2norm);
   const auto acc = accumulation_type(q);
-  at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, q.options().dtype(acc));
   at::Tensor final_state =
       output_final_state ? at::empty({p.N, p.HV, p.K, p.V}, q.options().dtype(acc)) : at::empty({0}, q.options().dtype(acc));
   at::Tensor ht = output_final_state ? final_state : at::Tensor();
+#ifdef KDA_DSA_OPS_WITH_CUDA
+  if (bf16_fwd_supported(p, q)) {
+    // 16-byte aligned rows for the kernel's bulk copies (a view may start anywhere).
+    const auto aligned = [](const at::Tensor& x) {
+      at::Tensor c = x.contiguous();
+      return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+    };
+    const Inputs raw{aligned(q), aligned(k), aligned(v), aligned(g), beta.contiguous(),
+                     initial_state.has_value() ? initial_state->contiguous() : at::Tensor()};
+    at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, q.options());
+    fwd_cuda_bf16(p, raw, use_qk_l2norm, o, ht);
+    return {o, final_state};
+  }
+#endif
+  const Inputs in = prepare(q, k, v, g, beta, initial_state, use_qk_l2norm);
+  at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, q.options().dtype(acc));
 #ifdef KDA_DSA_OPS_WITH_CUDA
   (q.is_cuda() ? fwd_cuda : fwd_cpu)(p, in, o, ht);
 #else

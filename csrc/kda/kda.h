@@ -37,6 +37,11 @@ void bwd_cpu(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const
              Grads& grads);
 #ifdef KDA_DSA_OPS_WITH_CUDA
 void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& final_state);
+// The bf16 forward: bf16-product mode on CUDA with bf16 / fp16 q, k, v and K, V in {64, 128}. It
+// takes the op's inputs as given (contiguous, 16-byte aligned, not normalised; g and beta float32
+// or q's dtype) and writes o [B,T,HV,V] in q's dtype.
+bool bf16_fwd_supported(const Problem& p, const at::Tensor& q);
+void fwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, at::Tensor& o, at::Tensor& final_state);
 void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
               Grads& grads);
 #endif

@@ -216,7 +216,8 @@ struct Seqs {
 template <typename T>
 struct Intra {
   T *A, *Minv;  // nullptr in the forward, which keeps them in shared memory
-  T *Aqk, *W, *Ut, *Qg, *Kd, *gC;
+  T *Aqk, *W, *Ut, *Qg, *Kd;
+  float* gC;
 };
 
 template <typename T>
@@ -278,6 +279,425 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
               out.Aqk + row * kChunk, out.Minv != nullptr ? out.Minv + row * kChunk : sMinv,
               out.W + row * z.K, out.Ut + row * z.V, out.Qg + row * z.K, out.Kd + row * z.K,
               out.gC + (hv * sq_.slots + slot) * z.K, sY);
+}
+
+// Two adjacent elements (an even column) from fp32.
+__device__ __forceinline__ void store_pair(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <typename T>
+__device__ __forceinline__ void store_pair(T* p, float a, float b) {
+  *reinterpret_cast<uint32_t*>(p) = mma::pack2<T>(a, b);
+}
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* p) {
+  return make_float2(to_float(p[0]), to_float(p[1]));
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The op's inputs as given (contiguous, 16-byte aligned): q, k [B,T,H,K], v [B,T,HV,V] of T;
+// g [B,T,HV,K] and beta [B,T,HV] float or T.
+template <typename T>
+struct RawIn {
+  const T *q, *k, *v;
+  const void *g, *beta;
+  bool g_f32, beta_f32, l2norm;
+};
+
+// One butterfly step of warp_sum_transposed: the lanes whose bit m is set keep v[m, 2m), the
+// others v[0, m), each adding its partner's half.
+template <int kM>
+__device__ __forceinline__ void butterfly_step(float (&v)[32], bool up) {
+#pragma unroll
+  for (int i = 0; i < kM; ++i) {
+    const float send = up ? v[i] : v[i + kM], keep = up ? v[i + kM] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kM);
+  }
+}
+// 32 per-lane values v[i] summed over the warp: lane l returns the sum of v[l] (the values halve
+// each step: 31 shuffles instead of 32 x 5).
+__device__ __forceinline__ float warp_sum_transposed(float (&v)[32]) {
+  const int lane = threadIdx.x % 32;
+  butterfly_step<16>(v, lane & 16);
+  butterfly_step<8>(v, lane & 8);
+  butterfly_step<4>(v, lane & 4);
+  butterfly_step<2>(v, lane & 2);
+  butterfly_step<1>(v, lane & 1);
+  return v[0];
+}
+
+// The forward's intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64
+// or 128), in bf16 for the bf16 state pass: one block of 8 warps per (chunk, value head), two
+// blocks per SM. It reads the op's inputs as they are: the casts, the q / k L2 normalisation
+// and the cumsum of g (plain fp32, scaled by log2 e so that every exp is one ex2) happen here.
+//   diagonal 16 x 16 blocks of A, Aqk   one exp per pair (t, s <= t) and channel; a warp takes the
+//                                       rows p and 15 - p of a block (17 pairs), a lane K/32
+//                                       channels, and one butterfly sums the 32 terms per row
+//   blocks left of the diagonal         mma.sync of k_t exp(G_t - G_r), q_t exp(G_t - G_r) with
+//                                       k_s exp(G_r - G_s) (r the block's first row), the operands
+//                                       made as the fragments are loaded; a warp per 16 x 16 block
+//   Minv = (I + diag(beta) A)^-1        diagonal blocks by substitution (a lane per column, the
+//                                       column in registers), then two doubling steps in fp32:
+//                                       M10 = -D1 Ab10 D0 (and M32), M[2:4, 0:2] = -M22 Ab M11
+//   W = Minv diag(beta) k exp(G), Ut = Minv diag(beta) v   mma.sync with Minv diag(beta) in bf16
+template <int kK>
+struct IntraBf16 {
+  static constexpr int kThreads = 256;
+  static constexpr int kLdK = kK + 8;                // 16-bit rows of q, k (then k exp(G))
+  static constexpr int kLdV = kMaxHeadDim + 8;       // 16-bit rows of v
+  static constexpr int kLdG = kK + 4;                // fp32 rows of G
+  static constexpr int kLdA = kChunk + 4;            // fp32 rows of A and Minv
+  static constexpr int kLdM = kChunk + 8;            // bf16 rows of Minv diag(beta)
+  static constexpr size_t kGBytes = 4 * kChunk * kLdG;
+  static constexpr size_t kInvBytes = 4 * kChunk * kLdA + 2 * kChunk * kLdM + 4 * 32 * 32;
+  static constexpr size_t kRegion = kGBytes > kInvBytes ? kGBytes : kInvBytes;  // G, later Minv
+  static constexpr size_t bytes() {
+    return 2 * (2 * kChunk * kLdK + kChunk * kLdV) + kRegion + 4 * (kChunk * kLdA + 3 * kChunk + 256);
+  }
+  static_assert(kK == 64 || kK == 128, "K 64 or 128");
+};
+
+template <int kK, typename T>
+__global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
+    intra_bf16_kernel(Seqs sq_, int64_t H, int64_t HV, int V, RawIn<T> in, Intra<__nv_bfloat16> out) {
+  using bf16 = __nv_bfloat16;
+  using Z = IntraBf16<kK>;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int kLdK = Z::kLdK, kLdG = Z::kLdG, kLdA = Z::kLdA;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sq = reinterpret_cast<T*>(smem_raw);
+  T* sk = sq + kChunk * kLdK;
+  T* sv = sk + kChunk * kLdK;
+  unsigned char* region = reinterpret_cast<unsigned char*>(sv + kChunk * Z::kLdV);
+  float* sG = reinterpret_cast<float*>(region);
+  float* sMinv = sG;  // once G is spent
+  bf16* sMb = reinterpret_cast<bf16*>(sMinv + kChunk * kLdA);
+  float* sP = reinterpret_cast<float*>(sMb + kChunk * Z::kLdM);
+  float* sA = reinterpret_cast<float*>(region + Z::kRegion);
+  float* sbeta = sA + kChunk * kLdA;
+  float* srq = sbeta + kChunk;
+  float* srk = srq + kChunk;
+  float* spart = srk + kChunk;
+
+  const int64_t slot = blockIdx.x, hv = blockIdx.y;
+  int64_t t0;
+  int L;
+  if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
+  const int64_t h = hv / (HV / H), row0 = hv * sq_.tokens + t0;  // workspace row of step 0
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32, g8 = lane / 4, q4 = lane % 4;
+
+  // Loads; rows from L on are zero (g too: G stays at its last value).
+  for (int i = tid; i < kChunk * (kK / 8); i += Z::kThreads) {
+    const int t = i / (kK / 8), c = i % (kK / 8) * 8;
+    const int64_t src = ((t0 + t) * H + h) * kK + c;
+    mma::cp_async_16_or_zero(sq + t * kLdK + c, t < L ? in.q + src : nullptr);
+    mma::cp_async_16_or_zero(sk + t * kLdK + c, t < L ? in.k + src : nullptr);
+  }
+  for (int i = tid; i < kChunk * (V / 8); i += Z::kThreads) {
+    const int t = i / (V / 8), c = i % (V / 8) * 8;
+    mma::cp_async_16_or_zero(sv + t * Z::kLdV + c, t < L ? in.v + ((t0 + t) * HV + hv) * V + c : nullptr);
+  }
+  if (in.g_f32) {
+    const float* g = static_cast<const float*>(in.g);
+    for (int i = tid; i < kChunk * (kK / 4); i += Z::kThreads) {
+      const int t = i / (kK / 4), c = i % (kK / 4) * 4;
+      mma::cp_async_16_or_zero(sG + t * kLdG + c, t < L ? g + ((t0 + t) * HV + hv) * kK + c : nullptr);
+    }
+  } else {
+    const T* g = static_cast<const T*>(in.g);
+    for (int i = tid; i < kChunk * kK; i += Z::kThreads) {
+      const int t = i / kK, c = i % kK;
+      sG[t * kLdG + c] = t < L ? to_float(g[((t0 + t) * HV + hv) * kK + c]) : 0.f;
+    }
+  }
+  if (tid < kChunk) {
+    const int64_t e = (t0 + tid) * HV + hv;
+    sbeta[tid] = tid >= L ? 0.f
+                 : in.beta_f32 ? static_cast<const float*>(in.beta)[e]
+                               : to_float(static_cast<const T*>(in.beta)[e]);
+  }
+  mma::cp_async_wait_all();
+  __syncthreads();
+
+  // 1 / |q_t|, 1 / |k_t| (ones without normalisation); G = log2(e) cumsum(g) by parts of rows.
+  for (int task = warp; task < 2 * kChunk; task += Z::kThreads / 32) {
+    const T* x = (task < kChunk ? sq : sk) + (task % kChunk) * kLdK;
+    float ss = 0.f;
+    for (int c = lane; c < kK; c += 32) ss += to_float(x[c]) * to_float(x[c]);
+    ss = warp_reduce(ss, SumOp{});
+    if (lane == 0) (task < kChunk ? srq : srk)[task % kChunk] = in.l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
+  }
+  {
+    constexpr int kParts = Z::kThreads / kK, kRows = kChunk / kParts;
+    const int c = tid % kK, part = tid / kK;
+    float x[kRows];
+    float run = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      run += sG[(part * kRows + i) * kLdG + c];
+      x[i] = run;
+    }
+    spart[part * kK + c] = run;
+    __syncthreads();
+    float base = 0.f;
+    for (int p = 0; p < part; ++p) base += spart[p * kK + c];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) sG[(part * kRows + i) * kLdG + c] = (base + x[i]) * kLog2e;
+  }
+  __syncthreads();
+
+  // Blocks left of the diagonal: warp w < 6 takes block (b, j) of A and Aqk, r = 16 b.
+  if (warp < 6) {
+    const int b = warp < 1 ? 1 : warp < 3 ? 2 : 3, j = warp < 1 ? 0 : warp < 3 ? warp - 1 : warp - 3, r = 16 * b;
+    float accA[2][4] = {}, accQ[2][4] = {};
+    for (int kk = 0; kk < kK / 16; ++kk) {
+      uint32_t ak[4], aq[4], bk[2][2];
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {  // channels c, c + 1 with c = 16 kk + 2 q4 + 8 cc
+        const int c = 16 * kk + 2 * q4 + 8 * cc;
+        const float2 gr = *reinterpret_cast<const float2*>(sG + r * kLdG + c);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {  // rows t = r + g8 + 8 hh
+          const int t = r + g8 + 8 * hh;
+          const float2 gt = *reinterpret_cast<const float2*>(sG + t * kLdG + c);
+          const float e0 = exp2_approx(gt.x - gr.x), e1 = exp2_approx(gt.y - gr.y);
+          const float2 kt = load_pair(sk + t * kLdK + c), qt = load_pair(sq + t * kLdK + c);
+          const float fk = srk[t], fq = srq[t];
+          ak[hh + 2 * cc] = mma::pack2<bf16>(kt.x * fk * e0, kt.y * fk * e1);
+          aq[hh + 2 * cc] = mma::pack2<bf16>(qt.x * fq * e0, qt.y * fq * e1);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {  // key rows s = 16 j + 8 n + g8
+          const int s = 16 * j + 8 * n + g8;
+          const float2 gs = *reinterpret_cast<const float2*>(sG + s * kLdG + c);
+          const float2 ks = load_pair(sk + s * kLdK + c);
+          const float fk = srk[s];
+          bk[n][cc] = mma::pack2<bf16>(ks.x * fk * exp2_approx(gr.x - gs.x), ks.y * fk * exp2_approx(gr.y - gs.y));
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        mma::mma_16816<bf16>(accA[n], ak, bk[n][0], bk[n][1]);
+        mma::mma_16816<bf16>(accQ[n], aq, bk[n][0], bk[n][1]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int t = r + g8 + 8 * hh, s = 16 * j + 8 * n + 2 * q4;
+        sA[t * kLdA + s] = accA[n][2 * hh];
+        sA[t * kLdA + s + 1] = accA[n][2 * hh + 1];
+        if (t < L) store_pair(out.Aqk + (row0 + t) * kChunk + s, accQ[n][2 * hh], accQ[n][2 * hh + 1]);
+      }
+    }
+  }
+  // Diagonal blocks: 32 tasks (block bb, rows 16 bb + p and 16 bb + 15 - p).
+  for (int task = warp; task < 32; task += Z::kThreads / 32) {
+    constexpr int kC = kK / 32;  // channels per lane
+    const int b0 = task / 8 * 16, p = task % 8, c0 = lane * kC;
+    float k1[kC], q1[kC], G1[kC], k2[kC], q2[kC], G2[kC];
+    const int t1 = b0 + p, t2 = b0 + 15 - p;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      k1[c] = to_float(sk[t1 * kLdK + c0 + c]) * srk[t1];
+      q1[c] = to_float(sq[t1 * kLdK + c0 + c]) * srq[t1];
+      G1[c] = sG[t1 * kLdG + c0 + c];
+      k2[c] = to_float(sk[t2 * kLdK + c0 + c]) * srk[t2];
+      q2[c] = to_float(sq[t2 * kLdK + c0 + c]) * srq[t2];
+      G2[c] = sG[t2 * kLdG + c0 + c];
+    }
+    float v1[32], v2[32];  // [s]: A_ts, [16 + s]: Aqk_ts, for t = t1 and t2
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v1[i] = v2[i] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 16; ++s) {
+      if (s > 15 - p) continue;  // s <= 15 - p covers s <= p (p < 8)
+      float ks[kC], Gs[kC];
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        ks[c] = to_float(sk[(b0 + s) * kLdK + c0 + c]) * srk[b0 + s];
+        Gs[c] = sG[(b0 + s) * kLdG + c0 + c];
+      }
+      if (s <= p) {
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          const float e = exp2_approx(G1[c] - Gs[c]) * ks[c];
+          v1[s] += k1[c] * e;
+          v1[16 + s] += q1[c] * e;
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        const float e = exp2_approx(G2[c] - Gs[c]) * ks[c];
+        v2[s] += k2[c] * e;
+        v2[16 + s] += q2[c] * e;
+      }
+    }
+    const float a1 = warp_sum_transposed(v1), a2 = warp_sum_transposed(v2);
+    const int s = lane % 16;
+    if (lane < 16) {
+      sA[t1 * kLdA + b0 + s] = s < p ? a1 : 0.f;
+      sA[t2 * kLdA + b0 + s] = s < 15 - p ? a2 : 0.f;
+    } else {
+      if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = __float2bfloat16_rn(s <= p ? a1 : 0.f);
+      if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = __float2bfloat16_rn(s <= 15 - p ? a2 : 0.f);
+    }
+  }
+  // Aqk is zero right of the diagonal blocks.
+  for (int i = tid; i < kChunk * kChunk / 2; i += Z::kThreads) {
+    const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
+    if (t < L && s >= (t / 16 + 1) * 16) store_pair(out.Aqk + (row0 + t) * kChunk + s, 0.f, 0.f);
+  }
+  __syncthreads();
+
+  // Elementwise: Qg = q exp(G), Kd = k exp(G_last - G) out, k exp(G) over k (bf16), gC = exp(G_last).
+  const float* Gl = sG + (L - 1) * kLdG;
+  for (int i = tid; i < kChunk * (kK / 8); i += Z::kThreads) {
+    const int t = i / (kK / 8), c = i % (kK / 8) * 8;
+    const float fq = srq[t], fk = srk[t];
+    uint32_t qg[4], kd[4], ke[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const float2 qx = load_pair(sq + t * kLdK + c + e), kx = load_pair(sk + t * kLdK + c + e);
+      const float2 gt = *reinterpret_cast<const float2*>(sG + t * kLdG + c + e);
+      const float2 gl = *reinterpret_cast<const float2*>(Gl + c + e);
+      const float x0 = exp2_approx(gt.x), x1 = exp2_approx(gt.y);
+      qg[e / 2] = mma::pack2<bf16>(qx.x * fq * x0, qx.y * fq * x1);
+      ke[e / 2] = mma::pack2<bf16>(kx.x * fk * x0, kx.y * fk * x1);
+      kd[e / 2] = mma::pack2<bf16>(kx.x * fk * exp2_approx(gl.x - gt.x), kx.y * fk * exp2_approx(gl.y - gt.y));
+    }
+    *reinterpret_cast<uint4*>(sk + t * kLdK + c) = make_uint4(ke[0], ke[1], ke[2], ke[3]);
+    if (t < L) {
+      *reinterpret_cast<uint4*>(out.Qg + (row0 + t) * kK + c) = make_uint4(qg[0], qg[1], qg[2], qg[3]);
+      *reinterpret_cast<uint4*>(out.Kd + (row0 + t) * kK + c) = make_uint4(kd[0], kd[1], kd[2], kd[3]);
+    }
+  }
+  if (tid < kK) out.gC[(hv * sq_.slots + slot) * kK + tid] = exp2_approx(Gl[tid]);
+  if constexpr (!std::is_same_v<T, bf16>) {  // v to bf16 in place, the operand of Ut
+    for (int i = tid; i < kChunk * (V / 2); i += Z::kThreads) {
+      const int t = i / (V / 2), c = i % (V / 2) * 2;
+      const float2 x = load_pair(sv + t * Z::kLdV + c);
+      store_pair(reinterpret_cast<bf16*>(sv) + t * Z::kLdV + c, x.x, x.y);
+    }
+  }
+  __syncthreads();
+
+  // The inverse. Diagonal blocks D_b: lane s of warp b < 4 solves column s; warps 4..7 zero the
+  // blocks above the diagonal.
+  if (warp < 4) {
+    if (lane < 16) {
+      const int b0 = 16 * warp, s = lane;
+      float x[16];
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        float acc = 0.f;
+#pragma unroll
+        for (int u = 0; u < t; ++u) acc += sA[(b0 + t) * kLdA + b0 + u] * x[u];
+        x[t] = t < s ? 0.f : t == s ? 1.f : -sbeta[b0 + t] * acc;
+      }
+#pragma unroll
+      for (int t = 0; t < 16; ++t) sMinv[(b0 + t) * kLdA + b0 + s] = x[t];
+    }
+  } else {
+    for (int i = tid - 128; i < kChunk * kChunk; i += 128) {
+      const int t = i / kChunk, s = i % kChunk;
+      if (s / 16 > t / 16) sMinv[t * kLdA + s] = 0.f;
+    }
+  }
+  __syncthreads();
+  {  // M[b+1, b] = -D_{b+1} diag(beta) A[b+1, b] D_b for b = 0 and 2: first P = beta A D_b.
+    const int pr = tid / 128, i = tid % 128 / 8, j = tid % 8 * 2, r = 32 * pr + 16, c = 32 * pr;
+    float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      const float a = sA[(r + i) * kLdA + c + u];
+      p0 += a * sMinv[(c + u) * kLdA + c + j];
+      p1 += a * sMinv[(c + u) * kLdA + c + j + 1];
+    }
+    sP[pr * 256 + i * 16 + j] = sbeta[r + i] * p0;
+    sP[pr * 256 + i * 16 + j + 1] = sbeta[r + i] * p1;
+    __syncthreads();
+    float m0 = 0.f, m1 = 0.f;
+    for (int u = 0; u <= i; ++u) {
+      const float d = sMinv[(r + i) * kLdA + r + u];
+      m0 += d * sP[pr * 256 + u * 16 + j];
+      m1 += d * sP[pr * 256 + u * 16 + j + 1];
+    }
+    sMinv[(r + i) * kLdA + c + j] = -m0;
+    sMinv[(r + i) * kLdA + c + j + 1] = -m1;
+  }
+  __syncthreads();
+  {  // M[2:4, 0:2] = -M22 diag(beta) A[2:4, 0:2] M11 (32 x 32 blocks), P = beta A M11 first.
+    const int i = tid / 8, j = tid % 8 * 4;
+    float p[4] = {};
+#pragma unroll 8
+    for (int u = 0; u < 32; ++u) {
+      const float a = sA[(32 + i) * kLdA + u];
+      const float4 m = *reinterpret_cast<const float4*>(sMinv + u * kLdA + j);
+      p[0] += a * m.x;
+      p[1] += a * m.y;
+      p[2] += a * m.z;
+      p[3] += a * m.w;
+    }
+    const float fb = sbeta[32 + i];
+    *reinterpret_cast<float4*>(sP + i * 32 + j) = make_float4(fb * p[0], fb * p[1], fb * p[2], fb * p[3]);
+    __syncthreads();
+    float m[4] = {};
+    for (int u = 0; u <= i; ++u) {
+      const float d = sMinv[(32 + i) * kLdA + 32 + u];
+      const float4 x = *reinterpret_cast<const float4*>(sP + u * 32 + j);
+      m[0] += d * x.x;
+      m[1] += d * x.y;
+      m[2] += d * x.z;
+      m[3] += d * x.w;
+    }
+    *reinterpret_cast<float4*>(sMinv + (32 + i) * kLdA + j) = make_float4(-m[0], -m[1], -m[2], -m[3]);
+  }
+  __syncthreads();
+  for (int i = tid; i < kChunk * kChunk / 2; i += Z::kThreads) {  // Minv diag(beta) in bf16
+    const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
+    store_pair(sMb + t * Z::kLdM + s, s <= t ? sMinv[t * kLdA + s] * sbeta[s] : 0.f,
+               s + 1 <= t ? sMinv[t * kLdA + s + 1] * sbeta[s + 1] : 0.f);
+  }
+  __syncthreads();
+
+  // W = Mb (k exp(G)), Ut = Mb v: warp w takes rows 16 (w % 4).. and half of the columns.
+  const int rt = warp % 4, half = warp / 4;
+  const auto product = [&](const bf16* B, int ldb, int N, bf16* dst) {
+    float acc[8][4] = {};
+    const int n0 = half * N / 2;
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[4];
+      mma::load_a(a, sMb, Z::kLdM, 16 * rt, 16 * kk);
+#pragma unroll
+      for (int pp = 0; pp < 4; ++pp) {
+        if (pp < N / 32) {
+          uint32_t bb[4];
+          mma::load_b_kn(bb, B, ldb, n0 + 16 * pp, 16 * kk);
+          mma::mma_16816_x2<bf16>(acc[2 * pp], acc[2 * pp + 1], a, bb);
+        }
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      if (n < N / 16) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int t = 16 * rt + g8 + 8 * hh;
+          if (t < L) store_pair(dst + (row0 + t) * N + n0 + 8 * n + 2 * q4, acc[n][2 * hh], acc[n][2 * hh + 1]);
+        }
+      }
+    }
+  };
+  product(reinterpret_cast<const bf16*>(sk), kLdK, kK, out.W);
+  product(reinterpret_cast<const bf16*>(sv), Z::kLdV, V, out.Ut);
 }
 
 // Copy a rows x cols block (leading dim ld) into dense shared memory.
@@ -399,36 +819,49 @@ __global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> 
 // chunk_kda; K 64 or 128, V a multiple of 64): one block of 8 warps per (64-column value tile,
 // value head, sequence), like the generic state kernels, with the state (or its gradient) tile
 // [kK, 64] in fp32 registers: warp w holds rows 16 (w % kK/16).. and its share of the columns.
-// Per chunk the fp32 terms of kda_chunk.h, staged by cp.async while the previous chunk computes,
-// are rounded to bf16 tiles (ldmatrix-friendly rows), and the products run as m16n8k16 MMAs with
-// fp32 accumulation; [L, 64] results (U, O, dU) are split over the warps as 4 row tiles x 2
-// column halves. Rows of a short chunk beyond L are zero in every staged term.
-template <int kK>
+// The chunk's terms come from the intra kernels' workspaces (Ws): fp32 ones are staged by
+// cp.async while the previous chunk computes and rounded to one set of bf16 tiles
+// (ldmatrix-friendly rows); bf16 ones are copied straight into two sets of tiles used in turn.
+// The products run as m16n8k16 MMAs with fp32 accumulation; [L, 64] results (U, O, dU) are
+// split over the warps as 4 row tiles x 2 column halves. Rows of a short chunk beyond L are zero
+// in every staged term.
+template <int kK, typename Ws>
 struct Bf16State {
   using bf16 = __nv_bfloat16;
+  static constexpr bool kStaged = std::is_same_v<Ws, float>;  // fp32 terms, rounded per chunk
   static constexpr int kWarps = 8, kThreads = 32 * kWarps, kCols = kStateCols;
   static constexpr int kLdK = kK + 8;        // bf16 rows of W, Qg, Kd: an odd multiple of 16 bytes
   static constexpr int kLdC = kCols + 8;     // bf16 rows of the [*, 64] tiles (kChunk == kCols)
   static constexpr int kLdX = kCols + 4;     // fp32 staged rows of Ut / dO (no bank conflicts on reads)
   static constexpr int kRowTiles = kK / 16;  // 16-row tiles of the state
   static constexpr int kSTiles = kCols / 8 * kRowTiles / kWarps;  // 8-column tiles of the state per warp
-  static constexpr size_t kStageFloats = 3 * kChunk * kK + kChunk * kChunk + kChunk * kLdX;
-  static constexpr size_t kBf16 = 3 * kChunk * kLdK + kK * kLdC + 3 * kChunk * kLdC;
+  static constexpr int kSets = kStaged ? 1 : 2;
+  static constexpr size_t kStageFloats = kStaged ? 3 * kChunk * kK + kChunk * kChunk + kChunk * kLdX : 0;
+  static constexpr size_t kSetBf16 = 3 * kChunk * kLdK + 2 * kChunk * kLdC;
+  static constexpr size_t kBf16 = kSets * kSetBf16 + kK * kLdC + kChunk * kLdC;
   static constexpr size_t bytes() { return kStageFloats * sizeof(float) + kBf16 * sizeof(bf16); }
   static_assert(kChunk == kCols && kK % 64 == 0 && kSTiles % 2 == 0, "tile shapes");
 
-  // fp32 staging: W, Qg, Kd [kChunk, kK], Aqk [kChunk, kChunk], X (Ut or dO) [kChunk, kLdX];
-  // bf16 tiles: W, Qg, Kd, the state S [kK, 64], Aqk, X and the [L, 64] product U (or dU).
+  // A chunk's bf16 tiles: W, Qg, Kd [kChunk, kK], Aqk [kChunk, kChunk], X (Ut or dO) [kChunk, 64].
+  struct Tiles {
+    bf16 *W, *Q, *Kd, *A, *X;
+  };
+  // fp32 staging (kStaged): W, Qg, Kd [kChunk, kK], Aqk [kChunk, kChunk], X [kChunk, kLdX].
   float *stW, *stQ, *stKd, *stA, *stX;
-  bf16 *bW, *bQ, *bKd, *bS, *bA, *bX, *bU;
+  bf16 *sets, *bS, *bU;  // the tile sets; the state S [kK, 64] and the [L, 64] product U (or dU)
   int warp, g, q, rs, cs0, ru, cu0;
 
   __device__ explicit Bf16State(unsigned char* smem)
       : stW(reinterpret_cast<float*>(smem)), stQ(stW + kChunk * kK), stKd(stQ + kChunk * kK),
-        stA(stKd + kChunk * kK), stX(stA + kChunk * kChunk), bW(reinterpret_cast<bf16*>(stX + kChunk * kLdX)),
-        bQ(bW + kChunk * kLdK), bKd(bQ + kChunk * kLdK), bS(bKd + kChunk * kLdK), bA(bS + kK * kLdC),
-        bX(bA + kChunk * kLdC), bU(bX + kChunk * kLdC), warp(threadIdx.x / 32), g(threadIdx.x % 32 / 4),
-        q(threadIdx.x % 4), rs(warp % kRowTiles), cs0(warp / kRowTiles * kSTiles), ru(warp % 4), cu0(warp / 4 * 4) {}
+        stA(stKd + kChunk * kK), stX(stA + kChunk * kChunk),
+        sets(reinterpret_cast<bf16*>(smem + kStageFloats * sizeof(float))), bS(sets + kSets * kSetBf16),
+        bU(bS + kK * kLdC), warp(threadIdx.x / 32), g(threadIdx.x % 32 / 4), q(threadIdx.x % 4), rs(warp % kRowTiles),
+        cs0(warp / kRowTiles * kSTiles), ru(warp % 4), cu0(warp / 4 * 4) {}
+  // Tile set s (kStaged: the one set whatever s).
+  __device__ Tiles set(int s) const {
+    bf16* b = sets + (kStaged ? 0 : s) * kSetBf16;
+    return Tiles{b, b + kChunk * kLdK, b + 2 * kChunk * kLdK, b + 3 * kChunk * kLdK, b + 3 * kChunk * kLdK + kChunk * kLdC};
+  }
 
   // Element r of this thread's fragment j: state row / column, [L, 64] row / column.
   __device__ int srow(int r) const { return 16 * rs + g + 8 * (r / 2); }
@@ -453,30 +886,34 @@ struct Bf16State {
     }
   }
 
-  // The chunk at workspace row `row` (L steps) into the staging area; X's rows at x + t * ldx.
-  __device__ void stage(const Intra<float>& in, int64_t row, int L, const float* x, int64_t ldx) const {
-    const float* src[3] = {in.W + row * kK, in.Qg + row * kK, in.Kd + row * kK};
-    float* dst[3] = {stW, stQ, stKd};
+  // The chunk at workspace row `row` (L steps): into the staging area (kStaged) or into tile set
+  // s; X's rows (Ut or dO, 64 columns) at x + t * ldx.
+  __device__ void stage(const Intra<Ws>& in, int64_t row, int L, const Ws* x, int64_t ldx, int s) const {
+    constexpr int kVec = 16 / sizeof(Ws);  // elements per 16-byte copy
+    const Tiles d = set(s);
+    const Ws* src[3] = {in.W + row * kK, in.Qg + row * kK, in.Kd + row * kK};
+    const auto dst_k = [&](int m, int t, int c) -> void* {
+      if constexpr (kStaged) {
+        return (m == 0 ? stW : m == 1 ? stQ : stKd) + t * kK + c;
+      } else {
+        return (m == 0 ? d.W : m == 1 ? d.Q : d.Kd) + t * kLdK + c;
+      }
+    };
 #pragma unroll
     for (int m = 0; m < 3; ++m) {
-      for (int i = threadIdx.x; i < kChunk * (kK / 4); i += kThreads) {
-        const int t = i / (kK / 4), c = i % (kK / 4) * 4;
-        copy4(dst[m] + t * kK + c, t < L ? src[m] + t * kK + c : nullptr);
+      for (int i = threadIdx.x; i < kChunk * (kK / kVec); i += kThreads) {
+        const int t = i / (kK / kVec), c = i % (kK / kVec) * kVec;
+        mma::cp_async_16_or_zero(dst_k(m, t, c), t < L ? src[m] + t * kK + c : nullptr);
       }
     }
-    for (int i = threadIdx.x; i < kChunk * (kChunk / 4); i += kThreads) {
-      const int t = i / (kChunk / 4), c = i % (kChunk / 4) * 4;
-      copy4(stA + t * kChunk + c, t < L ? in.Aqk + (row + t) * kChunk + c : nullptr);
-      copy4(stX + t * kLdX + c, t < L ? x + t * ldx + c : nullptr);
+    for (int i = threadIdx.x; i < kChunk * (kChunk / kVec); i += kThreads) {
+      const int t = i / (kChunk / kVec), c = i % (kChunk / kVec) * kVec;
+      void* da = kStaged ? static_cast<void*>(stA + t * kChunk + c) : static_cast<void*>(d.A + t * kLdC + c);
+      void* dx = kStaged ? static_cast<void*>(stX + t * kLdX + c) : static_cast<void*>(d.X + t * kLdC + c);
+      mma::cp_async_16_or_zero(da, t < L ? in.Aqk + (row + t) * kChunk + c : nullptr);
+      mma::cp_async_16_or_zero(dx, t < L ? x + t * ldx + c : nullptr);
     }
     mma::cp_async_commit();
-  }
-  __device__ static void copy4(float* d, const float* s) {
-    if (s != nullptr) {
-      mma::cp_async_16(d, s);
-    } else {
-      *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
   }
 
   // rows x cols of fp32 (leading dim ld_src) times `factor` -> bf16 (leading dim ld_dst).
@@ -491,16 +928,17 @@ struct Bf16State {
       *reinterpret_cast<uint2*>(d + t * ld_dst + c) = packed;
     }
   }
-  // The staged terms as bf16 tiles; the intra kernel leaves Aqk's columns from L on unwritten:
-  // they are zeroed here.
+  // The staged terms (kStaged) as bf16 tiles; the fp32 intra kernel leaves Aqk's columns from L
+  // on unwritten: they are zeroed here.
   __device__ void round_chunk(int L, float w_factor, float q_factor, float a_factor) const {
-    round_tile(bW, kLdK, stW, kK, kChunk, kK, w_factor);
-    round_tile(bQ, kLdK, stQ, kK, kChunk, kK, q_factor);
-    round_tile(bKd, kLdK, stKd, kK, kChunk, kK, 1.f);
+    const Tiles d = set(0);
+    round_tile(d.W, kLdK, stW, kK, kChunk, kK, w_factor);
+    round_tile(d.Q, kLdK, stQ, kK, kChunk, kK, q_factor);
+    round_tile(d.Kd, kLdK, stKd, kK, kChunk, kK, 1.f);
     for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += kThreads) {
       const int t = e / (kChunk / 2), c = e % (kChunk / 2) * 2;
       const float2 x = *reinterpret_cast<const float2*>(stA + t * kChunk + c);
-      *reinterpret_cast<uint32_t*>(bA + t * kLdC + c) =
+      *reinterpret_cast<uint32_t*>(d.A + t * kLdC + c) =
           mma::pack2<bf16>(c < L ? a_factor * x.x : 0.f, c + 1 < L ? a_factor * x.y : 0.f);
     }
   }
@@ -567,14 +1005,13 @@ struct Bf16State {
   }
 };
 
-// Forward: U = Ut - W S, O = scale (Qg S + Aqk U), S <- diag(gC) S + Kd^T U; o, ht, starts as
-// for state_fwd_kernel.
-template <int kK>
-__global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel(Seqs sq_, Sizes<float> z, float scale,
-                                                                                Intra<float> in,
-                                                                                const float* __restrict__ h0, float* o,
-                                                                                float* ht, float* starts) {
-  using F = Bf16State<kK>;
+// Forward: U = Ut - W S, O = scale (Qg S + Aqk U), S <- diag(gC) S + Kd^T U; o (element type O),
+// ht, starts as for state_fwd_kernel.
+template <int kK, typename Ws, typename O>
+__global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_kernel(
+    Seqs sq_, Sizes<float> z, float scale, Intra<Ws> in, const float* __restrict__ h0, O* o, float* ht,
+    float* starts) {
+  using F = Bf16State<kK, Ws>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const F sm(smem_raw);
   const StateTile<float> st(sq_, z);
@@ -586,7 +1023,7 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel
     int L;
     if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
       const int64_t row = st.hv * sq_.tokens + t0;
-      sm.stage(in, row, L, in.Ut + row * V + st.j0, V);
+      sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % 2));
     }
   };
   stage(0);
@@ -597,27 +1034,27 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel
     sm.store_state(S, starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr, V, st.j0);
     mma::cp_async_wait<0>();
     __syncthreads();
-    sm.round_chunk(L, 1.f, 1.f, 1.f);
+    const typename F::Tiles cur = sm.set(static_cast<int>(i % 2));
+    if constexpr (F::kStaged) sm.round_chunk(L, 1.f, 1.f, 1.f);
     sm.round_state(S);
-    float u[4][4], acc_o[4][4];
+    float u[4][4], acc_o[4][4], ut[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         u[j][r] = 0.f;
         acc_o[j][r] = 0.f;
+        if constexpr (F::kStaged) {
+          ut[j][r] = sm.stX[sm.urow(r) * F::kLdX + sm.ucol(j, r)];
+        } else {
+          ut[j][r] = to_float(cur.X[sm.urow(r) * F::kLdC + sm.ucol(j, r)]);
+        }
       }
-    }
-    float ut[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) ut[j][r] = sm.stX[sm.urow(r) * F::kLdX + sm.ucol(j, r)];
     }
     __syncthreads();  // the staging area is free, the bf16 tiles are complete
     stage(i + 1);
-    sm.template mul_u<false>(u, sm.bW, F::kLdK, sm.bS, 0, kK / 16);
-    sm.template mul_u<false>(acc_o, sm.bQ, F::kLdK, sm.bS, 0, kK / 16);
+    sm.template mul_u<false>(u, cur.W, F::kLdK, sm.bS, 0, kK / 16);
+    sm.template mul_u<false>(acc_o, cur.Q, F::kLdK, sm.bS, 0, kK / 16);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -625,7 +1062,7 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel
     }
     sm.round_u(u);
     __syncthreads();
-    sm.template mul_u<false>(acc_o, sm.bA, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
+    sm.template mul_u<false>(acc_o, cur.A, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
     if (o != nullptr) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -633,14 +1070,14 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel
         for (int h = 0; h < 2; ++h) {
           const int t = sm.urow(2 * h);
           if (t < L) {
-            *reinterpret_cast<float2*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + sm.ucol(j, 2 * h)) =
-                make_float2(scale * acc_o[j][2 * h], scale * acc_o[j][2 * h + 1]);
+            store_pair(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + sm.ucol(j, 2 * h), scale * acc_o[j][2 * h],
+                       scale * acc_o[j][2 * h + 1]);
           }
         }
       }
     }
     sm.scale_state_rows(S, in.gC + (st.hv * sq_.slots + slot) * kK);
-    sm.mul_state(S, sm.bKd, sm.bU);
+    sm.mul_state(S, cur.Kd, sm.bU);
     __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
   }
   mma::cp_async_wait<0>();
@@ -651,14 +1088,13 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_fwd_bf16_kernel
 // dU = scale Aqk^T dO + Kd dS, dS <- diag(gC) dS + scale Qg^T dO - W^T dU (the factors scale and
 // -1 ride on the bf16 rounding of Aqk, Qg and W); the initial state's gradient into dh0.
 template <int kK>
-__global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_bwd_bf16_kernel(Seqs sq_, Sizes<float> z, float scale,
-                                                                                Intra<float> in,
-                                                                                const float* __restrict__ dO,
-                                                                                const float* __restrict__ dht,
-                                                                                float* dends, float* dh0) {
-  using F = Bf16State<kK>;
+__global__ void __launch_bounds__(Bf16State<kK, float>::kThreads) state_bwd_bf16_kernel(
+    Seqs sq_, Sizes<float> z, float scale, Intra<float> in, const float* __restrict__ dO, const float* __restrict__ dht,
+    float* dends, float* dh0) {
+  using F = Bf16State<kK, float>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const F sm(smem_raw);
+  const typename F::Tiles cur = sm.set(0);
   const StateTile<float> st(sq_, z);
   const int64_t V = z.V;
   float dS[F::kSTiles][4];
@@ -667,7 +1103,7 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_bwd_bf16_kernel
     int64_t slot, t0;
     int L;
     if (i >= 0 && st.chunk(sq_, i, slot, t0, L)) {
-      sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V);
+      sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V, 0);
     }
   };
   stage(st.chunks - 1);
@@ -683,7 +1119,7 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_bwd_bf16_kernel
     __syncthreads();
     sm.round_chunk(L, -1.f, scale, scale);
     sm.round_state(dS);
-    F::round_tile(sm.bX, F::kLdC, sm.stX, F::kLdX, kChunk, kChunk, 1.f);
+    F::round_tile(cur.X, F::kLdC, sm.stX, F::kLdX, kChunk, kChunk, 1.f);
     __syncthreads();
     stage(i - 1);
     float du[4][4];
@@ -692,13 +1128,13 @@ __global__ void __launch_bounds__(Bf16State<kK>::kThreads) state_bwd_bf16_kernel
 #pragma unroll
       for (int r = 0; r < 4; ++r) du[j][r] = 0.f;
     }
-    sm.template mul_u<true>(du, sm.bA, F::kLdC, sm.bX, sm.ru, kChunk / 16);  // (Aqk^T)_ts is zero for s < t
-    sm.template mul_u<false>(du, sm.bKd, F::kLdK, sm.bS, 0, kK / 16);
+    sm.template mul_u<true>(du, cur.A, F::kLdC, cur.X, sm.ru, kChunk / 16);  // (Aqk^T)_ts is zero for s < t
+    sm.template mul_u<false>(du, cur.Kd, F::kLdK, sm.bS, 0, kK / 16);
     sm.round_u(du);
     __syncthreads();
     sm.scale_state_rows(dS, in.gC + (st.hv * sq_.slots + slot) * kK);
-    sm.mul_state(dS, sm.bQ, sm.bX);
-    sm.mul_state(dS, sm.bW, sm.bU);
+    sm.mul_state(dS, cur.Q, cur.X);
+    sm.mul_state(dS, cur.W, sm.bU);
     __syncthreads();
   }
   mma::cp_async_wait<0>();
@@ -751,7 +1187,7 @@ struct Launch {
 };
 
 Launch launch_setup(const Problem& p, const at::Tensor& ref) {
-  TORCH_CHECK(ref.scalar_type() == at::kFloat, "kda: the CUDA kernels take bfloat16, float16 or float32 inputs, got ",
+  TORCH_CHECK(ref.scalar_type() != at::kDouble, "kda: the CUDA kernels take bfloat16, float16 or float32 inputs, got ",
               "float64 (use the CPU kernel for float64)");
   const int64_t tokens = p.B * p.T;
   // Upper bound of the chunk count that needs no look at cu_seqlens: sum ceil(len/64) <= T/64 + N.
@@ -800,9 +1236,9 @@ void run_state_pass(const Problem& p, const Launch& l, Generic generic, Bf16K128
   };
   const bool tiles = p.bf16_products && p.V % kStateCols == 0;
   if (tiles && p.K == 128) {
-    launch(bf16_k128, Bf16State<128>::bytes(), Bf16State<128>::kThreads);
+    launch(bf16_k128, Bf16State<128, float>::bytes(), Bf16State<128, float>::kThreads);
   } else if (tiles && p.K == 64) {
-    launch(bf16_k64, Bf16State<64>::bytes(), Bf16State<64>::kThreads);
+    launch(bf16_k64, Bf16State<64, float>::bytes(), Bf16State<64, float>::kThreads);
   } else {
     launch(generic, state_smem_bytes(p.K), kThreads);
   }
@@ -812,8 +1248,51 @@ void run_state_pass(const Problem& p, const Launch& l, Generic generic, Bf16K128
 // Forward state passing (o, ht, starts each may be nullptr).
 void run_state_fwd(const Problem& p, const Launch& l, const Intra<float>& intra, const float* h0, float* o, float* ht,
                    float* starts) {
-  run_state_pass(p, l, state_fwd_kernel<float>, state_fwd_bf16_kernel<128>, state_fwd_bf16_kernel<64>, intra, h0, o,
-                 ht, starts);
+  run_state_pass(p, l, state_fwd_kernel<float>, state_fwd_bf16_kernel<128, float, float>,
+                 state_fwd_bf16_kernel<64, float, float>, intra, h0, o, ht, starts);
+}
+
+// The bf16 forward: intra_bf16_kernel on the raw inputs, the state pass on its bf16 terms, o in T.
+template <int kK, typename T>
+void run_fwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, T* o, float* ht) {
+  using bf16 = __nv_bfloat16;
+  const int64_t rows = p.HV * l.seqs.tokens;
+  std::vector<at::Tensor> keep;
+  const auto ws = [&](int64_t n, at::ScalarType type) {
+    keep.push_back(at::empty({std::max<int64_t>(1, n)}, raw.q.options().dtype(type)));
+    return keep.back().data_ptr();
+  };
+  const Intra<bf16> w{nullptr,
+                      nullptr,
+                      static_cast<bf16*>(ws(rows * kChunk, at::kBFloat16)),
+                      static_cast<bf16*>(ws(rows * kK, at::kBFloat16)),
+                      static_cast<bf16*>(ws(rows * p.V, at::kBFloat16)),
+                      static_cast<bf16*>(ws(rows * kK, at::kBFloat16)),
+                      static_cast<bf16*>(ws(rows * kK, at::kBFloat16)),
+                      static_cast<float*>(ws(p.HV * l.seqs.slots * kK, at::kFloat))};
+  if (l.seqs.slots > 0) {
+    const RawIn<T> in{static_cast<const T*>(raw.q.data_ptr()),
+                      static_cast<const T*>(raw.k.data_ptr()),
+                      static_cast<const T*>(raw.v.data_ptr()),
+                      raw.g.data_ptr(),
+                      raw.beta.data_ptr(),
+                      raw.g.scalar_type() == at::kFloat,
+                      raw.beta.scalar_type() == at::kFloat,
+                      l2norm};
+    const auto kernel = intra_bf16_kernel<kK, T>;
+    set_smem(kernel, IntraBf16<kK>::bytes());
+    kernel<<<dim3(l.seqs.slots, p.HV), IntraBf16<kK>::kThreads, IntraBf16<kK>::bytes(), l.stream>>>(
+        l.seqs, p.H, p.HV, static_cast<int>(p.V), in, w);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (p.N == 0) return;
+  using F = Bf16State<kK, bf16>;
+  const auto kernel = state_fwd_bf16_kernel<kK, bf16, T>;
+  set_smem(kernel, F::bytes());
+  kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
+      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, true}, static_cast<float>(p.scale), w,
+      raw.initial_state.defined() ? raw.initial_state.data_ptr<float>() : nullptr, o, ht, nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -826,6 +1305,31 @@ void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
   if (p.N == 0) return;
   run_state_fwd(p, l, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr,
                 o.data_ptr<float>(), final_state.defined() ? final_state.data_ptr<float>() : nullptr, nullptr);
+}
+
+bool bf16_fwd_supported(const Problem& p, const at::Tensor& q) {
+  return q.is_cuda() && p.bf16_products && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) &&
+         (p.K == 64 || p.K == 128) && (p.V == 64 || p.V == 128);
+}
+
+void fwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, at::Tensor& o, at::Tensor& final_state) {
+  const c10::cuda::CUDAGuard guard(raw.q.device());
+  const Launch l = launch_setup(p, raw.q);
+  float* ht = final_state.defined() ? final_state.data_ptr<float>() : nullptr;
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    T* out = static_cast<T*>(o.data_ptr());
+    if (p.K == 128) {
+      run_fwd_bf16<128, T>(p, raw, l2norm, l, out, ht);
+    } else {
+      run_fwd_bf16<64, T>(p, raw, l2norm, l, out, ht);
+    }
+  };
+  if (raw.q.scalar_type() == at::kBFloat16) {
+    run(__nv_bfloat16{});
+  } else {
+    run(__half{});
+  }
 }
 
 void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
