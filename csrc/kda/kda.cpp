@@ -84,6 +84,20 @@ Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   return in;
 }
 
+#ifdef KDA_DSA_OPS_WITH_CUDA
+// The inputs as the bf16 kernels take them: contiguous, with 16-byte aligned rows for their bulk
+// copies (a view may start anywhere).
+Inputs raw_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                  const at::Tensor& beta, const std::optional<at::Tensor>& initial_state) {
+  const auto aligned = [](const at::Tensor& x) {
+    at::Tensor c = x.contiguous();
+    return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+  };
+  return Inputs{aligned(q), aligned(k), aligned(v), aligned(g), beta.contiguous(),
+                initial_state.has_value() ? initial_state->contiguous() : at::Tensor()};
+}
+#endif
+
 // Gradient w.r.t. the raw q (or k) from the per-value-head gradients w.r.t. the normalised one.
 at::Tensor input_grad(const at::Tensor& d_per_vhead, const Problem& p, const at::Tensor& normed,
                       const at::Tensor& rinv, bool use_qk_l2norm, at::ScalarType dtype) {
@@ -106,13 +120,7 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor
   at::Tensor ht = output_final_state ? final_state : at::Tensor();
 #ifdef KDA_DSA_OPS_WITH_CUDA
   if (bf16_fwd_supported(p, q)) {
-    // 16-byte aligned rows for the kernel's bulk copies (a view may start anywhere).
-    const auto aligned = [](const at::Tensor& x) {
-      at::Tensor c = x.contiguous();
-      return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
-    };
-    const Inputs raw{aligned(q), aligned(k), aligned(v), aligned(g), beta.contiguous(),
-                     initial_state.has_value() ? initial_state->contiguous() : at::Tensor()};
+    const Inputs raw = raw_inputs(q, k, v, g, beta, initial_state);
     at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, q.options());
     fwd_cuda_bf16(p, raw, use_qk_l2norm, o, ht);
     return {o, final_state};
@@ -158,7 +166,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   gr.dbeta = at::empty({p.B, p.T, p.HV}, opts);
   gr.dinitial_state = at::empty({p.N, p.HV, p.K, p.V}, opts);
 #ifdef KDA_DSA_OPS_WITH_CUDA
-  (q.is_cuda() ? bwd_cuda : bwd_cpu)(p, in, dO, dht, gr);
+  if (q.is_cuda()) {
+    const bool bf16 = bf16_fwd_supported(p, q);
+    const Inputs raw = bf16 ? raw_inputs(q, k, v, g, beta, initial_state) : Inputs{};
+    bwd_cuda(p, in, bf16 ? &raw : nullptr, use_qk_l2norm, dO, dht, gr);
+  } else {
+    bwd_cpu(p, in, dO, dht, gr);
+  }
 #else
   bwd_cpu(p, in, dO, dht, gr);
 #endif

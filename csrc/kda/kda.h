@@ -42,8 +42,10 @@ void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
 // or q's dtype) and writes o [B,T,HV,V] in q's dtype.
 bool bf16_fwd_supported(const Problem& p, const at::Tensor& q);
 void fwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, at::Tensor& o, at::Tensor& final_state);
-void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
-              Grads& grads);
+// raw: the op's inputs as for fwd_cuda_bf16 where bf16_fwd_supported (the intra-chunk terms then
+// come from them), else nullptr.
+void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm, const at::Tensor& grad_o,
+              const at::Tensor& grad_final_state, Grads& grads);
 #endif
 
 std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -289,6 +289,16 @@ template <typename T>
 __device__ __forceinline__ void store_pair(T* p, float a, float b) {
   *reinterpret_cast<uint32_t*>(p) = mma::pack2<T>(a, b);
 }
+// Eight consecutive elements (16-byte aligned) from fp32.
+__device__ __forceinline__ void store8(float* p, const float (&x)[8]) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+  *reinterpret_cast<float4*>(p + 4) = make_float4(x[4], x[5], x[6], x[7]);
+}
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&x)[8]) {
+  using bf16 = __nv_bfloat16;
+  *reinterpret_cast<uint4*>(p) = make_uint4(mma::pack2<bf16>(x[0], x[1]), mma::pack2<bf16>(x[2], x[3]),
+                                            mma::pack2<bf16>(x[4], x[5]), mma::pack2<bf16>(x[6], x[7]));
+}
 template <typename T>
 __device__ __forceinline__ float2 load_pair(const T* p) {
   return make_float2(to_float(p[0]), to_float(p[1]));
@@ -331,9 +341,9 @@ __device__ __forceinline__ float warp_sum_transposed(float (&v)[32]) {
   return v[0];
 }
 
-// The forward's intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64
-// or 128), in bf16 for the bf16 state pass: one block of 8 warps per (chunk, value head), two
-// blocks per SM. It reads the op's inputs as they are: the casts, the q / k L2 normalisation
+// The intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64 or 128):
+// in bf16 for the forward's bf16 state pass, in fp32 with A and Minv for the backward. One block
+// of 8 warps per (chunk, value head), two blocks per SM. It reads the op's inputs as they are: the casts, the q / k L2 normalisation
 // and the cumsum of g (plain fp32, scaled by log2 e so that every exp is one ex2) happen here.
 //   diagonal 16 x 16 blocks of A, Aqk   one exp per pair (t, s <= t) and channel; a warp takes the
 //                                       rows p and 15 - p of a block (17 pairs), a lane K/32
@@ -362,9 +372,9 @@ struct IntraBf16 {
   static_assert(kK == 64 || kK == 128, "K 64 or 128");
 };
 
-template <int kK, typename T>
+template <int kK, typename T, typename Out>
 __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
-    intra_bf16_kernel(Seqs sq_, int64_t H, int64_t HV, int V, RawIn<T> in, Intra<__nv_bfloat16> out) {
+    intra_bf16_kernel(Seqs sq_, int64_t H, int64_t HV, int V, RawIn<T> in, Intra<Out> out) {
   using bf16 = __nv_bfloat16;
   using Z = IntraBf16<kK>;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -545,8 +555,8 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
       sA[t1 * kLdA + b0 + s] = s < p ? a1 : 0.f;
       sA[t2 * kLdA + b0 + s] = s < 15 - p ? a2 : 0.f;
     } else {
-      if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = __float2bfloat16_rn(s <= p ? a1 : 0.f);
-      if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = __float2bfloat16_rn(s <= 15 - p ? a2 : 0.f);
+      if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = from_float<Out>(s <= p ? a1 : 0.f);
+      if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = from_float<Out>(s <= 15 - p ? a2 : 0.f);
     }
   }
   // Aqk is zero right of the diagonal blocks.
@@ -561,21 +571,18 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   for (int i = tid; i < kChunk * (kK / 8); i += Z::kThreads) {
     const int t = i / (kK / 8), c = i % (kK / 8) * 8;
     const float fq = srq[t], fk = srk[t];
-    uint32_t qg[4], kd[4], ke[4];
+    float qg[8], kd[8], ke[8];
 #pragma unroll
-    for (int e = 0; e < 8; e += 2) {
-      const float2 qx = load_pair(sq + t * kLdK + c + e), kx = load_pair(sk + t * kLdK + c + e);
-      const float2 gt = *reinterpret_cast<const float2*>(sG + t * kLdG + c + e);
-      const float2 gl = *reinterpret_cast<const float2*>(Gl + c + e);
-      const float x0 = exp2_approx(gt.x), x1 = exp2_approx(gt.y);
-      qg[e / 2] = mma::pack2<bf16>(qx.x * fq * x0, qx.y * fq * x1);
-      ke[e / 2] = mma::pack2<bf16>(kx.x * fk * x0, kx.y * fk * x1);
-      kd[e / 2] = mma::pack2<bf16>(kx.x * fk * exp2_approx(gl.x - gt.x), kx.y * fk * exp2_approx(gl.y - gt.y));
+    for (int e = 0; e < 8; ++e) {
+      const float x = exp2_approx(sG[t * kLdG + c + e]), kx = to_float(sk[t * kLdK + c + e]) * fk;
+      qg[e] = to_float(sq[t * kLdK + c + e]) * fq * x;
+      ke[e] = kx * x;
+      kd[e] = kx * exp2_approx(Gl[c + e] - sG[t * kLdG + c + e]);
     }
-    *reinterpret_cast<uint4*>(sk + t * kLdK + c) = make_uint4(ke[0], ke[1], ke[2], ke[3]);
+    store8(reinterpret_cast<bf16*>(sk) + t * kLdK + c, ke);
     if (t < L) {
-      *reinterpret_cast<uint4*>(out.Qg + (row0 + t) * kK + c) = make_uint4(qg[0], qg[1], qg[2], qg[3]);
-      *reinterpret_cast<uint4*>(out.Kd + (row0 + t) * kK + c) = make_uint4(kd[0], kd[1], kd[2], kd[3]);
+      store8(out.Qg + (row0 + t) * kK + c, qg);
+      store8(out.Kd + (row0 + t) * kK + c, kd);
     }
   }
   if (tid < kK) out.gC[(hv * sq_.slots + slot) * kK + tid] = exp2_approx(Gl[tid]);
@@ -665,11 +672,20 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
     store_pair(sMb + t * Z::kLdM + s, s <= t ? sMinv[t * kLdA + s] * sbeta[s] : 0.f,
                s + 1 <= t ? sMinv[t * kLdA + s + 1] * sbeta[s + 1] : 0.f);
   }
+  if (out.A != nullptr) {  // the backward's A and Minv
+    for (int i = tid; i < L * kChunk / 2; i += Z::kThreads) {
+      const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
+      store_pair(out.A + (row0 + t) * kChunk + s, s < t ? sA[t * kLdA + s] : 0.f,
+                 s + 1 < t ? sA[t * kLdA + s + 1] : 0.f);
+      store_pair(out.Minv + (row0 + t) * kChunk + s, s <= t ? sMinv[t * kLdA + s] : 0.f,
+                 s + 1 <= t ? sMinv[t * kLdA + s + 1] : 0.f);
+    }
+  }
   __syncthreads();
 
   // W = Mb (k exp(G)), Ut = Mb v: warp w takes rows 16 (w % 4).. and half of the columns.
   const int rt = warp % 4, half = warp / 4;
-  const auto product = [&](const bf16* B, int ldb, int N, bf16* dst) {
+  const auto product = [&](const bf16* B, int ldb, int N, Out* dst) {
     float acc[8][4] = {};
     const int n0 = half * N / 2;
 #pragma unroll
@@ -1196,9 +1212,46 @@ Launch launch_setup(const Problem& p, const at::Tensor& ref) {
   return Launch{Seqs{cu, p.N, p.T, tokens, slots}, c10::cuda::getCurrentCUDAStream(ref.get_device()).stream()};
 }
 
-// The intra-chunk terms of every chunk into workspaces (A and Minv only for the backward).
-Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool for_bwd,
-                       std::vector<at::Tensor>& keep) {
+// f(std::integral_constant<int, K>, T{}) for the bf16 kernels' head size K and input type T.
+template <typename F>
+void with_bf16_types(const Problem& p, const at::Tensor& q, F f) {
+  const auto run = [&](auto tag) {
+    if (p.K == 128) {
+      f(std::integral_constant<int, 128>{}, tag);
+    } else {
+      f(std::integral_constant<int, 64>{}, tag);
+    }
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(__nv_bfloat16{});
+  } else {
+    run(__half{});
+  }
+}
+
+// intra_bf16_kernel over every chunk slot, on the raw inputs.
+template <int kK, typename T, typename Out>
+void run_intra_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, const Intra<Out>& w) {
+  if (l.seqs.slots == 0) return;
+  const RawIn<T> in{static_cast<const T*>(raw.q.data_ptr()),
+                    static_cast<const T*>(raw.k.data_ptr()),
+                    static_cast<const T*>(raw.v.data_ptr()),
+                    raw.g.data_ptr(),
+                    raw.beta.data_ptr(),
+                    raw.g.scalar_type() == at::kFloat,
+                    raw.beta.scalar_type() == at::kFloat,
+                    l2norm};
+  const auto kernel = intra_bf16_kernel<kK, T, Out>;
+  set_smem(kernel, IntraBf16<kK>::bytes());
+  kernel<<<dim3(l.seqs.slots, p.HV), IntraBf16<kK>::kThreads, IntraBf16<kK>::bytes(), l.stream>>>(
+      l.seqs, p.H, p.HV, static_cast<int>(p.V), in, w);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The intra-chunk terms of every chunk into workspaces (A and Minv only for the backward): from
+// the raw inputs by intra_bf16_kernel where given (bf16_fwd_supported), else from the prepared ones.
+Intra<float> run_intra(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm, const Launch& l,
+                       bool for_bwd, std::vector<at::Tensor>& keep) {
   const auto opts = in.q.options();
   const int64_t rows = p.HV * l.seqs.tokens;
   auto ws = [&](int64_t n) {
@@ -1208,6 +1261,12 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool
   Intra<float> out{for_bwd ? ws(rows * kChunk) : nullptr, for_bwd ? ws(rows * kChunk) : nullptr, ws(rows * kChunk),
                    ws(rows * p.K), ws(rows * p.V), ws(rows * p.K), ws(rows * p.K),
                    ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K))};
+  if (raw != nullptr) {
+    with_bf16_types(p, raw->q, [&](auto k, auto tag) {
+      run_intra_bf16<decltype(k)::value, decltype(tag), float>(p, *raw, l2norm, l, out);
+    });
+    return out;
+  }
   if (l.seqs.slots == 0) return out;
   const size_t smem =
       ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + intra_scratch(static_cast<int>(p.K)));
@@ -1270,21 +1329,7 @@ void run_fwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch
                       static_cast<bf16*>(ws(rows * kK, at::kBFloat16)),
                       static_cast<bf16*>(ws(rows * kK, at::kBFloat16)),
                       static_cast<float*>(ws(p.HV * l.seqs.slots * kK, at::kFloat))};
-  if (l.seqs.slots > 0) {
-    const RawIn<T> in{static_cast<const T*>(raw.q.data_ptr()),
-                      static_cast<const T*>(raw.k.data_ptr()),
-                      static_cast<const T*>(raw.v.data_ptr()),
-                      raw.g.data_ptr(),
-                      raw.beta.data_ptr(),
-                      raw.g.scalar_type() == at::kFloat,
-                      raw.beta.scalar_type() == at::kFloat,
-                      l2norm};
-    const auto kernel = intra_bf16_kernel<kK, T>;
-    set_smem(kernel, IntraBf16<kK>::bytes());
-    kernel<<<dim3(l.seqs.slots, p.HV), IntraBf16<kK>::kThreads, IntraBf16<kK>::bytes(), l.stream>>>(
-        l.seqs, p.H, p.HV, static_cast<int>(p.V), in, w);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  run_intra_bf16<kK, T, bf16>(p, raw, l2norm, l, w);
   if (p.N == 0) return;
   using F = Bf16State<kK, bf16>;
   const auto kernel = state_fwd_bf16_kernel<kK, bf16, T>;
@@ -1301,7 +1346,7 @@ void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
   const c10::cuda::CUDAGuard guard(in.q.device());
   const Launch l = launch_setup(p, in.q);
   std::vector<at::Tensor> keep;
-  const Intra<float> intra = run_intra(p, in, l, false, keep);
+  const Intra<float> intra = run_intra(p, in, nullptr, false, l, false, keep);
   if (p.N == 0) return;
   run_state_fwd(p, l, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr,
                 o.data_ptr<float>(), final_state.defined() ? final_state.data_ptr<float>() : nullptr, nullptr);
@@ -1316,28 +1361,18 @@ void fwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, at::Tensor&
   const c10::cuda::CUDAGuard guard(raw.q.device());
   const Launch l = launch_setup(p, raw.q);
   float* ht = final_state.defined() ? final_state.data_ptr<float>() : nullptr;
-  const auto run = [&](auto tag) {
+  with_bf16_types(p, raw.q, [&](auto k, auto tag) {
     using T = decltype(tag);
-    T* out = static_cast<T*>(o.data_ptr());
-    if (p.K == 128) {
-      run_fwd_bf16<128, T>(p, raw, l2norm, l, out, ht);
-    } else {
-      run_fwd_bf16<64, T>(p, raw, l2norm, l, out, ht);
-    }
-  };
-  if (raw.q.scalar_type() == at::kBFloat16) {
-    run(__nv_bfloat16{});
-  } else {
-    run(__half{});
-  }
+    run_fwd_bf16<decltype(k)::value, T>(p, raw, l2norm, l, static_cast<T*>(o.data_ptr()), ht);
+  });
 }
 
-void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
-              Grads& gr) {
+void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm, const at::Tensor& grad_o,
+              const at::Tensor& grad_final_state, Grads& gr) {
   const c10::cuda::CUDAGuard guard(in.q.device());
   const Launch l = launch_setup(p, in.q);
   std::vector<at::Tensor> keep;
-  const Intra<float> intra = run_intra(p, in, l, true, keep);
+  const Intra<float> intra = run_intra(p, in, raw, l2norm, l, true, keep);
   const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_products};
   const auto opts = in.q.options();
   const int64_t tokens = l.seqs.tokens, rows = p.HV * tokens;
