@@ -12,13 +12,17 @@ import kda_dsa_ops as K
 def main():
     torch.manual_seed(0)
     dev = "cuda"
-    for B, T, H, HV, Kd, V, lens in ((2, 70, 1, 2, 128, 128, None), (1, 203, 2, 2, 64, 40, [1, 64, 0, 65, 73]),
-                                      (1, 203, 1, 2, 64, 64, [1, 64, 0, 65, 73]), (1, 5, 1, 1, 16, 8, None)):
-        q = torch.randn(B, T, H, Kd, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(B, T, H, Kd, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, Kd, device=dev)).requires_grad_()
-        beta = torch.rand(B, T, HV, device=dev, requires_grad=True)
+    bf16, f16 = torch.bfloat16, torch.float16
+    # The last two: fp16 inputs with g and beta in fp16 (the bf16 kernels' other load paths).
+    for B, T, H, HV, Kd, V, lens, dtype, g_dtype in (
+            (2, 70, 1, 2, 128, 128, None, bf16, torch.float32), (1, 203, 2, 2, 64, 40, [1, 64, 0, 65, 73], bf16, torch.float32),
+            (1, 203, 1, 2, 64, 64, [1, 64, 0, 65, 73], bf16, torch.float32), (1, 5, 1, 1, 16, 8, None, bf16, torch.float32),
+            (1, 150, 1, 1, 128, 64, [20, 130], f16, f16), (1, 9, 2, 4, 64, 128, None, f16, f16)):
+        q = torch.randn(B, T, H, Kd, device=dev, dtype=dtype, requires_grad=True)
+        k = torch.randn(B, T, H, Kd, device=dev, dtype=dtype, requires_grad=True)
+        v = torch.randn(B, T, HV, V, device=dev, dtype=dtype, requires_grad=True)
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, Kd, device=dev)).to(g_dtype).requires_grad_()
+        beta = torch.rand(B, T, HV, device=dev, dtype=g_dtype, requires_grad=True)
         cu = None if lens is None else torch.tensor([0] + lens, device=dev).cumsum(0).int()
         N = B if lens is None else len(lens)
         h0 = torch.randn(N, HV, Kd, V, device=dev, requires_grad=True)

@@ -304,6 +304,46 @@ __device__ __forceinline__ float2 load_pair(const T* p) {
   return make_float2(to_float(p[0]), to_float(p[1]));
 }
 
+// Two 16-bit values packed in a register as floats (the lower address first).
+__device__ __forceinline__ float2 unpack2(uint32_t u, __nv_bfloat16) {
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+__device__ __forceinline__ float2 unpack2(uint32_t u, __half) {
+  __half2 h;
+  *reinterpret_cast<uint32_t*>(&h) = u;
+  return __half22float2(h);
+}
+// N (2, 4 or 8) consecutive elements at p, aligned to their size, as floats: one vector load.
+template <int N, typename T>
+__device__ __forceinline__ void load_floats(const T* p, float (&x)[N]) {
+  static_assert(N == 2 || N == 4 || N == 8, "2, 4 or 8 elements");
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(p + i);
+      x[i] = v.x;
+      x[i + 1] = v.y;
+    }
+  } else {
+    uint32_t u[N / 2];
+    if constexpr (N == 8) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p);
+      u[0] = v.x, u[1] = v.y, u[2] = v.z, u[3] = v.w;
+    } else if constexpr (N == 4) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      u[0] = v.x, u[1] = v.y;
+    } else {
+      u[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const float2 f = unpack2(u[i], T{});
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  }
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -436,9 +476,10 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
 
   // 1 / |q_t|, 1 / |k_t| (ones without normalisation); G = log2(e) cumsum(g) by parts of rows.
   for (int task = warp; task < 2 * kChunk; task += Z::kThreads / 32) {
-    const T* x = (task < kChunk ? sq : sk) + (task % kChunk) * kLdK;
-    float ss = 0.f;
-    for (int c = lane; c < kK; c += 32) ss += to_float(x[c]) * to_float(x[c]);
+    float x[kK / 32], ss = 0.f;
+    load_floats((task < kChunk ? sq : sk) + (task % kChunk) * kLdK + lane * (kK / 32), x);
+#pragma unroll
+    for (int c = 0; c < kK / 32; ++c) ss += x[c] * x[c];
     ss = warp_reduce(ss, SumOp{});
     if (lane == 0) (task < kChunk ? srq : srk)[task % kChunk] = in.l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
   }
@@ -507,21 +548,19 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
       }
     }
   }
-  // Diagonal blocks: 32 tasks (block bb, rows 16 bb + p and 16 bb + 15 - p).
+  // Diagonal blocks: 32 tasks (block bb, rows 16 bb + p and 16 bb + 15 - p), on the raw q, k; the
+  // norms' factors are applied to the sums.
   for (int task = warp; task < 32; task += Z::kThreads / 32) {
     constexpr int kC = kK / 32;  // channels per lane
     const int b0 = task / 8 * 16, p = task % 8, c0 = lane * kC;
-    float k1[kC], q1[kC], G1[kC], k2[kC], q2[kC], G2[kC];
     const int t1 = b0 + p, t2 = b0 + 15 - p;
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-      k1[c] = to_float(sk[t1 * kLdK + c0 + c]) * srk[t1];
-      q1[c] = to_float(sq[t1 * kLdK + c0 + c]) * srq[t1];
-      G1[c] = sG[t1 * kLdG + c0 + c];
-      k2[c] = to_float(sk[t2 * kLdK + c0 + c]) * srk[t2];
-      q2[c] = to_float(sq[t2 * kLdK + c0 + c]) * srq[t2];
-      G2[c] = sG[t2 * kLdG + c0 + c];
-    }
+    float k1[kC], q1[kC], G1[kC], k2[kC], q2[kC], G2[kC];
+    load_floats(sk + t1 * kLdK + c0, k1);
+    load_floats(sq + t1 * kLdK + c0, q1);
+    load_floats(sG + t1 * kLdG + c0, G1);
+    load_floats(sk + t2 * kLdK + c0, k2);
+    load_floats(sq + t2 * kLdK + c0, q2);
+    load_floats(sG + t2 * kLdG + c0, G2);
     float v1[32], v2[32];  // [s]: A_ts, [16 + s]: Aqk_ts, for t = t1 and t2
 #pragma unroll
     for (int i = 0; i < 32; ++i) v1[i] = v2[i] = 0.f;
@@ -529,11 +568,8 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
     for (int s = 0; s < 16; ++s) {
       if (s > 15 - p) continue;  // s <= 15 - p covers s <= p (p < 8)
       float ks[kC], Gs[kC];
-#pragma unroll
-      for (int c = 0; c < kC; ++c) {
-        ks[c] = to_float(sk[(b0 + s) * kLdK + c0 + c]) * srk[b0 + s];
-        Gs[c] = sG[(b0 + s) * kLdG + c0 + c];
-      }
+      load_floats(sk + (b0 + s) * kLdK + c0, ks);
+      load_floats(sG + (b0 + s) * kLdG + c0, Gs);
       if (s <= p) {
 #pragma unroll
         for (int c = 0; c < kC; ++c) {
@@ -551,12 +587,13 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
     }
     const float a1 = warp_sum_transposed(v1), a2 = warp_sum_transposed(v2);
     const int s = lane % 16;
+    const float fs = srk[b0 + s];
     if (lane < 16) {
-      sA[t1 * kLdA + b0 + s] = s < p ? a1 : 0.f;
-      sA[t2 * kLdA + b0 + s] = s < 15 - p ? a2 : 0.f;
+      sA[t1 * kLdA + b0 + s] = s < p ? a1 * srk[t1] * fs : 0.f;
+      sA[t2 * kLdA + b0 + s] = s < 15 - p ? a2 * srk[t2] * fs : 0.f;
     } else {
-      if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = from_float<Out>(s <= p ? a1 : 0.f);
-      if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = from_float<Out>(s <= 15 - p ? a2 : 0.f);
+      if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = from_float<Out>(s <= p ? a1 * srq[t1] * fs : 0.f);
+      if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = from_float<Out>(s <= 15 - p ? a2 * srq[t2] * fs : 0.f);
     }
   }
   // Aqk is zero right of the diagonal blocks.
@@ -571,13 +608,17 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   for (int i = tid; i < kChunk * (kK / 8); i += Z::kThreads) {
     const int t = i / (kK / 8), c = i % (kK / 8) * 8;
     const float fq = srq[t], fk = srk[t];
-    float qg[8], kd[8], ke[8];
+    float qx[8], kx[8], gt[8], gl[8], qg[8], kd[8], ke[8];
+    load_floats(sq + t * kLdK + c, qx);
+    load_floats(sk + t * kLdK + c, kx);
+    load_floats(sG + t * kLdG + c, gt);
+    load_floats(Gl + c, gl);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float x = exp2_approx(sG[t * kLdG + c + e]), kx = to_float(sk[t * kLdK + c + e]) * fk;
-      qg[e] = to_float(sq[t * kLdK + c + e]) * fq * x;
-      ke[e] = kx * x;
-      kd[e] = kx * exp2_approx(Gl[c + e] - sG[t * kLdG + c + e]);
+      const float x = exp2_approx(gt[e]);
+      qg[e] = qx[e] * fq * x;
+      ke[e] = kx[e] * fk * x;
+      kd[e] = kx[e] * fk * exp2_approx(gl[e] - gt[e]);
     }
     store8(reinterpret_cast<bf16*>(sk) + t * kLdK + c, ke);
     if (t < L) {
