@@ -9,7 +9,7 @@ precision). Before timing, the outputs and gradients are compared (relative RMS 
 against an fp32 run of this package's kernels, and ours at "medium" against fla).
 FLOPs: forward 2*C*K*5 + 2*K*V*3 per token and head (C = 64); forward+backward counted as 3x.
 
-    python bench/bench_kda.py [--quick] [--no-fla | --fla-cases N] [--out DIR]
+    python bench/bench_kda.py [--quick | --cases I,J] [--no-fla | --fla-cases N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -147,6 +147,8 @@ def bench_case(label, B, T, H, D, lens, fla, use_sdpa) -> list[Result]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the first shape only")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated indices of the cases to run (0-2 the SHAPES, 3 the varlen case)")
     parser.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention baseline")
     parser.add_argument("--fla-cases", type=int, default=None,
                         help="compare with fla on the first N cases only (its first calls take minutes per shape)")
@@ -159,6 +161,8 @@ def main():
     cases.append((f"varlen T={sum(VARLEN)} H=32", 1, sum(VARLEN), 32, 128, VARLEN))
     if args.quick:
         cases = cases[:1]
+    elif args.cases is not None:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     results = []
     for i, (label, B, T, H, D, lens) in enumerate(cases):
         with_fla = fla if args.fla_cases is None or i < args.fla_cases else None
