@@ -328,14 +328,16 @@ struct ChunkBwdScratch {
   T* Y;     // [2 kSub, K]
 };
 
-// Gradients of one chunk given its start state S0 [K,V], the gradient dS1 [K,V] of its end
-// state and dO [L,V] (leading dim ldO). Intra-chunk quantities as from chunk_intra.
-// Writes dq, dk (w.r.t. the normalised q, k), dg [L,K], dv [L,V] (leading dim ldv), dbeta [L].
+// The chunk backward in two parts. chunk_bwd_dense: the products with the states, given the
+// chunk's start state S0 [K,V], the gradient dS1 [K,V] of its end state and dO [L,V] (leading
+// dim ldO); intra-chunk quantities as from chunk_intra. Leaves dQg in dq and dKd in dk [L,K],
+// dAqk (zero for s > t) and dA = -(ZW W^T + ZU Ut^T) (zero for s >= t) [L,kChunk], ZW = Minv^T dW
+// [L,K], sc.last [K] = sum_j dS1 S0, and writes dv [L,V] (leading dim ldv) and the first term of
+// dbeta [L], sum_j ZU v.
 template <typename T, typename Team>
-KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T* k, Gates<T> G, const T* v,
-                      const T* beta, const T* A, const T* Aqk, const T* Minv, const T* W, const T* Ut, const T* Qg,
-                      const T* Kd, const T* gC, const T* S0, const T* dS1, const T* dO, int ldO,
-                      ChunkBwdScratch<T> sc, T* dq, T* dk, T* dg, T* dv, int ldv, T* dbeta) {
+KDA_HD void chunk_bwd_dense(const Team& tm, ChunkDims d, T scale, const T* v, const T* beta, const T* Aqk,
+                            const T* Minv, const T* W, const T* Ut, const T* Kd, const T* S0, const T* dS1,
+                            const T* dO, int ldO, ChunkBwdScratch<T> sc, T* dq, T* dk, T* dv, int ldv, T* dbeta) {
   const int L = d.L, K = d.K, V = d.V;
   // U = Ut - W S0 and dU = scale Aqk^T dO + Kd dS1.
   tm.gemm(L, V, K, T(-1), rows_of(W, K), rows_of(S0, V), out_rows(sc.U, V), Prior<T>{T(1), nullptr, Ut, V});
@@ -348,20 +350,48 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
   tm.gemm(L, K, V, T(-1), rows_of<T>(sc.dU, V), cols_of(S0, V), out_rows(sc.dW, K));
   tm.gemm(L, L, V, scale, rows_of(dO, ldO), cols_of<T>(sc.U, V), out_rows(sc.dAqk, kChunk));
   tm.sync();
-  // Through the solve: Z = Minv^T dY. G_last's extra gradient through Kd and gC:
-  // sum_j dS1 (gC S0) + sum_t Kd dKd.
+  // Through the solve: Z = Minv^T dY. The first part of G_last's extra gradient: sum_j dS1 S0.
   tm.gemm(L, K, L, T(1), cols_of(Minv, kChunk), rows_of<T>(sc.dW, K), out_rows(sc.ZW, K));
   tm.gemm(L, V, L, T(1), cols_of(Minv, kChunk), rows_of<T>(sc.dU, V), out_rows(sc.ZU, V));
   for (int c = tm.rank(); c < K; c += tm.size()) {
     T acc = 0;
     for (int j = 0; j < V; ++j) acc += dS1[c * V + j] * S0[c * V + j];
-    acc *= gC[c];
-    for (int t = 0; t < L; ++t) acc += Kd[t * K + c] * dk[t * K + c];
     sc.last[c] = acc;
   }
   for (int i = tm.rank(); i < L * L; i += tm.size()) {
     const int t = i / L, s = i % L;
     if (s > t) sc.dAqk[t * kChunk + s] = 0;
+  }
+  tm.sync();
+  // dM = -(ZW W^T + ZU Ut^T) (kept for s < t); dv = diag(beta) ZU.
+  tm.gemm(L, L, K, T(-1), rows_of<T>(sc.ZW, K), cols_of(W, K), out_rows(sc.dA, kChunk));
+  tm.gemm(L, L, V, T(-1), rows_of<T>(sc.ZU, V), cols_of(Ut, V), out_rows(sc.dA, kChunk), plus_c<T>());
+  for (int i = tm.rank(); i < L * V; i += tm.size()) dv[(i / V) * ldv + i % V] = beta[i / V] * sc.ZU[i];
+  tm.sync();
+  for (int t = tm.rank(); t < L; t += tm.size()) {
+    T acc = 0;
+    for (int j = 0; j < V; ++j) acc += sc.ZU[t * V + j] * v[t * V + j];
+    dbeta[t] = acc;
+  }
+  for (int i = tm.rank(); i < L * L; i += tm.size()) {
+    const int t = i / L, s = i % L;
+    if (s >= t) sc.dA[t * kChunk + s] = 0;
+  }
+  tm.sync();
+}
+
+// chunk_bwd_dense's results to the gradients: dq, dk (w.r.t. the normalised q, k), dg [L,K] and
+// dbeta [L] (its first term already there). sc.last and sc.dA are overwritten.
+template <typename T, typename Team>
+KDA_HD void chunk_bwd_pairs(const Team& tm, ChunkDims d, const T* q, const T* k, Gates<T> G, const T* beta,
+                            const T* A, const T* Qg, const T* Kd, const T* gC, ChunkBwdScratch<T> sc, T* dq, T* dk,
+                            T* dg, T* dbeta) {
+  const int L = d.L, K = d.K;
+  // G_last's extra gradient through Kd and gC: gC sum_j dS1 S0 + sum_t Kd dKd.
+  for (int c = tm.rank(); c < K; c += tm.size()) {
+    T acc = sc.last[c] * gC[c];
+    for (int t = 0; t < L; ++t) acc += Kd[t * K + c] * dk[t * K + c];
+    sc.last[c] = acc;
   }
   tm.sync();
   for (int i = tm.rank(); i < L * K; i += tm.size()) {
@@ -370,15 +400,9 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
     dk[i] = dkd * G.exp_diff((L - 1) * K + i % K, i);
     dg[i] = dqg * Qg[i] - dkd * Kd[i];
   }
-  // dM = -(ZW W^T + ZU Ut^T) (used below s < t); dv = diag(beta) ZU.
-  tm.gemm(L, L, K, T(-1), rows_of<T>(sc.ZW, K), cols_of(W, K), out_rows(sc.dA, kChunk));
-  tm.gemm(L, L, V, T(-1), rows_of<T>(sc.ZU, V), cols_of(Ut, V), out_rows(sc.dA, kChunk), plus_c<T>());
-  for (int i = tm.rank(); i < L * V; i += tm.size()) dv[(i / V) * ldv + i % V] = beta[i / V] * sc.ZU[i];
-  tm.sync();
   for (int t = tm.rank(); t < L; t += tm.size()) {
-    T acc = 0;
+    T acc = dbeta[t];
     for (int c = 0; c < K; ++c) acc += sc.ZW[t * K + c] * k[t * K + c] * G.exp_at(t * K + c);
-    for (int j = 0; j < V; ++j) acc += sc.ZU[t * V + j] * v[t * V + j];
     for (int s = 0; s < t; ++s) acc += sc.dA[t * kChunk + s] * A[t * kChunk + s];
     dbeta[t] = acc;
   }
@@ -451,6 +475,16 @@ KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T*
     }
   }
   tm.sync();
+}
+
+// Gradients of one chunk: chunk_bwd_dense then chunk_bwd_pairs.
+template <typename T, typename Team>
+KDA_HD void chunk_bwd(const Team& tm, ChunkDims d, T scale, const T* q, const T* k, Gates<T> G, const T* v,
+                      const T* beta, const T* A, const T* Aqk, const T* Minv, const T* W, const T* Ut, const T* Qg,
+                      const T* Kd, const T* gC, const T* S0, const T* dS1, const T* dO, int ldO,
+                      ChunkBwdScratch<T> sc, T* dq, T* dk, T* dg, T* dv, int ldv, T* dbeta) {
+  chunk_bwd_dense(tm, d, scale, v, beta, Aqk, Minv, W, Ut, Kd, S0, dS1, dO, ldO, sc, dq, dk, dv, ldv, dbeta);
+  chunk_bwd_pairs(tm, d, q, k, G, beta, A, Qg, Kd, gC, sc, dq, dk, dg, dbeta);
 }
 
 }  // namespace kda_dsa_ops::kda

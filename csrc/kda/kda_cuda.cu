@@ -1202,9 +1202,14 @@ __global__ void __launch_bounds__(Bf16State<kK, float>::kThreads) state_bwd_bf16
 template <typename T>
 struct BwdWork {
   T *U, *dU, *dW, *ZW, *ZU, *kE, *qE;  // scratch
-  T *dq, *dk, *dg, *dbeta;   // outputs [HV, tokens, K] ([HV, tokens] for dbeta)
+  T *dq, *dk, *dg, *dbeta;              // outputs [HV, tokens, K] ([HV, tokens] for dbeta)
+  // chunk_bwd_dense's results when bwd_dense_bf16_kernel computed them (else nullptr): dA, dAqk
+  // [HV, tokens, kChunk], sum_j dS1 S0 [HV, slots, K].
+  T *dA, *dAqk, *last;
 };
 
+// The chunk backward: chunk_bwd (both parts), or chunk_bwd_pairs where bwd_dense_bf16_kernel
+// ran chunk_bwd_dense (w.dA != nullptr: its dA, dAqk and sums are staged into shared memory).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> z, T scale, const T* __restrict__ q,
                                                              const T* __restrict__ k, const T* __restrict__ v,
@@ -1230,12 +1235,214 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
   const ChunkBwdScratch<T> sc{w.U + row * V, w.dU + row * V, w.dW + row * K, w.ZW + row * K, w.ZU + row * V,
                               sdAqk,         sdA,            slast,          w.kE + row * K, w.qE + row * K,
                               sY};
-  chunk_bwd(tm, d, scale, sm.q, sm.k, sm.gates(), sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk,
-            in.Minv + row * kChunk, in.W + row * K,
-            in.Ut + row * V, in.Qg + row * K, in.Kd + row * K, in.gC + (hv * sq_.slots + slot) * K, starts + state,
-            dends + state, dO + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), sc, w.dq + row * K,
-            w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V),
-            w.dbeta + row);
+  const Gates<T> G = sm.gates();
+  const int64_t gc = (hv * sq_.slots + slot) * K;
+  if (w.dA != nullptr) {
+    stage(tm, sdA, w.dA + row * kChunk, kChunk, L, kChunk);
+    stage(tm, sdAqk, w.dAqk + row * kChunk, kChunk, L, kChunk);
+    stage(tm, slast, w.last + gc, K, 1, K);
+    tm.sync();
+    chunk_bwd_pairs(tm, d, sm.q, sm.k, G, sm.beta, in.A + row * kChunk, in.Qg + row * K, in.Kd + row * K, in.gC + gc,
+                    sc, w.dq + row * K, w.dk + row * K, w.dg + row * K, w.dbeta + row);
+    return;
+  }
+  chunk_bwd(tm, d, scale, sm.q, sm.k, G, sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk,
+            in.Minv + row * kChunk, in.W + row * K, in.Ut + row * V, in.Qg + row * K, in.Kd + row * K, in.gC + gc,
+            starts + state, dends + state, dO + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), sc, w.dq + row * K,
+            w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), w.dbeta + row);
+}
+
+// acc (this warp's 16 x N/2 tile: rows 16 rt.., columns n0..) += A B over kred (a multiple of 16),
+// N 64 or 128. A row-major [*, lda] (kTransA: A is the transpose of a row-major [kred, *] tile);
+// B row-major [kred, *] (kBnk: B is the transpose of a row-major [*, kred] tile).
+template <bool kTransA, bool kBnk>
+__device__ __forceinline__ void warp_tile_product(float (&acc)[8][4], const __nv_bfloat16* A, int lda,
+                                                  const __nv_bfloat16* B, int ldb, int rt, int n0, int N, int kred) {
+  for (int kk = 0; kk < kred / 16; ++kk) {
+    uint32_t a[4];
+    if constexpr (kTransA) {
+      mma::load_a_trans(a, A, lda, 16 * rt, 16 * kk);
+    } else {
+      mma::load_a(a, A, lda, 16 * rt, 16 * kk);
+    }
+#pragma unroll
+    for (int pp = 0; pp < 4; ++pp) {
+      if (pp < N / 32) {
+        uint32_t b[4];
+        if constexpr (kBnk) {
+          mma::load_b_nk(b, B, ldb, n0 + 16 * pp, 16 * kk);
+        } else {
+          mma::load_b_kn(b, B, ldb, n0 + 16 * pp, 16 * kk);
+        }
+        mma::mma_16816_x2<__nv_bfloat16>(acc[2 * pp], acc[2 * pp + 1], a, b);
+      }
+    }
+  }
+}
+
+// f(t, col, x0, x1) for the pairs (t, col), (t, col + 1) of a warp_tile_product tile; zeroes acc.
+template <typename F>
+__device__ __forceinline__ void drain_tile(float (&acc)[8][4], int rt, int n0, int N, F f) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    if (n < N / 16) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        f(16 * rt + lane / 4 + 8 * hh, n0 + 8 * n + 2 * (lane % 4), acc[n][2 * hh], acc[n][2 * hh + 1]);
+        acc[n][2 * hh] = acc[n][2 * hh + 1] = 0.f;
+      }
+    }
+  }
+}
+
+// rows x cols (cols % 4 == 0) of fp32 at src (row stride ld_src; rows from `valid` on are zero)
+// to bf16 at dst (row stride ld_dst).
+__device__ __forceinline__ void tile_to_bf16(__nv_bfloat16* dst, int ld_dst, const float* src, int64_t ld_src,
+                                             int rows, int valid, int cols) {
+  for (int i = static_cast<int>(threadIdx.x); i < rows * (cols / 4); i += static_cast<int>(blockDim.x)) {
+    const int r = i / (cols / 4), c = i % (cols / 4) * 4;
+    const float4 x = r < valid ? *reinterpret_cast<const float4*>(src + r * ld_src + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    *reinterpret_cast<uint2*>(dst + r * ld_dst + c) =
+        make_uint2(mma::pack2<__nv_bfloat16>(x.x, x.y), mma::pack2<__nv_bfloat16>(x.z, x.w));
+  }
+}
+
+// chunk_bwd_dense in bf16-product mode for K, V in {64, 128}: one block of 8 warps per (chunk,
+// value head), every product an mma.sync on bf16 tiles in shared memory (fp32 accumulation),
+// warp w taking rows 16 (w % 4).. and half of the columns. Results into w's dq (dQg), dk (dKd),
+// ZW, dA, dAqk, last and dbeta, and dv, as chunk_bwd_dense leaves them.
+template <int kK>
+struct BwdDenseBf16 {
+  static constexpr int kThreads = 256;
+  static constexpr int kLd = kMaxHeadDim + 8;  // bf16 rows of the [*, K] and [*, V] tiles
+  static constexpr int kLdC = kChunk + 8;      // bf16 rows of Aqk and Minv
+  static constexpr size_t bytes() {
+    return 2 * (2 * kK * kLd + 7 * kChunk * kLd + 2 * kChunk * kLdC) + 4 * 2 * kChunk;
+  }
+};
+
+template <int kK>
+__global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
+    bwd_dense_bf16_kernel(Seqs sq_, Sizes<float> z, float scale, Intra<float> in, const float* __restrict__ starts,
+                          const float* __restrict__ dends, const float* __restrict__ dO, const float* __restrict__ v,
+                          const float* __restrict__ beta, BwdWork<float> w, float* dv) {
+  using bf16 = __nv_bfloat16;
+  using Z = BwdDenseBf16<kK>;
+  constexpr int kLd = Z::kLd, kLdC = Z::kLdC;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sS0 = reinterpret_cast<bf16*>(smem_raw);  // [kK, V]
+  bf16* sdS1 = sS0 + kK * kLd;                     // [kK, V]
+  bf16* sW = sdS1 + kK * kLd;                      // [64, K]
+  bf16* sKd = sW + kChunk * kLd;                   // [64, K], then ZW
+  bf16* sUt = sKd + kChunk * kLd;                  // [64, V]
+  bf16* sdO = sUt + kChunk * kLd;                  // [64, V], then ZU
+  bf16* sU = sdO + kChunk * kLd;                   // [64, V]
+  bf16* sdU = sU + kChunk * kLd;                   // [64, V]
+  bf16* sdW = sdU + kChunk * kLd;                  // [64, K]
+  bf16* sAqk = sdW + kChunk * kLd;                 // [64, 64]
+  bf16* sMinv = sAqk + kChunk * kLdC;              // [64, 64]
+  float* sdb = reinterpret_cast<float*>(sMinv + kChunk * kLdC);  // [2, 64] halves of dbeta's first term
+
+  const int64_t slot = blockIdx.x, hv = blockIdx.y;
+  int64_t t0;
+  int L;
+  if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
+  const int V = static_cast<int>(z.V), warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int rt = warp % 4, half = warp / 4;
+  const int64_t row0 = hv * sq_.tokens + t0, gc = (hv * sq_.slots + slot) * kK, state = gc * V;
+  const int64_t ldv = z.HV * V;  // token-major rows of dO, v, dv
+
+  // The states (and sum_j dS1 S0 per row, in fp32), the chunk's terms and dO, all in bf16.
+  for (int c = warp; c < kK; c += Z::kThreads / 32) {
+    float dot = 0.f;
+    if (lane * 4 < V) {
+      const float4 a = *reinterpret_cast<const float4*>(starts + state + c * V + lane * 4);
+      const float4 b = *reinterpret_cast<const float4*>(dends + state + c * V + lane * 4);
+      *reinterpret_cast<uint2*>(sS0 + c * kLd + lane * 4) = make_uint2(mma::pack2<bf16>(a.x, a.y), mma::pack2<bf16>(a.z, a.w));
+      *reinterpret_cast<uint2*>(sdS1 + c * kLd + lane * 4) = make_uint2(mma::pack2<bf16>(b.x, b.y), mma::pack2<bf16>(b.z, b.w));
+      dot = a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+    dot = warp_reduce(dot, SumOp{});
+    if (lane == 0) w.last[gc + c] = dot;
+  }
+  tile_to_bf16(sW, kLd, in.W + row0 * kK, kK, kChunk, L, kK);
+  tile_to_bf16(sKd, kLd, in.Kd + row0 * kK, kK, kChunk, L, kK);
+  tile_to_bf16(sUt, kLd, in.Ut + row0 * V, V, kChunk, L, V);
+  tile_to_bf16(sAqk, kLdC, in.Aqk + row0 * kChunk, kChunk, kChunk, L, kChunk);
+  tile_to_bf16(sMinv, kLdC, in.Minv + row0 * kChunk, kChunk, kChunk, L, kChunk);
+  tile_to_bf16(sdO, kLd, dO + (t0 * z.HV + hv) * V, ldv, kChunk, L, V);
+  __syncthreads();
+
+  float acc[8][4] = {};
+  {  // U = Ut - W S0, dU = scale Aqk^T dO + Kd dS1 (rows from L on are zero in both)
+    const int n0 = half * V / 2;
+    warp_tile_product<false, false>(acc, sW, kLd, sS0, kLd, rt, n0, V, kK);
+    drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) {
+      const float* ut = in.Ut + (row0 + t) * V + col;
+      store_pair(sU + t * kLd + col, t < L ? ut[0] - x0 : 0.f, t < L ? ut[1] - x1 : 0.f);
+    });
+    warp_tile_product<true, false>(acc, sAqk, kLdC, sdO, kLd, rt, n0, V, kChunk);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[n][r] *= scale;
+    }
+    warp_tile_product<false, false>(acc, sKd, kLd, sdS1, kLd, rt, n0, V, kK);
+    drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) { store_pair(sdU + t * kLd + col, x0, x1); });
+  }
+  __syncthreads();
+  {  // dQg = scale dO S0^T, dKd = U dS1^T, dW = -dU S0^T, dAqk = scale dO U^T (s <= t)
+    const int n0 = half * kK / 2;
+    warp_tile_product<false, true>(acc, sdO, kLd, sS0, kLd, rt, n0, kK, V);
+    drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) {
+      if (t < L) store_pair(w.dq + (row0 + t) * kK + col, scale * x0, scale * x1);
+    });
+    warp_tile_product<false, true>(acc, sU, kLd, sdS1, kLd, rt, n0, kK, V);
+    drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) {
+      if (t < L) store_pair(w.dk + (row0 + t) * kK + col, x0, x1);
+    });
+    warp_tile_product<false, true>(acc, sdU, kLd, sS0, kLd, rt, n0, kK, V);
+    drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) { store_pair(sdW + t * kLd + col, -x0, -x1); });
+    warp_tile_product<false, true>(acc, sdO, kLd, sU, kLd, rt, half * kChunk / 2, kChunk, V);
+    drain_tile(acc, rt, half * kChunk / 2, kChunk, [&](int t, int col, float x0, float x1) {
+      if (t < L) store_pair(w.dAqk + (row0 + t) * kChunk + col, col <= t ? scale * x0 : 0.f, col + 1 <= t ? scale * x1 : 0.f);
+    });
+  }
+  __syncthreads();
+  {  // ZW = Minv^T dW (out, and over Kd), ZU = Minv^T dU (over dO), dv = diag(beta) ZU, sum_j ZU v
+    warp_tile_product<true, false>(acc, sMinv, kLdC, sdW, kLd, rt, half * kK / 2, kK, kChunk);
+    drain_tile(acc, rt, half * kK / 2, kK, [&](int t, int col, float x0, float x1) {
+      store_pair(sKd + t * kLd + col, x0, x1);
+      if (t < L) store_pair(w.ZW + (row0 + t) * kK + col, x0, x1);
+    });
+    warp_tile_product<true, false>(acc, sMinv, kLdC, sdU, kLd, rt, half * V / 2, V, kChunk);
+    float part[2] = {0.f, 0.f};
+    drain_tile(acc, rt, half * V / 2, V, [&](int t, int col, float x0, float x1) {
+      store_pair(sdO + t * kLd + col, x0, x1);
+      if (t < L) {
+        const int64_t e = (t0 + t) * ldv + hv * V + col;
+        const float b = beta[(t0 + t) * z.HV + hv];
+        store_pair(dv + e, b * x0, b * x1);
+        part[(t / 8) % 2] += x0 * v[e] + x1 * v[e + 1];
+      }
+    });
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      part[hh] += __shfl_xor_sync(0xffffffffu, part[hh], 1);
+      part[hh] += __shfl_xor_sync(0xffffffffu, part[hh], 2);
+      if (lane % 4 == 0) sdb[half * kChunk + 16 * rt + lane / 4 + 8 * hh] = part[hh];
+    }
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < L) w.dbeta[row0 + threadIdx.x] = sdb[threadIdx.x] + sdb[kChunk + threadIdx.x];
+  {  // dA = -(ZW W^T + ZU Ut^T), kept for s < t
+    warp_tile_product<false, true>(acc, sKd, kLd, sW, kLd, rt, half * kChunk / 2, kChunk, kK);
+    warp_tile_product<false, true>(acc, sdO, kLd, sUt, kLd, rt, half * kChunk / 2, kChunk, V);
+    drain_tile(acc, rt, half * kChunk / 2, kChunk, [&](int t, int col, float x0, float x1) {
+      if (t < L) store_pair(w.dA + (row0 + t) * kChunk + col, col < t ? -x0 : 0.f, col + 1 < t ? -x1 : 0.f);
+    });
+  }
 }
 
 struct Launch {
@@ -1437,9 +1644,36 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
   const at::Tensor dq = at::zeros({p.HV, p.B, p.T, p.K}, opts), dk = at::zeros_like(dq), dg = at::zeros_like(dq);
   const at::Tensor dbeta = at::zeros({p.HV, p.B, p.T}, opts);
   gr.dv.zero_();
-  const BwdWork<float> w{ws(rows * p.V), ws(rows * p.V), ws(rows * p.K), ws(rows * p.K), ws(rows * p.V),
-                         ws(rows * p.K), ws(rows * p.K), dq.data_ptr<float>(), dk.data_ptr<float>(), dg.data_ptr<float>(),
-                         dbeta.data_ptr<float>()};
+  // The dense part on bf16 tiles where the bf16 kernels apply (raw given: K, V in {64, 128}).
+  const bool dense_bf16 = raw != nullptr && p.bf16_products;
+  const BwdWork<float> w{ws(rows * p.V),
+                         ws(rows * p.V),
+                         ws(rows * p.K),
+                         ws(rows * p.K),
+                         ws(rows * p.V),
+                         ws(rows * p.K),
+                         ws(rows * p.K),
+                         dq.data_ptr<float>(),
+                         dk.data_ptr<float>(),
+                         dg.data_ptr<float>(),
+                         dbeta.data_ptr<float>(),
+                         dense_bf16 ? ws(rows * kChunk) : nullptr,
+                         dense_bf16 ? ws(rows * kChunk) : nullptr,
+                         dense_bf16 ? ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K)) : nullptr};
+  if (l.seqs.slots > 0 && dense_bf16) {
+    const auto launch = [&](auto kernel, size_t smem) {
+      set_smem(kernel, smem);
+      kernel<<<dim3(l.seqs.slots, p.HV), BwdDenseBf16<128>::kThreads, smem, l.stream>>>(
+          l.seqs, z, scale, intra, starts.data_ptr<float>(), dends.data_ptr<float>(), grad_o.data_ptr<float>(),
+          in.v.data_ptr<float>(), in.beta.data_ptr<float>(), w, gr.dv.data_ptr<float>());
+    };
+    if (p.K == 128) {
+      launch(bwd_dense_bf16_kernel<128>, BwdDenseBf16<128>::bytes());
+    } else {
+      launch(bwd_dense_bf16_kernel<64>, BwdDenseBf16<64>::bytes());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   if (l.seqs.slots > 0) {
     const size_t smem =
         ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + (2 * kSub + 1) * p.K);
