@@ -68,6 +68,9 @@ Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                at::Tensor* rinv_q = nullptr, at::Tensor* rinv_k = nullptr) {
   const auto acc = accumulation_type(q);
   auto norm = [&](const at::Tensor& x, at::Tensor* rinv) {
+#ifdef KDA_DSA_OPS_WITH_CUDA
+    if (x.is_cuda()) return l2norm_rows_cuda(x, use_qk_l2norm, rinv);
+#endif
     at::Tensor xa = x.to(acc);
     if (!use_qk_l2norm) return xa.contiguous();
     at::Tensor r = at::rsqrt((xa * xa).sum(-1, true) + kL2NormEps);
@@ -159,24 +162,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor dO = grad_o.to(acc).contiguous();
   const auto opts = q.options().dtype(acc);
   Grads gr;
-  gr.dq = at::empty({p.B, p.T, p.HV, p.K}, opts);
-  gr.dk = at::empty({p.B, p.T, p.HV, p.K}, opts);
   gr.dv = at::empty({p.B, p.T, p.HV, p.V}, opts);
-  gr.dg = at::empty({p.B, p.T, p.HV, p.K}, opts);
-  gr.dbeta = at::empty({p.B, p.T, p.HV}, opts);
   gr.dinitial_state = at::empty({p.N, p.HV, p.K, p.V}, opts);
+  at::Tensor dh0 = initial_state.has_value() ? gr.dinitial_state : at::empty({0}, opts);
 #ifdef KDA_DSA_OPS_WITH_CUDA
   if (q.is_cuda()) {
+    gr.dq = at::empty(q.sizes(), q.options());
+    gr.dk = at::empty(k.sizes(), k.options());
+    gr.dg = at::empty(g.sizes(), g.options());
+    gr.dbeta = at::empty(beta.sizes(), beta.options());
     const bool bf16 = bf16_fwd_supported(p, q);
     const Inputs raw = bf16 ? raw_inputs(q, k, v, g, beta, initial_state) : Inputs{};
-    bwd_cuda(p, in, bf16 ? &raw : nullptr, use_qk_l2norm, dO, dht, gr);
-  } else {
-    bwd_cpu(p, in, dO, dht, gr);
+    bwd_cuda(p, in, bf16 ? &raw : nullptr, use_qk_l2norm, rinv_q, rinv_k, dO, dht, gr);
+    return {gr.dq, gr.dk, gr.dv.to(v.scalar_type()), gr.dg, gr.dbeta, dh0};
   }
-#else
-  bwd_cpu(p, in, dO, dht, gr);
 #endif
-  at::Tensor dh0 = initial_state.has_value() ? gr.dinitial_state : at::empty({0}, opts);
+  gr.dq = at::empty({p.B, p.T, p.HV, p.K}, opts);
+  gr.dk = at::empty({p.B, p.T, p.HV, p.K}, opts);
+  gr.dg = at::empty({p.B, p.T, p.HV, p.K}, opts);
+  gr.dbeta = at::empty({p.B, p.T, p.HV}, opts);
+  bwd_cpu(p, in, dO, dht, gr);
   return {input_grad(gr.dq, p, in.q, rinv_q, use_qk_l2norm, q.scalar_type()),
           input_grad(gr.dk, p, in.k, rinv_k, use_qk_l2norm, k.scalar_type()),
           gr.dv.to(v.scalar_type()),

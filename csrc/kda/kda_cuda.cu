@@ -1445,6 +1445,121 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   }
 }
 
+// Element types of the row kernels below, chosen at run time.
+enum class Elem : int { kF32, kBF16, kF16 };
+
+Elem elem_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return Elem::kF32;
+    case at::kBFloat16:
+      return Elem::kBF16;
+    case at::kHalf:
+      return Elem::kF16;
+    default:
+      TORCH_CHECK(false, "kda: the CUDA kernels take float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+__device__ __forceinline__ float load_elem(const void* p, int64_t i, Elem e) {
+  switch (e) {
+    case Elem::kBF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case Elem::kF16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void store_elem(void* p, int64_t i, float x, Elem e) {
+  switch (e) {
+    case Elem::kBF16:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
+      break;
+    case Elem::kF16:
+      static_cast<__half*>(p)[i] = __float2half_rn(x);
+      break;
+    default:
+      static_cast<float*>(p)[i] = x;
+  }
+}
+
+constexpr int kRowWarps = 8;  // warps per block of the row kernels
+
+// Rows of K (<= 128) elements: out = x rinv in fp32 with rinv = 1 / sqrt(|x|^2 + eps) (1 without
+// normalisation); a warp per row.
+__global__ void __launch_bounds__(32 * kRowWarps) l2norm_rows_kernel(const void* x, Elem e, int64_t rows, int K,
+                                                                    bool l2norm, float* out, float* rinv) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (row >= rows) return;
+  float xs[kMaxHeadDim / 32], ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+    const int c = lane + 32 * i;
+    xs[i] = c < K ? load_elem(x, row * K + c, e) : 0.f;
+    ss += xs[i] * xs[i];
+  }
+  ss = warp_reduce(ss, SumOp{});
+  const float r = l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
+#pragma unroll
+  for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+    if (lane + 32 * i < K) out[row * K + lane + 32 * i] = xs[i] * r;
+  }
+  if (lane == 0 && rinv != nullptr) rinv[row] = r;
+}
+
+// The CUDA backward's last step, a block per token and a warp per row: the gradients w.r.t. the
+// raw q, k (each head's value heads summed, then through the normalisation: (d - n (n . d)) r),
+// dg and dbeta token-major, each in its output type. Inputs head-major: [HV, tokens, K], [HV, tokens].
+struct FinishArgs {
+  const float *dq, *dk, *dg, *dbeta;
+  const float *nq, *nk, *rq, *rk;  // normalised q, k [tokens, H, K] and factors [tokens, H]; nullptr: none
+  void *oq, *ok, *og, *ob;
+  Elem eq, eg, eb;
+  int64_t tokens;
+  int H, HV, K;
+};
+
+__global__ void __launch_bounds__(32 * kRowWarps) finish_grads_kernel(FinishArgs a) {
+  const int64_t t = blockIdx.x;
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32), group = a.HV / a.H;
+  for (int task = warp; task < 2 * a.H + a.HV; task += kRowWarps) {
+    if (task < 2 * a.H) {
+      const bool is_k = task >= a.H;
+      const int h = task % a.H;
+      const float *d = is_k ? a.dk : a.dq, *n = is_k ? a.nk : a.nq, *r = is_k ? a.rk : a.rq;
+      const int64_t at_row = (t * a.H + h) * a.K;
+      float ds[kMaxHeadDim / 32], nd = 0.f;
+#pragma unroll
+      for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+        const int c = lane + 32 * i;
+        ds[i] = 0.f;
+        if (c < a.K) {
+          for (int j = 0; j < group; ++j) ds[i] += d[((h * group + j) * a.tokens + t) * a.K + c];
+          if (n != nullptr) nd += n[at_row + c] * ds[i];
+        }
+      }
+      if (n != nullptr) nd = warp_reduce(nd, SumOp{});
+#pragma unroll
+      for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+        const int c = lane + 32 * i;
+        if (c < a.K) {
+          const float x = n != nullptr ? (ds[i] - n[at_row + c] * nd) * r[t * a.H + h] : ds[i];
+          store_elem(is_k ? a.ok : a.oq, at_row + c, x, a.eq);
+        }
+      }
+    } else {
+      const int hv = task - 2 * a.H;
+      for (int c = lane; c < a.K; c += 32) {
+        store_elem(a.og, (t * a.HV + hv) * a.K + c, a.dg[(hv * a.tokens + t) * a.K + c], a.eg);
+      }
+      if (lane == 0) store_elem(a.ob, t * a.HV + hv, a.dbeta[hv * a.tokens + t], a.eb);
+    }
+  }
+}
+
 struct Launch {
   Seqs seqs;
   cudaStream_t stream;
@@ -1615,8 +1730,8 @@ void fwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, at::Tensor&
   });
 }
 
-void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm, const at::Tensor& grad_o,
-              const at::Tensor& grad_final_state, Grads& gr) {
+void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm, const at::Tensor& rinv_q,
+              const at::Tensor& rinv_k, const at::Tensor& grad_o, const at::Tensor& grad_final_state, Grads& gr) {
   const c10::cuda::CUDAGuard guard(in.q.device());
   const Launch l = launch_setup(p, in.q);
   std::vector<at::Tensor> keep;
@@ -1684,10 +1799,45 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
         grad_o.data_ptr<float>(), w, gr.dv.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  gr.dq.copy_(dq.permute({1, 2, 0, 3}));
-  gr.dk.copy_(dk.permute({1, 2, 0, 3}));
-  gr.dg.copy_(dg.permute({1, 2, 0, 3}));
-  gr.dbeta.copy_(dbeta.permute({1, 2, 0}));
+  const FinishArgs a{dq.data_ptr<float>(),
+                     dk.data_ptr<float>(),
+                     dg.data_ptr<float>(),
+                     dbeta.data_ptr<float>(),
+                     l2norm ? in.q.data_ptr<float>() : nullptr,
+                     l2norm ? in.k.data_ptr<float>() : nullptr,
+                     l2norm ? rinv_q.data_ptr<float>() : nullptr,
+                     l2norm ? rinv_k.data_ptr<float>() : nullptr,
+                     gr.dq.data_ptr(),
+                     gr.dk.data_ptr(),
+                     gr.dg.data_ptr(),
+                     gr.dbeta.data_ptr(),
+                     elem_of(gr.dq),
+                     elem_of(gr.dg),
+                     elem_of(gr.dbeta),
+                     tokens,
+                     static_cast<int>(p.H),
+                     static_cast<int>(p.HV),
+                     static_cast<int>(p.K)};
+  finish_grads_kernel<<<static_cast<unsigned>(tokens), 32 * kRowWarps, 0, l.stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor l2norm_rows_cuda(const at::Tensor& x, bool l2norm, at::Tensor* rinv) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const int64_t K = x.size(-1), rows = K > 0 ? x.numel() / K : 0;
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  std::vector<int64_t> rshape(x.sizes().begin(), x.sizes().end());
+  rshape.back() = 1;
+  if (rinv != nullptr) *rinv = at::empty(rshape, out.options());
+  if (rows > 0) {
+    l2norm_rows_kernel<<<static_cast<unsigned>(ceil_div(rows, int64_t{kRowWarps})), 32 * kRowWarps, 0,
+                         c10::cuda::getCurrentCUDAStream(x.get_device()).stream()>>>(
+        xc.data_ptr(), elem_of(xc), rows, static_cast<int>(K), l2norm, out.data_ptr<float>(),
+        rinv != nullptr ? rinv->data_ptr<float>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
 }
 
 }  // namespace kda_dsa_ops::kda
