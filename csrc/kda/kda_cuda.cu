@@ -1457,7 +1457,8 @@ Elem elem_of(const at::Tensor& t) {
     case at::kHalf:
       return Elem::kF16;
     default:
-      TORCH_CHECK(false, "kda: the CUDA kernels take float32, bfloat16 or float16, got ", t.scalar_type());
+      TORCH_CHECK(false, "kda: the CUDA kernels take bfloat16, float16 or float32 inputs, got ", t.scalar_type(),
+                  " (use the CPU kernel for float64)");
   }
 }
 
@@ -1566,8 +1567,7 @@ struct Launch {
 };
 
 Launch launch_setup(const Problem& p, const at::Tensor& ref) {
-  TORCH_CHECK(ref.scalar_type() != at::kDouble, "kda: the CUDA kernels take bfloat16, float16 or float32 inputs, got ",
-              "float64 (use the CPU kernel for float64)");
+  elem_of(ref);  // float64 is the CPU kernel's
   const int64_t tokens = p.B * p.T;
   // Upper bound of the chunk count that needs no look at cu_seqlens: sum ceil(len/64) <= T/64 + N.
   const int64_t slots = p.cu_seqlens.defined() ? tokens / kChunk + p.N : p.N * ((p.T + kChunk - 1) / kChunk);
