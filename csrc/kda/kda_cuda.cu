@@ -344,6 +344,52 @@ __device__ __forceinline__ void load_floats(const T* p, float (&x)[N]) {
   }
 }
 
+// acc (this warp's 16 x 8 kTiles tile: rows 16 rt.., columns n0.., of which the first N / 2 are
+// used, N / 2 a multiple of 16) += A B over the k blocks [kk0, kk1) of 16. A row-major [*, lda]
+// (kTransA: A is the transpose of a row-major [k, *] tile); B row-major [k, *] (kBnk: B is the
+// transpose of a row-major [*, k] tile).
+template <bool kTransA, bool kBnk, int kTiles>
+__device__ __forceinline__ void warp_tile_product(float (&acc)[kTiles][4], const __nv_bfloat16* A, int lda,
+                                                  const __nv_bfloat16* B, int ldb, int rt, int n0, int N, int kk0,
+                                                  int kk1) {
+  for (int kk = kk0; kk < kk1; ++kk) {
+    uint32_t a[4];
+    if constexpr (kTransA) {
+      mma::load_a_trans(a, A, lda, 16 * rt, 16 * kk);
+    } else {
+      mma::load_a(a, A, lda, 16 * rt, 16 * kk);
+    }
+#pragma unroll
+    for (int pp = 0; pp < kTiles / 2; ++pp) {
+      if (pp < N / 32) {
+        uint32_t b[4];
+        if constexpr (kBnk) {
+          mma::load_b_nk(b, B, ldb, n0 + 16 * pp, 16 * kk);
+        } else {
+          mma::load_b_kn(b, B, ldb, n0 + 16 * pp, 16 * kk);
+        }
+        mma::mma_16816_x2<__nv_bfloat16>(acc[2 * pp], acc[2 * pp + 1], a, b);
+      }
+    }
+  }
+}
+
+// f(t, col, x0, x1) for the pairs (t, col), (t, col + 1) of a warp_tile_product tile; zeroes acc.
+template <typename F>
+__device__ __forceinline__ void drain_tile(float (&acc)[8][4], int rt, int n0, int N, F f) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    if (n < N / 16) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        f(16 * rt + lane / 4 + 8 * hh, n0 + 8 * n + 2 * (lane % 4), acc[n][2 * hh], acc[n][2 * hh + 1]);
+        acc[n][2 * hh] = acc[n][2 * hh + 1] = 0.f;
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -729,29 +775,10 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   const auto product = [&](const bf16* B, int ldb, int N, Out* dst) {
     float acc[8][4] = {};
     const int n0 = half * N / 2;
-#pragma unroll
-    for (int kk = 0; kk < kChunk / 16; ++kk) {
-      uint32_t a[4];
-      mma::load_a(a, sMb, Z::kLdM, 16 * rt, 16 * kk);
-#pragma unroll
-      for (int pp = 0; pp < 4; ++pp) {
-        if (pp < N / 32) {
-          uint32_t bb[4];
-          mma::load_b_kn(bb, B, ldb, n0 + 16 * pp, 16 * kk);
-          mma::mma_16816_x2<bf16>(acc[2 * pp], acc[2 * pp + 1], a, bb);
-        }
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      if (n < N / 16) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int t = 16 * rt + g8 + 8 * hh;
-          if (t < L) store_pair(dst + (row0 + t) * N + n0 + 8 * n + 2 * q4, acc[n][2 * hh], acc[n][2 * hh + 1]);
-        }
-      }
-    }
+    warp_tile_product<false, false>(acc, sMb, Z::kLdM, B, ldb, rt, n0, N, 0, kChunk / 16);
+    drain_tile(acc, rt, n0, N, [&](int t, int col, float x0, float x1) {
+      if (t < L) store_pair(dst + (row0 + t) * N + col, x0, x1);
+    });
   };
   product(reinterpret_cast<const bf16*>(sk), kLdK, kK, out.W);
   product(reinterpret_cast<const bf16*>(sv), Z::kLdV, V, out.Ut);
@@ -1020,20 +1047,7 @@ struct Bf16State {
   template <bool kTransA>
   __device__ void mul_u(float (&acc)[4][4], const bf16* a_tile, int ld_a, const bf16* b_tile, int kk0,
                         int kk1) const {
-    for (int kk = kk0; kk < kk1; ++kk) {
-      uint32_t a[4];
-      if constexpr (kTransA) {
-        mma::load_a_trans(a, a_tile, ld_a, 16 * ru, 16 * kk);
-      } else {
-        mma::load_a(a, a_tile, ld_a, 16 * ru, 16 * kk);
-      }
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        uint32_t b[4];
-        mma::load_b_kn(b, b_tile, kLdC, 8 * cu0 + 16 * p, 16 * kk);
-        mma::mma_16816_x2<bf16>(acc[2 * p], acc[2 * p + 1], a, b);
-      }
-    }
+    warp_tile_product<kTransA, false>(acc, a_tile, ld_a, b_tile, kLdC, ru, 8 * cu0, kCols, kk0, kk1);
   }
   // S (this warp's state fragments) += X^T Y over the chunk's steps: X [kChunk, kK] (ld kLdK),
   // Y [kChunk, 64].
@@ -1252,50 +1266,6 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
             w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), w.dbeta + row);
 }
 
-// acc (this warp's 16 x N/2 tile: rows 16 rt.., columns n0..) += A B over kred (a multiple of 16),
-// N 64 or 128. A row-major [*, lda] (kTransA: A is the transpose of a row-major [kred, *] tile);
-// B row-major [kred, *] (kBnk: B is the transpose of a row-major [*, kred] tile).
-template <bool kTransA, bool kBnk>
-__device__ __forceinline__ void warp_tile_product(float (&acc)[8][4], const __nv_bfloat16* A, int lda,
-                                                  const __nv_bfloat16* B, int ldb, int rt, int n0, int N, int kred) {
-  for (int kk = 0; kk < kred / 16; ++kk) {
-    uint32_t a[4];
-    if constexpr (kTransA) {
-      mma::load_a_trans(a, A, lda, 16 * rt, 16 * kk);
-    } else {
-      mma::load_a(a, A, lda, 16 * rt, 16 * kk);
-    }
-#pragma unroll
-    for (int pp = 0; pp < 4; ++pp) {
-      if (pp < N / 32) {
-        uint32_t b[4];
-        if constexpr (kBnk) {
-          mma::load_b_nk(b, B, ldb, n0 + 16 * pp, 16 * kk);
-        } else {
-          mma::load_b_kn(b, B, ldb, n0 + 16 * pp, 16 * kk);
-        }
-        mma::mma_16816_x2<__nv_bfloat16>(acc[2 * pp], acc[2 * pp + 1], a, b);
-      }
-    }
-  }
-}
-
-// f(t, col, x0, x1) for the pairs (t, col), (t, col + 1) of a warp_tile_product tile; zeroes acc.
-template <typename F>
-__device__ __forceinline__ void drain_tile(float (&acc)[8][4], int rt, int n0, int N, F f) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-#pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    if (n < N / 16) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        f(16 * rt + lane / 4 + 8 * hh, n0 + 8 * n + 2 * (lane % 4), acc[n][2 * hh], acc[n][2 * hh + 1]);
-        acc[n][2 * hh] = acc[n][2 * hh + 1] = 0.f;
-      }
-    }
-  }
-}
-
 // rows x cols (cols % 4 == 0) of fp32 at src (row stride ld_src; rows from `valid` on are zero)
 // to bf16 at dst (row stride ld_dst).
 __device__ __forceinline__ void tile_to_bf16(__nv_bfloat16* dst, int ld_dst, const float* src, int64_t ld_src,
@@ -1377,46 +1347,46 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   float acc[8][4] = {};
   {  // U = Ut - W S0, dU = scale Aqk^T dO + Kd dS1 (rows from L on are zero in both)
     const int n0 = half * V / 2;
-    warp_tile_product<false, false>(acc, sW, kLd, sS0, kLd, rt, n0, V, kK);
+    warp_tile_product<false, false>(acc, sW, kLd, sS0, kLd, rt, n0, V, 0, kK / 16);
     drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) {
       const float* ut = in.Ut + (row0 + t) * V + col;
       store_pair(sU + t * kLd + col, t < L ? ut[0] - x0 : 0.f, t < L ? ut[1] - x1 : 0.f);
     });
-    warp_tile_product<true, false>(acc, sAqk, kLdC, sdO, kLd, rt, n0, V, kChunk);
+    warp_tile_product<true, false>(acc, sAqk, kLdC, sdO, kLd, rt, n0, V, 0, kChunk / 16);
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[n][r] *= scale;
     }
-    warp_tile_product<false, false>(acc, sKd, kLd, sdS1, kLd, rt, n0, V, kK);
+    warp_tile_product<false, false>(acc, sKd, kLd, sdS1, kLd, rt, n0, V, 0, kK / 16);
     drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) { store_pair(sdU + t * kLd + col, x0, x1); });
   }
   __syncthreads();
   {  // dQg = scale dO S0^T, dKd = U dS1^T, dW = -dU S0^T, dAqk = scale dO U^T (s <= t)
     const int n0 = half * kK / 2;
-    warp_tile_product<false, true>(acc, sdO, kLd, sS0, kLd, rt, n0, kK, V);
+    warp_tile_product<false, true>(acc, sdO, kLd, sS0, kLd, rt, n0, kK, 0, V / 16);
     drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) {
       if (t < L) store_pair(w.dq + (row0 + t) * kK + col, scale * x0, scale * x1);
     });
-    warp_tile_product<false, true>(acc, sU, kLd, sdS1, kLd, rt, n0, kK, V);
+    warp_tile_product<false, true>(acc, sU, kLd, sdS1, kLd, rt, n0, kK, 0, V / 16);
     drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) {
       if (t < L) store_pair(w.dk + (row0 + t) * kK + col, x0, x1);
     });
-    warp_tile_product<false, true>(acc, sdU, kLd, sS0, kLd, rt, n0, kK, V);
+    warp_tile_product<false, true>(acc, sdU, kLd, sS0, kLd, rt, n0, kK, 0, V / 16);
     drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) { store_pair(sdW + t * kLd + col, -x0, -x1); });
-    warp_tile_product<false, true>(acc, sdO, kLd, sU, kLd, rt, half * kChunk / 2, kChunk, V);
+    warp_tile_product<false, true>(acc, sdO, kLd, sU, kLd, rt, half * kChunk / 2, kChunk, 0, V / 16);
     drain_tile(acc, rt, half * kChunk / 2, kChunk, [&](int t, int col, float x0, float x1) {
       if (t < L) store_pair(w.dAqk + (row0 + t) * kChunk + col, col <= t ? scale * x0 : 0.f, col + 1 <= t ? scale * x1 : 0.f);
     });
   }
   __syncthreads();
   {  // ZW = Minv^T dW (out, and over Kd), ZU = Minv^T dU (over dO), dv = diag(beta) ZU, sum_j ZU v
-    warp_tile_product<true, false>(acc, sMinv, kLdC, sdW, kLd, rt, half * kK / 2, kK, kChunk);
+    warp_tile_product<true, false>(acc, sMinv, kLdC, sdW, kLd, rt, half * kK / 2, kK, 0, kChunk / 16);
     drain_tile(acc, rt, half * kK / 2, kK, [&](int t, int col, float x0, float x1) {
       store_pair(sKd + t * kLd + col, x0, x1);
       if (t < L) store_pair(w.ZW + (row0 + t) * kK + col, x0, x1);
     });
-    warp_tile_product<true, false>(acc, sMinv, kLdC, sdU, kLd, rt, half * V / 2, V, kChunk);
+    warp_tile_product<true, false>(acc, sMinv, kLdC, sdU, kLd, rt, half * V / 2, V, 0, kChunk / 16);
     float part[2] = {0.f, 0.f};
     drain_tile(acc, rt, half * V / 2, V, [&](int t, int col, float x0, float x1) {
       store_pair(sdO + t * kLd + col, x0, x1);
@@ -1437,8 +1407,8 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < L) w.dbeta[row0 + threadIdx.x] = sdb[threadIdx.x] + sdb[kChunk + threadIdx.x];
   {  // dA = -(ZW W^T + ZU Ut^T), kept for s < t
-    warp_tile_product<false, true>(acc, sKd, kLd, sW, kLd, rt, half * kChunk / 2, kChunk, kK);
-    warp_tile_product<false, true>(acc, sdO, kLd, sUt, kLd, rt, half * kChunk / 2, kChunk, V);
+    warp_tile_product<false, true>(acc, sKd, kLd, sW, kLd, rt, half * kChunk / 2, kChunk, 0, kK / 16);
+    warp_tile_product<false, true>(acc, sdO, kLd, sUt, kLd, rt, half * kChunk / 2, kChunk, 0, V / 16);
     drain_tile(acc, rt, half * kChunk / 2, kChunk, [&](int t, int col, float x0, float x1) {
       if (t < L) store_pair(w.dA + (row0 + t) * kChunk + col, col < t ? -x0 : 0.f, col + 1 < t ? -x1 : 0.f);
     });
