@@ -299,10 +299,6 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&x)[8]) {
   *reinterpret_cast<uint4*>(p) = make_uint4(mma::pack2<bf16>(x[0], x[1]), mma::pack2<bf16>(x[2], x[3]),
                                             mma::pack2<bf16>(x[4], x[5]), mma::pack2<bf16>(x[6], x[7]));
 }
-template <typename T>
-__device__ __forceinline__ float2 load_pair(const T* p) {
-  return make_float2(to_float(p[0]), to_float(p[1]));
-}
 
 // Two 16-bit values packed in a register as floats (the lower address first).
 __device__ __forceinline__ float2 unpack2(uint32_t u, __nv_bfloat16) {
@@ -429,8 +425,9 @@ __device__ __forceinline__ float warp_sum_transposed(float (&v)[32]) {
 
 // The intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64 or 128):
 // in bf16 for the forward's bf16 state pass, in fp32 with A and Minv for the backward. One block
-// of 8 warps per (chunk, value head), two blocks per SM. It reads the op's inputs as they are: the casts, the q / k L2 normalisation
-// and the cumsum of g (plain fp32, scaled by log2 e so that every exp is one ex2) happen here.
+// of 8 warps per (chunk, value head), two blocks per SM. It reads the op's inputs as they are:
+// the casts, the q / k L2 normalisation and the cumsum of g (plain fp32, scaled by log2 e so that
+// every exp is one ex2) happen here.
 //   diagonal 16 x 16 blocks of A, Aqk   one exp per pair (t, s <= t) and channel; a warp takes the
 //                                       rows p and 15 - p of a block (17 pairs), a lane K/32
 //                                       channels, and one butterfly sums the 32 terms per row
@@ -563,18 +560,21 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
           const int t = r + g8 + 8 * hh;
           const float2 gt = *reinterpret_cast<const float2*>(sG + t * kLdG + c);
           const float e0 = exp2_approx(gt.x - gr.x), e1 = exp2_approx(gt.y - gr.y);
-          const float2 kt = load_pair(sk + t * kLdK + c), qt = load_pair(sq + t * kLdK + c);
+          float kt[2], qt[2];
+          load_floats(sk + t * kLdK + c, kt);
+          load_floats(sq + t * kLdK + c, qt);
           const float fk = srk[t], fq = srq[t];
-          ak[hh + 2 * cc] = mma::pack2<bf16>(kt.x * fk * e0, kt.y * fk * e1);
-          aq[hh + 2 * cc] = mma::pack2<bf16>(qt.x * fq * e0, qt.y * fq * e1);
+          ak[hh + 2 * cc] = mma::pack2<bf16>(kt[0] * fk * e0, kt[1] * fk * e1);
+          aq[hh + 2 * cc] = mma::pack2<bf16>(qt[0] * fq * e0, qt[1] * fq * e1);
         }
 #pragma unroll
         for (int n = 0; n < 2; ++n) {  // key rows s = 16 j + 8 n + g8
           const int s = 16 * j + 8 * n + g8;
           const float2 gs = *reinterpret_cast<const float2*>(sG + s * kLdG + c);
-          const float2 ks = load_pair(sk + s * kLdK + c);
+          float ks[2];
+          load_floats(sk + s * kLdK + c, ks);
           const float fk = srk[s];
-          bk[n][cc] = mma::pack2<bf16>(ks.x * fk * exp2_approx(gr.x - gs.x), ks.y * fk * exp2_approx(gr.y - gs.y));
+          bk[n][cc] = mma::pack2<bf16>(ks[0] * fk * exp2_approx(gr.x - gs.x), ks[1] * fk * exp2_approx(gr.y - gs.y));
         }
       }
 #pragma unroll
@@ -676,8 +676,9 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   if constexpr (!std::is_same_v<T, bf16>) {  // v to bf16 in place, the operand of Ut
     for (int i = tid; i < kChunk * (V / 2); i += Z::kThreads) {
       const int t = i / (V / 2), c = i % (V / 2) * 2;
-      const float2 x = load_pair(sv + t * Z::kLdV + c);
-      store_pair(reinterpret_cast<bf16*>(sv) + t * Z::kLdV + c, x.x, x.y);
+      float x[2];
+      load_floats(sv + t * Z::kLdV + c, x);
+      store_pair(reinterpret_cast<bf16*>(sv) + t * Z::kLdV + c, x[0], x[1]);
     }
   }
   __syncthreads();
@@ -1730,7 +1731,7 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
   const at::Tensor dbeta = at::zeros({p.HV, p.B, p.T}, opts);
   gr.dv.zero_();
   // The dense part on bf16 tiles where the bf16 kernels apply (raw given: K, V in {64, 128}).
-  const bool dense_bf16 = raw != nullptr && p.bf16_products;
+  const bool dense_bf16 = raw != nullptr;
   const BwdWork<float> w{ws(rows * p.V),
                          ws(rows * p.V),
                          ws(rows * p.K),
