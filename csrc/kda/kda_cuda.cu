@@ -423,6 +423,98 @@ __device__ __forceinline__ float warp_sum_transposed(float (&v)[32]) {
   return v[0];
 }
 
+// Shared-memory tiles of one chunk of one value head for the bf16 kernels (256 threads): the raw
+// q, k [kChunk, kK + 8] in T, G = log2(e) cumsum(g) [kChunk, kK + 4] in fp32 (plain fp32 sum,
+// scaled so that every exp is one ex2), beta and the factors 1 / |q_t|, 1 / |k_t| (ones without
+// normalisation) [kChunk], and kThreads floats of scratch. Rows from L on are zero (g too: G
+// stays at its last value).
+template <int kK, typename T>
+struct ChunkTiles16 {
+  static constexpr int kThreads = 256, kLdK = kK + 8, kLdG = kK + 4, kLdV = kMaxHeadDim + 8;
+  static constexpr size_t bytes() { return 2 * sizeof(T) * kChunk * kLdK + 4 * (kChunk * kLdG + 3 * kChunk + kThreads); }
+  T *q, *k;
+  float *G, *beta, *rq, *rk, *part;
+
+  // The tiles laid out from smem on (bytes() of it); *end receives the first byte after them.
+  __device__ static ChunkTiles16 carve(unsigned char* smem, unsigned char** end) {
+    T* q = reinterpret_cast<T*>(smem);
+    T* k = q + kChunk * kLdK;
+    float* G = reinterpret_cast<float*>(k + kChunk * kLdK);
+    float* beta = G + kChunk * kLdG;
+    *end = reinterpret_cast<unsigned char*>(beta + 3 * kChunk + kThreads);
+    return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk};
+  }
+
+  // Fills the tiles (v [kChunk, kLdV] too where sv is given) for the whole block; ends with a
+  // __syncthreads().
+  __device__ void load(const RawIn<T>& in, int64_t H, int64_t HV, int64_t t0, int L, int64_t hv, T* sv,
+                       int V) const {
+    constexpr float kLog2e = 1.4426950408889634f;
+    const int64_t h = hv / (HV / H);
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    // Loads; rows from L on are zero (g too: G stays at its last value).
+    for (int i = tid; i < kChunk * (kK / 8); i += kThreads) {
+      const int t = i / (kK / 8), c = i % (kK / 8) * 8;
+      const int64_t src = ((t0 + t) * H + h) * kK + c;
+      mma::cp_async_16_or_zero(q + t * kLdK + c, t < L ? in.q + src : nullptr);
+      mma::cp_async_16_or_zero(k + t * kLdK + c, t < L ? in.k + src : nullptr);
+    }
+    for (int i = tid; sv != nullptr && i < kChunk * (V / 8); i += kThreads) {
+      const int t = i / (V / 8), c = i % (V / 8) * 8;
+      mma::cp_async_16_or_zero(sv + t * kLdV + c, t < L ? in.v + ((t0 + t) * HV + hv) * V + c : nullptr);
+    }
+    if (in.g_f32) {
+      const float* g = static_cast<const float*>(in.g);
+      for (int i = tid; i < kChunk * (kK / 4); i += kThreads) {
+        const int t = i / (kK / 4), c = i % (kK / 4) * 4;
+        mma::cp_async_16_or_zero(G + t * kLdG + c, t < L ? g + ((t0 + t) * HV + hv) * kK + c : nullptr);
+      }
+    } else {
+      const T* g = static_cast<const T*>(in.g);
+      for (int i = tid; i < kChunk * kK; i += kThreads) {
+        const int t = i / kK, c = i % kK;
+        G[t * kLdG + c] = t < L ? to_float(g[((t0 + t) * HV + hv) * kK + c]) : 0.f;
+      }
+    }
+    if (tid < kChunk) {
+      const int64_t e = (t0 + tid) * HV + hv;
+      beta[tid] = tid >= L ? 0.f
+                   : in.beta_f32 ? static_cast<const float*>(in.beta)[e]
+                                 : to_float(static_cast<const T*>(in.beta)[e]);
+    }
+    mma::cp_async_wait_all();
+    __syncthreads();
+
+    // 1 / |q_t|, 1 / |k_t| (ones without normalisation); G = log2(e) cumsum(g) by parts of rows.
+    for (int task = warp; task < 2 * kChunk; task += kThreads / 32) {
+      float x[kK / 32], ss = 0.f;
+      load_floats((task < kChunk ? q : k) + (task % kChunk) * kLdK + lane * (kK / 32), x);
+#pragma unroll
+      for (int c = 0; c < kK / 32; ++c) ss += x[c] * x[c];
+      ss = warp_reduce(ss, SumOp{});
+      if (lane == 0) (task < kChunk ? rq : rk)[task % kChunk] = in.l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
+    }
+    {
+      constexpr int kParts = kThreads / kK, kRows = kChunk / kParts;
+      const int c = tid % kK, p0 = tid / kK;
+      float x[kRows];
+      float run = 0.f;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        run += G[(p0 * kRows + i) * kLdG + c];
+        x[i] = run;
+      }
+      part[p0 * kK + c] = run;
+      __syncthreads();
+      float base = 0.f;
+      for (int p = 0; p < p0; ++p) base += part[p * kK + c];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) G[(p0 * kRows + i) * kLdG + c] = (base + x[i]) * kLog2e;
+    }
+    __syncthreads();
+  }
+};
+
 // The intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64 or 128):
 // in bf16 for the forward's bf16 state pass, in fp32 with A and Minv for the backward. One block
 // of 8 warps per (chunk, value head), two blocks per SM. It reads the op's inputs as they are:
@@ -460,7 +552,6 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
     intra_bf16_kernel(Seqs sq_, int64_t H, int64_t HV, int V, RawIn<T> in, Intra<Out> out) {
   using bf16 = __nv_bfloat16;
   using Z = IntraBf16<kK>;
-  constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kLdK = Z::kLdK, kLdG = Z::kLdG, kLdA = Z::kLdA;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sq = reinterpret_cast<T*>(smem_raw);
@@ -481,69 +572,11 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   int64_t t0;
   int L;
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
-  const int64_t h = hv / (HV / H), row0 = hv * sq_.tokens + t0;  // workspace row of step 0
+  const int64_t row0 = hv * sq_.tokens + t0;  // workspace row of step 0
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32, g8 = lane / 4, q4 = lane % 4;
 
-  // Loads; rows from L on are zero (g too: G stays at its last value).
-  for (int i = tid; i < kChunk * (kK / 8); i += Z::kThreads) {
-    const int t = i / (kK / 8), c = i % (kK / 8) * 8;
-    const int64_t src = ((t0 + t) * H + h) * kK + c;
-    mma::cp_async_16_or_zero(sq + t * kLdK + c, t < L ? in.q + src : nullptr);
-    mma::cp_async_16_or_zero(sk + t * kLdK + c, t < L ? in.k + src : nullptr);
-  }
-  for (int i = tid; i < kChunk * (V / 8); i += Z::kThreads) {
-    const int t = i / (V / 8), c = i % (V / 8) * 8;
-    mma::cp_async_16_or_zero(sv + t * Z::kLdV + c, t < L ? in.v + ((t0 + t) * HV + hv) * V + c : nullptr);
-  }
-  if (in.g_f32) {
-    const float* g = static_cast<const float*>(in.g);
-    for (int i = tid; i < kChunk * (kK / 4); i += Z::kThreads) {
-      const int t = i / (kK / 4), c = i % (kK / 4) * 4;
-      mma::cp_async_16_or_zero(sG + t * kLdG + c, t < L ? g + ((t0 + t) * HV + hv) * kK + c : nullptr);
-    }
-  } else {
-    const T* g = static_cast<const T*>(in.g);
-    for (int i = tid; i < kChunk * kK; i += Z::kThreads) {
-      const int t = i / kK, c = i % kK;
-      sG[t * kLdG + c] = t < L ? to_float(g[((t0 + t) * HV + hv) * kK + c]) : 0.f;
-    }
-  }
-  if (tid < kChunk) {
-    const int64_t e = (t0 + tid) * HV + hv;
-    sbeta[tid] = tid >= L ? 0.f
-                 : in.beta_f32 ? static_cast<const float*>(in.beta)[e]
-                               : to_float(static_cast<const T*>(in.beta)[e]);
-  }
-  mma::cp_async_wait_all();
-  __syncthreads();
-
-  // 1 / |q_t|, 1 / |k_t| (ones without normalisation); G = log2(e) cumsum(g) by parts of rows.
-  for (int task = warp; task < 2 * kChunk; task += Z::kThreads / 32) {
-    float x[kK / 32], ss = 0.f;
-    load_floats((task < kChunk ? sq : sk) + (task % kChunk) * kLdK + lane * (kK / 32), x);
-#pragma unroll
-    for (int c = 0; c < kK / 32; ++c) ss += x[c] * x[c];
-    ss = warp_reduce(ss, SumOp{});
-    if (lane == 0) (task < kChunk ? srq : srk)[task % kChunk] = in.l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
-  }
-  {
-    constexpr int kParts = Z::kThreads / kK, kRows = kChunk / kParts;
-    const int c = tid % kK, part = tid / kK;
-    float x[kRows];
-    float run = 0.f;
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      run += sG[(part * kRows + i) * kLdG + c];
-      x[i] = run;
-    }
-    spart[part * kK + c] = run;
-    __syncthreads();
-    float base = 0.f;
-    for (int p = 0; p < part; ++p) base += spart[p * kK + c];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) sG[(part * kRows + i) * kLdG + c] = (base + x[i]) * kLog2e;
-  }
-  __syncthreads();
+  const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart};
+  ct.load(in, H, HV, t0, L, hv, sv, V);
 
   // Blocks left of the diagonal: warp w < 6 takes block (b, j) of A and Aqk, r = 16 b.
   if (warp < 6) {
@@ -1218,13 +1251,12 @@ template <typename T>
 struct BwdWork {
   T *U, *dU, *dW, *ZW, *ZU, *kE, *qE;  // scratch
   T *dq, *dk, *dg, *dbeta;              // outputs [HV, tokens, K] ([HV, tokens] for dbeta)
-  // chunk_bwd_dense's results when bwd_dense_bf16_kernel computed them (else nullptr): dA, dAqk
-  // [HV, tokens, kChunk], sum_j dS1 S0 [HV, slots, K].
+  // The bf16 kernels' chunk_bwd_dense results (else nullptr): dA, dAqk [HV, tokens, kChunk], sum_j
+  // dS1 S0 [HV, slots, K] (then G_last's extra gradient).
   T *dA, *dAqk, *last;
 };
 
-// The chunk backward: chunk_bwd (both parts), or chunk_bwd_pairs where bwd_dense_bf16_kernel
-// ran chunk_bwd_dense (w.dA != nullptr: its dA, dAqk and sums are staged into shared memory).
+// The chunk backward (both parts of chunk_bwd) on the prepared fp32 inputs.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> z, T scale, const T* __restrict__ q,
                                                              const T* __restrict__ k, const T* __restrict__ v,
@@ -1250,18 +1282,8 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
   const ChunkBwdScratch<T> sc{w.U + row * V, w.dU + row * V, w.dW + row * K, w.ZW + row * K, w.ZU + row * V,
                               sdAqk,         sdA,            slast,          w.kE + row * K, w.qE + row * K,
                               sY};
-  const Gates<T> G = sm.gates();
   const int64_t gc = (hv * sq_.slots + slot) * K;
-  if (w.dA != nullptr) {
-    stage(tm, sdA, w.dA + row * kChunk, kChunk, L, kChunk);
-    stage(tm, sdAqk, w.dAqk + row * kChunk, kChunk, L, kChunk);
-    stage(tm, slast, w.last + gc, K, 1, K);
-    tm.sync();
-    chunk_bwd_pairs(tm, d, sm.q, sm.k, G, sm.beta, in.A + row * kChunk, in.Qg + row * K, in.Kd + row * K, in.gC + gc,
-                    sc, w.dq + row * K, w.dk + row * K, w.dg + row * K, w.dbeta + row);
-    return;
-  }
-  chunk_bwd(tm, d, scale, sm.q, sm.k, G, sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk,
+  chunk_bwd(tm, d, scale, sm.q, sm.k, sm.gates(), sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk,
             in.Minv + row * kChunk, in.W + row * K, in.Ut + row * V, in.Qg + row * K, in.Kd + row * K, in.gC + gc,
             starts + state, dends + state, dO + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), sc, w.dq + row * K,
             w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), w.dbeta + row);
@@ -1416,6 +1438,224 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   }
 }
 
+// This block's chunk for the bf16 backward kernels: its tiles laid out from the front of shared
+// memory (rest: the first byte after them), its first token t0 and length L.
+template <int kK, typename T>
+struct Chunk16 {
+  ChunkTiles16<kK, T> ct;
+  unsigned char* rest;
+  int64_t t0, row0, gc;  // row0: the workspaces' row of step 0; gc: the [HV, slots, K] offset
+  int L;
+  // false for an unused slot, else the chunk is loaded.
+  __device__ bool begin(const Seqs& sq_, int64_t H, int64_t HV, const RawIn<T>& in, unsigned char* smem) {
+    ct = ChunkTiles16<kK, T>::carve(smem, &rest);
+    if (!sq_.locate(blockIdx.x, t0, L) || !sq_.valid(blockIdx.x, t0, L)) return false;
+    row0 = blockIdx.y * sq_.tokens + t0;
+    gc = (blockIdx.y * sq_.slots + blockIdx.x) * kK;
+    ct.load(in, H, HV, t0, L, blockIdx.y, nullptr, 0);
+    return true;
+  }
+};
+
+// chunk_bwd_pairs in bf16-product mode (bf16 / fp16 inputs, K 64 or 128), part 1 of 2, after
+// bwd_dense_bf16_kernel: dbeta's other terms, G_last's extra gradient into w.last, and per element
+// (t, c) the terms from dQg, dKd and ZW and the pairs inside the diagonal 16 x 16 blocks. A thread
+// per (channel, diagonal block) walks the block's 136 pairs once, each pair's exp serving the row
+// terms of t and the column term of s. dq, dk, dg into w (over dQg, dKd); part 2
+// (bwd_pairs_offdiag_kernel) adds the pairs across blocks and the reverse cumsum.
+template <int kK, typename T>
+struct PairsDiag {
+  using C = ChunkTiles16<kK, T>;
+  static constexpr size_t bytes() { return C::bytes() + 4 * 2 * kChunk * kChunk; }
+};
+
+template <int kK, typename T>
+__global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
+    bwd_pairs_diag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, Intra<float> intra, BwdWork<float> w) {
+  using C = ChunkTiles16<kK, T>;
+  constexpr int kLdK = C::kLdK, kLdG = C::kLdG;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Chunk16<kK, T> ch;
+  if (!ch.begin(sq_, H, HV, in, smem_raw)) return;
+  const C& ct = ch.ct;
+  const int L = ch.L;
+  const int64_t row0 = ch.row0, gc = ch.gc;
+  const T *sq = ct.q, *sk = ct.k;
+  const float *sG = ct.G, *sbeta = ct.beta, *srq = ct.rq, *srk = ct.rk;
+  float* sdA = reinterpret_cast<float*>(ch.rest);  // [kChunk, kChunk]: beta_t dA_ts
+  float* sdAqk = sdA + kChunk * kChunk;         // [kChunk, kChunk]
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const float* Gl = sG + (L - 1) * kLdG;
+
+  // dbeta_t += sum_c ZW k exp(G) + sum_{s<t} dA A (a warp per row); dA (times beta_t) and dAqk
+  // staged; G_last's extra gradient gC sum_j dS1 S0 + sum_t Kd dKd (a thread per channel).
+  for (int t = warp; t < L; t += C::kThreads / 32) {
+    float acc = 0.f;
+    for (int c = lane; c < kK; c += 32) {
+      acc += w.ZW[(row0 + t) * kK + c] * to_float(sk[t * kLdK + c]) * srk[t] * exp2_approx(sG[t * kLdG + c]);
+    }
+    for (int s = lane; s < t; s += 32) acc += w.dA[(row0 + t) * kChunk + s] * intra.A[(row0 + t) * kChunk + s];
+    acc = warp_reduce(acc, SumOp{});
+    if (lane == 0) w.dbeta[row0 + t] += acc;
+  }
+  for (int i = tid; i < kChunk * kChunk; i += C::kThreads) {
+    const int t = i / kChunk;
+    sdA[i] = t < L ? sbeta[t] * w.dA[row0 * kChunk + i] : 0.f;
+    sdAqk[i] = t < L ? w.dAqk[row0 * kChunk + i] : 0.f;
+  }
+  if (tid < kK) {
+    float acc = 0.f;
+    for (int t = 0; t < L; ++t) {
+      acc += to_float(sk[t * kLdK + tid]) * srk[t] * exp2_approx(Gl[tid] - sG[t * kLdG + tid]) *
+             w.dk[(row0 + t) * kK + tid];
+    }
+    w.last[gc + tid] = w.last[gc + tid] * exp2_approx(Gl[tid]) + acc;
+  }
+  __syncthreads();
+
+  for (int task = tid; task < 4 * kK; task += C::kThreads) {  // a warp shares its block
+    const int c = task % kK, b0 = task / kK * 16;
+    if (b0 >= L) continue;
+    float kn[16], qn[16], G[16], ra[16], rq[16], cl[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      kn[i] = to_float(sk[(b0 + i) * kLdK + c]) * srk[b0 + i];
+      qn[i] = to_float(sq[(b0 + i) * kLdK + c]) * srq[b0 + i];
+      G[i] = sG[(b0 + i) * kLdG + c];
+      ra[i] = rq[i] = cl[i] = 0.f;
+    }
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+#pragma unroll
+      for (int s = 0; s <= t; ++s) {
+        const float e = exp2_approx(G[t] - G[s]), x = kn[s] * e;
+        const float da = sdA[(b0 + t) * kChunk + b0 + s], dq = sdAqk[(b0 + t) * kChunk + b0 + s];
+        ra[t] += da * x;
+        rq[t] += dq * x;
+        cl[s] += (da * kn[t] + dq * qn[t]) * e;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if (b0 + i < L) {
+        const int64_t at = (row0 + b0 + i) * kK + c;
+        const float eg = exp2_approx(G[i]), ed = exp2_approx(Gl[c] - G[i]);
+        const float dqg = w.dq[at], dkd = w.dk[at], zw = sbeta[b0 + i] * w.ZW[at];
+        w.dq[at] = dqg * eg + rq[i];
+        w.dk[at] = dkd * ed + ra[i] + cl[i] + zw * eg;
+        w.dg[at] = dqg * qn[i] * eg - dkd * kn[i] * ed + kn[i] * (ra[i] - cl[i] + zw * eg) + qn[i] * rq[i];
+      }
+    }
+  }
+}
+
+// Part 2 of 2: the pairs across diagonal blocks as mma.sync products on bf16 tiles, the operands
+// scaled to the first row r of the later block as in the intra kernel. Warp w owns rows
+// 16 (w % 4).. and half of the columns: for its rows t in block b >= 1 (r = 16 b) it adds
+// exp(G_t - G_r) times (dA Ks_r, dAqk Ks_r) with Ks_r = k_s exp(G_r - G_s) (s < r), and for its
+// rows s below each later block b' (r' = 16 b') exp(G_r' - G_s) times (dA^T kE + dAqk^T qE) over
+// the rows of b', kE, qE = k_t, q_t exp(G_t - G_r'). Then dg's reverse cumsum from w.last.
+template <int kK, typename T>
+struct PairsOffdiag {
+  using C = ChunkTiles16<kK, T>;
+  static constexpr int kLdK = C::kLdK, kLdC = kChunk + 8;
+  static constexpr size_t bytes() { return C::bytes() + 2 * (2 * kChunk * kLdC + 96 * kLdK + 2 * kChunk * kLdK); }
+};
+
+template <int kK, typename T>
+__global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
+    bwd_pairs_offdiag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, BwdWork<float> w) {
+  using bf16 = __nv_bfloat16;
+  using C = ChunkTiles16<kK, T>;
+  using Z = PairsOffdiag<kK, T>;
+  constexpr int kLdK = C::kLdK, kLdG = C::kLdG, kLdC = Z::kLdC;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Chunk16<kK, T> ch;
+  if (!ch.begin(sq_, H, HV, in, smem_raw)) return;
+  const C& ct = ch.ct;
+  const int L = ch.L;
+  const int64_t row0 = ch.row0, gc = ch.gc;
+  bf16* sdA = reinterpret_cast<bf16*>(ch.rest);  // [kChunk, kLdC]: beta_t dA_ts
+  bf16* sdAqk = sdA + kChunk * kLdC;          // [kChunk, kLdC]
+  bf16* sKs = sdAqk + kChunk * kLdC;          // Ks_16, Ks_32, Ks_48 in rows 0, 16, 48 ([96, kLdK])
+  bf16* skE = sKs + 96 * kLdK;                // [kChunk, kLdK], rows from 16 on
+  bf16* sqE = skE + kChunk * kLdK;            // [kChunk, kLdK], rows from 16 on
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32;
+  const auto kn = [&](int t, int c) { return to_float(ct.k[t * kLdK + c]) * ct.rk[t]; };
+  const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
+  const auto G = [&](int t, int c) { return ct.G[t * kLdG + c]; };
+
+  for (int i = tid; i < kChunk * kChunk / 2; i += C::kThreads) {
+    const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
+    const float* da = w.dA + (row0 + t) * kChunk + s;
+    const float* dq = w.dAqk + (row0 + t) * kChunk + s;
+    store_pair(sdA + t * kLdC + s, t < L ? ct.beta[t] * da[0] : 0.f, t < L ? ct.beta[t] * da[1] : 0.f);
+    store_pair(sdAqk + t * kLdC + s, t < L ? dq[0] : 0.f, t < L ? dq[1] : 0.f);
+  }
+  for (int i = tid; i < 96 * kK; i += C::kThreads) {  // Ks_r rows s < r
+    const int j = i / kK, c = i % kK, r = j < 16 ? 16 : j < 48 ? 32 : 48, s = j - (r == 16 ? 0 : r == 32 ? 16 : 48);
+    sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_approx(G(r, c) - G(s, c)));
+  }
+  for (int i = tid; i < (kChunk - 16) * kK; i += C::kThreads) {  // kE, qE rows t >= 16
+    const int t = 16 + i / kK, c = i % kK, r = t / 16 * 16;
+    const float e = exp2_approx(G(t, c) - G(r, c));
+    skE[t * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
+    sqE[t * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
+  }
+  __syncthreads();
+
+  const int rt = warp % 4, n0 = warp / 4 * kK / 2, lane = tid % 32;
+  float ya[8][4] = {}, yq[8][4] = {};
+  if (rt >= 1) {  // row terms of block rt from the keys before it
+    const int r = 16 * rt;
+    const bf16* Ks = sKs + (rt == 1 ? 0 : rt == 2 ? 16 : 48) * kLdK;
+    warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
+    warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      if (n < kK / 16) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = r + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
+          if (t < L) {
+            const float f = exp2_approx(G(t, c) - G(r, c)), pa = f * ya[n][e], pq = f * yq[n][e];
+            const int64_t at = (row0 + t) * kK + c;
+            w.dq[at] += pq;
+            w.dk[at] += pa;
+            w.dg[at] += kn(t, c) * pa + qn(t, c) * pq;
+          }
+          ya[n][e] = 0.f;
+        }
+      }
+    }
+  }
+  for (int b = rt + 1; b < 4; ++b) {  // column terms of block rt's rows from each later block
+    warp_tile_product<true, false>(ya, sdA, kLdC, skE, kLdK, rt, n0, kK, b, b + 1);
+    warp_tile_product<true, false>(ya, sdAqk, kLdC, sqE, kLdK, rt, n0, kK, b, b + 1);
+    drain_tile(ya, rt, n0, kK, [&](int s, int col, float x0, float x1) {
+      if (s >= L) return;
+      const float x[2] = {x0, x1};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = col + e;
+        const float pc = exp2_approx(G(16 * b, c) - G(s, c)) * x[e];
+        const int64_t at = (row0 + s) * kK + c;
+        w.dk[at] += pc;
+        w.dg[at] -= kn(s, c) * pc;
+      }
+    });
+  }
+  __syncthreads();
+  if (tid < kK) {  // dg: reverse cumsum over the chunk, from G_last's extra gradient
+    float run = w.last[gc + tid];
+    for (int t = L - 1; t >= 0; --t) {
+      const int64_t at = (row0 + t) * kK + tid;
+      run += w.dg[at];
+      w.dg[at] = run;
+    }
+  }
+}
+
 // Element types of the row kernels below, chosen at run time.
 enum class Elem : int { kF32, kBF16, kF16 };
 
@@ -1563,18 +1803,23 @@ void with_bf16_types(const Problem& p, const at::Tensor& q, F f) {
   }
 }
 
+template <typename T>
+RawIn<T> raw_in(const Inputs& raw, bool l2norm) {
+  return RawIn<T>{static_cast<const T*>(raw.q.data_ptr()),
+                  static_cast<const T*>(raw.k.data_ptr()),
+                  static_cast<const T*>(raw.v.data_ptr()),
+                  raw.g.data_ptr(),
+                  raw.beta.data_ptr(),
+                  raw.g.scalar_type() == at::kFloat,
+                  raw.beta.scalar_type() == at::kFloat,
+                  l2norm};
+}
+
 // intra_bf16_kernel over every chunk slot, on the raw inputs.
 template <int kK, typename T, typename Out>
 void run_intra_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, const Intra<Out>& w) {
   if (l.seqs.slots == 0) return;
-  const RawIn<T> in{static_cast<const T*>(raw.q.data_ptr()),
-                    static_cast<const T*>(raw.k.data_ptr()),
-                    static_cast<const T*>(raw.v.data_ptr()),
-                    raw.g.data_ptr(),
-                    raw.beta.data_ptr(),
-                    raw.g.scalar_type() == at::kFloat,
-                    raw.beta.scalar_type() == at::kFloat,
-                    l2norm};
+  const RawIn<T> in = raw_in<T>(raw, l2norm);
   const auto kernel = intra_bf16_kernel<kK, T, Out>;
   set_smem(kernel, IntraBf16<kK>::bytes());
   kernel<<<dim3(l.seqs.slots, p.HV), IntraBf16<kK>::kThreads, IntraBf16<kK>::bytes(), l.stream>>>(
@@ -1732,13 +1977,14 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
   gr.dv.zero_();
   // The dense part on bf16 tiles where the bf16 kernels apply (raw given: K, V in {64, 128}).
   const bool dense_bf16 = raw != nullptr;
-  const BwdWork<float> w{ws(rows * p.V),
-                         ws(rows * p.V),
+  const auto scratch = [&](int64_t n) { return dense_bf16 ? nullptr : ws(n); };  // the fp32 chunk kernel's
+  const BwdWork<float> w{scratch(rows * p.V),
+                         scratch(rows * p.V),
+                         scratch(rows * p.K),
                          ws(rows * p.K),
-                         ws(rows * p.K),
-                         ws(rows * p.V),
-                         ws(rows * p.K),
-                         ws(rows * p.K),
+                         scratch(rows * p.V),
+                         scratch(rows * p.K),
+                         scratch(rows * p.K),
                          dq.data_ptr<float>(),
                          dk.data_ptr<float>(),
                          dg.data_ptr<float>(),
@@ -1747,20 +1993,29 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
                          dense_bf16 ? ws(rows * kChunk) : nullptr,
                          dense_bf16 ? ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K)) : nullptr};
   if (l.seqs.slots > 0 && dense_bf16) {
-    const auto launch = [&](auto kernel, size_t smem) {
-      set_smem(kernel, smem);
-      kernel<<<dim3(l.seqs.slots, p.HV), BwdDenseBf16<128>::kThreads, smem, l.stream>>>(
+    const dim3 grid(static_cast<unsigned>(l.seqs.slots), static_cast<unsigned>(p.HV));
+    with_bf16_types(p, raw->q, [&](auto kt, auto tag) {
+      constexpr int kK = decltype(kt)::value;
+      using T = decltype(tag);
+      const auto dense = bwd_dense_bf16_kernel<kK>;
+      set_smem(dense, BwdDenseBf16<kK>::bytes());
+      dense<<<grid, BwdDenseBf16<kK>::kThreads, BwdDenseBf16<kK>::bytes(), l.stream>>>(
           l.seqs, z, scale, intra, starts.data_ptr<float>(), dends.data_ptr<float>(), grad_o.data_ptr<float>(),
           in.v.data_ptr<float>(), in.beta.data_ptr<float>(), w, gr.dv.data_ptr<float>());
-    };
-    if (p.K == 128) {
-      launch(bwd_dense_bf16_kernel<128>, BwdDenseBf16<128>::bytes());
-    } else {
-      launch(bwd_dense_bf16_kernel<64>, BwdDenseBf16<64>::bytes());
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (l.seqs.slots > 0) {
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const RawIn<T> ri = raw_in<T>(*raw, l2norm);
+      const auto diag = bwd_pairs_diag_kernel<kK, T>;
+      set_smem(diag, PairsDiag<kK, T>::bytes());
+      diag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsDiag<kK, T>::bytes(), l.stream>>>(l.seqs, p.H, p.HV, ri,
+                                                                                         intra, w);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const auto offdiag = bwd_pairs_offdiag_kernel<kK, T>;
+      set_smem(offdiag, PairsOffdiag<kK, T>::bytes());
+      offdiag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsOffdiag<kK, T>::bytes(), l.stream>>>(l.seqs, p.H, p.HV,
+                                                                                              ri, w);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  } else if (l.seqs.slots > 0) {
     const size_t smem =
         ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + (2 * kSub + 1) * p.K);
     set_smem(chunk_bwd_kernel<float>, smem);
