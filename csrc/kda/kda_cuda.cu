@@ -1469,6 +1469,37 @@ struct PairsDiag {
   static constexpr size_t bytes() { return C::bytes() + 4 * 2 * kChunk * kChunk; }
 };
 
+// bwd_pairs_diag_kernel's results for the rows i < n (up to 16) of one channel of a diagonal
+// block (element i at at + i ld), the loads of kGroup rows issued together.
+__device__ __forceinline__ void pairs_diag_out(int n, int64_t at, int ld, const float* beta, float gl,
+                                               const float (&kn)[16], const float (&qn)[16], const float (&G)[16],
+                                               const float (&ra)[16], const float (&rq)[16], const float (&cl)[16],
+                                               const float* zw, float* dq, float* dk, float* dg) {
+  constexpr int kGroup = 2;
+#pragma unroll
+  for (int i0 = 0; i0 < 16; i0 += kGroup) {
+    float dqg[kGroup], dkd[kGroup], z[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      const int64_t e = at + (i0 + i) * ld;
+      dqg[i] = i0 + i < n ? dq[e] : 0.f;
+      dkd[i] = i0 + i < n ? dk[e] : 0.f;
+      z[i] = i0 + i < n ? beta[i0 + i] * zw[e] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      const int i = i0 + j;
+      if (i < n) {
+        const int64_t e = at + i * ld;
+        const float eg = exp2_approx(G[i]), ed = exp2_approx(gl - G[i]);
+        dq[e] = dqg[j] * eg + rq[i];
+        dk[e] = dkd[j] * ed + ra[i] + cl[i] + z[j] * eg;
+        dg[e] = dqg[j] * qn[i] * eg - dkd[j] * kn[i] * ed + kn[i] * (ra[i] - cl[i] + z[j] * eg) + qn[i] * rq[i];
+      }
+    }
+  }
+}
+
 template <int kK, typename T>
 __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
     bwd_pairs_diag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, Intra<float> intra, BwdWork<float> w) {
@@ -1535,31 +1566,31 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
         cl[s] += (da * kn[t] + dq * qn[t]) * e;
       }
     }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (b0 + i < L) {
-        const int64_t at = (row0 + b0 + i) * kK + c;
-        const float eg = exp2_approx(G[i]), ed = exp2_approx(Gl[c] - G[i]);
-        const float dqg = w.dq[at], dkd = w.dk[at], zw = sbeta[b0 + i] * w.ZW[at];
-        w.dq[at] = dqg * eg + rq[i];
-        w.dk[at] = dkd * ed + ra[i] + cl[i] + zw * eg;
-        w.dg[at] = dqg * qn[i] * eg - dkd * kn[i] * ed + kn[i] * (ra[i] - cl[i] + zw * eg) + qn[i] * rq[i];
-      }
-    }
+    pairs_diag_out(L - b0, (row0 + b0) * kK + c, kK, sbeta + b0, Gl[c], kn, qn, G, ra, rq, cl, w.ZW, w.dq,
+                   w.dk, w.dg);
   }
 }
 
 // Part 2 of 2: the pairs across diagonal blocks as mma.sync products on bf16 tiles, the operands
-// scaled to the first row r of the later block as in the intra kernel. Warp w owns rows
-// 16 (w % 4).. and half of the columns: for its rows t in block b >= 1 (r = 16 b) it adds
-// exp(G_t - G_r) times (dA Ks_r, dAqk Ks_r) with Ks_r = k_s exp(G_r - G_s) (s < r), and for its
-// rows s below each later block b' (r' = 16 b') exp(G_r' - G_s) times (dA^T kE + dAqk^T qE) over
-// the rows of b', kE, qE = k_t, q_t exp(G_t - G_r'). Then dg's reverse cumsum from w.last.
+// scaled to one reference row per warp as in the intra kernel. Warp w owns the rows of block
+// b = w % 4 and half of the columns. Row terms (b >= 1, r = 16 b): exp(G_t - G_r) times
+// (dA Ks_r, dAqk Ks_r) with Ks_r = k_s exp(G_r - G_s) over s < r. Column terms (b <= 2, r' = 16 b
+// + 16): exp(G_r' - G_s) times (dA^T kE_r' + dAqk^T qE_r') over the rows t >= r', kE_r', qE_r' =
+// k_t, q_t exp(G_t - G_r'). Every factor is at most 1. The terms are staged in shared memory (over
+// the spent operands), then one pass adds them to dq, dk, dg and takes dg's reverse cumsum from
+// w.last.
 template <int kK, typename T>
 struct PairsOffdiag {
   using C = ChunkTiles16<kK, T>;
-  static constexpr int kLdK = C::kLdK, kLdC = kChunk + 8;
-  static constexpr size_t bytes() { return C::bytes() + 2 * (2 * kChunk * kLdC + 96 * kLdK + 2 * kChunk * kLdK); }
+  static constexpr int kLdK = C::kLdK, kLdC = kChunk + 8, kLdS = kK + 8;
+  // Ks_16, Ks_32, Ks_48 (16, 32, 48 rows) and kE_16, kE_32, kE_48 (48, 32, 16 rows): 96 rows each.
+  static constexpr int kSlabRows = 96;
+  static constexpr size_t kOperands = 2 * (2 * kChunk * kLdC + 3 * kSlabRows * kLdK);
+  static constexpr size_t kStaging = 4 * 3 * kChunk * kLdS;  // the dq, dk, dg terms in fp32
+  static constexpr size_t bytes() { return C::bytes() + (kOperands > kStaging ? kOperands : kStaging); }
+  // First row of slab j (reference row 16 j + 16) among the Ks and the kE / qE rows.
+  __device__ static int ks_row(int j) { return j == 0 ? 0 : j == 1 ? 16 : 48; }
+  __device__ static int e_row(int j) { return j == 0 ? 0 : j == 1 ? 48 : 80; }
 };
 
 template <int kK, typename T>
@@ -1568,7 +1599,7 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   using bf16 = __nv_bfloat16;
   using C = ChunkTiles16<kK, T>;
   using Z = PairsOffdiag<kK, T>;
-  constexpr int kLdK = C::kLdK, kLdG = C::kLdG, kLdC = Z::kLdC;
+  constexpr int kLdK = C::kLdK, kLdG = C::kLdG, kLdC = Z::kLdC, kLdS = Z::kLdS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Chunk16<kK, T> ch;
   if (!ch.begin(sq_, H, HV, in, smem_raw)) return;
@@ -1576,11 +1607,14 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   const int L = ch.L;
   const int64_t row0 = ch.row0, gc = ch.gc;
   bf16* sdA = reinterpret_cast<bf16*>(ch.rest);  // [kChunk, kLdC]: beta_t dA_ts
-  bf16* sdAqk = sdA + kChunk * kLdC;          // [kChunk, kLdC]
-  bf16* sKs = sdAqk + kChunk * kLdC;          // Ks_16, Ks_32, Ks_48 in rows 0, 16, 48 ([96, kLdK])
-  bf16* skE = sKs + 96 * kLdK;                // [kChunk, kLdK], rows from 16 on
-  bf16* sqE = skE + kChunk * kLdK;            // [kChunk, kLdK], rows from 16 on
-  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32;
+  bf16* sdAqk = sdA + kChunk * kLdC;              // [kChunk, kLdC]
+  bf16* sKs = sdAqk + kChunk * kLdC;              // [96, kLdK]
+  bf16* skE = sKs + Z::kSlabRows * kLdK;          // [96, kLdK]
+  bf16* sqE = skE + Z::kSlabRows * kLdK;          // [96, kLdK]
+  float* sSq = reinterpret_cast<float*>(ch.rest);  // [kChunk, kLdS] each, over the operands
+  float* sSk = sSq + kChunk * kLdS;
+  float* sSg = sSk + kChunk * kLdS;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const auto kn = [&](int t, int c) { return to_float(ct.k[t * kLdK + c]) * ct.rk[t]; };
   const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
   const auto G = [&](int t, int c) { return ct.G[t * kLdG + c]; };
@@ -1592,67 +1626,87 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     store_pair(sdA + t * kLdC + s, t < L ? ct.beta[t] * da[0] : 0.f, t < L ? ct.beta[t] * da[1] : 0.f);
     store_pair(sdAqk + t * kLdC + s, t < L ? dq[0] : 0.f, t < L ? dq[1] : 0.f);
   }
-  for (int i = tid; i < 96 * kK; i += C::kThreads) {  // Ks_r rows s < r
-    const int j = i / kK, c = i % kK, r = j < 16 ? 16 : j < 48 ? 32 : 48, s = j - (r == 16 ? 0 : r == 32 ? 16 : 48);
-    sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_approx(G(r, c) - G(s, c)));
-  }
-  for (int i = tid; i < (kChunk - 16) * kK; i += C::kThreads) {  // kE, qE rows t >= 16
-    const int t = 16 + i / kK, c = i % kK, r = t / 16 * 16;
-    const float e = exp2_approx(G(t, c) - G(r, c));
-    skE[t * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
-    sqE[t * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
+  for (int i = tid; i < Z::kSlabRows * kK; i += C::kThreads) {
+    const int j = i / kK, c = i % kK;
+    {  // Ks_r row s
+      const int slab = j < 16 ? 0 : j < 48 ? 1 : 2, r = 16 * slab + 16, s = j - Z::ks_row(slab);
+      sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_approx(G(r, c) - G(s, c)));
+    }
+    {  // kE_r, qE_r row t
+      const int slab = j < 48 ? 0 : j < 80 ? 1 : 2, r = 16 * slab + 16, t = r + j - Z::e_row(slab);
+      const float e = exp2_approx(G(t, c) - G(r, c));
+      skE[j * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
+      sqE[j * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
+    }
   }
   __syncthreads();
 
-  const int rt = warp % 4, n0 = warp / 4 * kK / 2, lane = tid % 32;
-  float ya[8][4] = {}, yq[8][4] = {};
-  if (rt >= 1) {  // row terms of block rt from the keys before it
-    const int r = 16 * rt;
-    const bf16* Ks = sKs + (rt == 1 ? 0 : rt == 2 ? 16 : 48) * kLdK;
+  const int rt = warp % 4, n0 = warp / 4 * kK / 2;
+  float ya[8][4] = {}, yq[8][4] = {}, x[8][4] = {};
+  if (rt >= 1) {  // block rt's rows from the keys before it
+    const bf16* Ks = sKs + Z::ks_row(rt - 1) * kLdK;
     warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
     warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
+  }
+  if (rt <= 2) {  // block rt's rows as keys of the later rows (operand rows t - r' + e_row)
+    const int off = (Z::e_row(rt) - 16 * (rt + 1)) * kLdK;
+    warp_tile_product<true, false>(x, sdA, kLdC, skE + off, kLdK, rt, n0, kK, rt + 1, 4);
+    warp_tile_product<true, false>(x, sdAqk, kLdC, sqE + off, kLdK, rt, n0, kK, rt + 1, 4);
+  }
+  __syncthreads();  // the operands are spent: the staging goes over them
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      if (n < kK / 16) {
+  for (int n = 0; n < 8; ++n) {
+    if (n < kK / 16) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = r + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
-          if (t < L) {
-            const float f = exp2_approx(G(t, c) - G(r, c)), pa = f * ya[n][e], pq = f * yq[n][e];
-            const int64_t at = (row0 + t) * kK + c;
-            w.dq[at] += pq;
-            w.dk[at] += pa;
-            w.dg[at] += kn(t, c) * pa + qn(t, c) * pq;
-          }
-          ya[n][e] = 0.f;
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * rt + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
+        const float fr = rt >= 1 ? exp2_approx(G(t, c) - G(16 * rt, c)) : 0.f;
+        const float fc = rt <= 2 ? exp2_approx(G(16 * rt + 16, c) - G(t, c)) : 0.f;
+        const float pa = fr * ya[n][e], pq = fr * yq[n][e], pc = fc * x[n][e];
+        sSq[t * kLdS + c] = pq;
+        sSk[t * kLdS + c] = pa + pc;
+        sSg[t * kLdS + c] = kn(t, c) * (pa - pc) + qn(t, c) * pq;
       }
     }
-  }
-  for (int b = rt + 1; b < 4; ++b) {  // column terms of block rt's rows from each later block
-    warp_tile_product<true, false>(ya, sdA, kLdC, skE, kLdK, rt, n0, kK, b, b + 1);
-    warp_tile_product<true, false>(ya, sdAqk, kLdC, sqE, kLdK, rt, n0, kK, b, b + 1);
-    drain_tile(ya, rt, n0, kK, [&](int s, int col, float x0, float x1) {
-      if (s >= L) return;
-      const float x[2] = {x0, x1};
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = col + e;
-        const float pc = exp2_approx(G(16 * b, c) - G(s, c)) * x[e];
-        const int64_t at = (row0 + s) * kK + c;
-        w.dk[at] += pc;
-        w.dg[at] -= kn(s, c) * pc;
-      }
-    });
   }
   __syncthreads();
-  if (tid < kK) {  // dg: reverse cumsum over the chunk, from G_last's extra gradient
-    float run = w.last[gc + tid];
-    for (int t = L - 1; t >= 0; --t) {
-      const int64_t at = (row0 + t) * kK + tid;
-      run += w.dg[at];
-      w.dg[at] = run;
+
+  // dq, dk, dg += the staged terms, then dg's reverse cumsum: a thread per channel and part of
+  // the rows, each part's old values loaded together.
+  constexpr int kParts = C::kThreads / kK, kRows = kChunk / kParts;
+  const int c = tid % kK, p0 = tid / kK;
+  float old[kRows];
+  const auto add_staged = [&](float* d, const float* st) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int t = p0 * kRows + i;
+      old[i] = t < L ? d[(row0 + t) * kK + c] : 0.f;
     }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) old[i] += st[(p0 * kRows + i) * kLdS + c];
+  };
+  for (int which = 0; which < 2; ++which) {
+    float* d = which == 0 ? w.dq : w.dk;
+    add_staged(d, which == 0 ? sSq : sSk);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      if (p0 * kRows + i < L) d[(row0 + p0 * kRows + i) * kK + c] = old[i];
+    }
+  }
+  add_staged(w.dg, sSg);
+  float run = 0.f;
+#pragma unroll
+  for (int i = kRows - 1; i >= 0; --i) {
+    run += old[i];
+    old[i] = run;
+  }
+  ct.part[p0 * kK + c] = run;
+  __syncthreads();
+  float base = w.last[gc + c];
+  for (int p = p0 + 1; p < kParts; ++p) base += ct.part[p * kK + c];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    if (p0 * kRows + i < L) w.dg[(row0 + p0 * kRows + i) * kK + c] = old[i] + base;
   }
 }
 
@@ -1722,7 +1776,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) l2norm_rows_kernel(const void*
   if (lane == 0 && rinv != nullptr) rinv[row] = r;
 }
 
-// The CUDA backward's last step, a block per token and a warp per row: the gradients w.r.t. the
+// The CUDA backward's last step, a warp per row (token, task): the gradients w.r.t. the
 // raw q, k (each head's value heads summed, then through the normalisation: (d - n (n . d)) r),
 // dg and dbeta token-major, each in its output type. Inputs head-major: [HV, tokens, K], [HV, tokens].
 struct FinishArgs {
@@ -1735,9 +1789,10 @@ struct FinishArgs {
 };
 
 __global__ void __launch_bounds__(32 * kRowWarps) finish_grads_kernel(FinishArgs a) {
-  const int64_t t = blockIdx.x;
-  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32), group = a.HV / a.H;
-  for (int task = warp; task < 2 * a.H + a.HV; task += kRowWarps) {
+  const int tasks = 2 * a.H + a.HV, lane = static_cast<int>(threadIdx.x % 32), group = a.HV / a.H;
+  const int64_t id = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32, t = id / tasks;
+  const int task = static_cast<int>(id % tasks);
+  if (t < a.tokens) {
     if (task < 2 * a.H) {
       const bool is_k = task >= a.H;
       const int h = task % a.H;
@@ -2044,7 +2099,8 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
                      static_cast<int>(p.H),
                      static_cast<int>(p.HV),
                      static_cast<int>(p.K)};
-  finish_grads_kernel<<<static_cast<unsigned>(tokens), 32 * kRowWarps, 0, l.stream>>>(a);
+  finish_grads_kernel<<<static_cast<unsigned>(ceil_div(tokens * (2 * p.H + p.HV), int64_t{kRowWarps})),
+                        32 * kRowWarps, 0, l.stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
