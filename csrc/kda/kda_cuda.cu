@@ -1246,6 +1246,54 @@ __global__ void __launch_bounds__(Bf16State<kK, float>::kThreads) state_bwd_bf16
   sm.store_state(dS, dh0 + st.matrix(z.HV), V, st.j0);
 }
 
+// Element types of the gradients and of the row kernels, chosen at run time.
+enum class Elem : int { kF32, kBF16, kF16 };
+
+Elem elem_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return Elem::kF32;
+    case at::kBFloat16:
+      return Elem::kBF16;
+    case at::kHalf:
+      return Elem::kF16;
+    default:
+      TORCH_CHECK(false, "kda: the CUDA kernels take bfloat16, float16 or float32 inputs, got ", t.scalar_type(),
+                  " (use the CPU kernel for float64)");
+  }
+}
+
+__device__ __forceinline__ float load_elem(const void* p, int64_t i, Elem e) {
+  switch (e) {
+    case Elem::kBF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case Elem::kF16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void store_elem(void* p, int64_t i, float x, Elem e) {
+  switch (e) {
+    case Elem::kBF16:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
+      break;
+    case Elem::kF16:
+      static_cast<__half*>(p)[i] = __float2half_rn(x);
+      break;
+    default:
+      static_cast<float*>(p)[i] = x;
+  }
+}
+
+// The backward's outputs, token-major in their element types: dq, dk [tokens, H, K], dg
+// [tokens, HV, K], dbeta [tokens, HV].
+struct GradOut {
+  void *dq, *dk, *dg, *dbeta;
+  Elem eq, eg, eb;
+};
+
 // Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
 template <typename T>
 struct BwdWork {
@@ -1289,15 +1337,29 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
             w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), w.dbeta + row);
 }
 
-// rows x cols (cols % 4 == 0) of fp32 at src (row stride ld_src; rows from `valid` on are zero)
-// to bf16 at dst (row stride ld_dst).
+// rows x cols (cols % 4 == 0) of fp32 at src (row stride ld_src; rows from `valid` on are zero;
+// read-only while the kernel runs) to bf16 at dst (row stride ld_dst), kBatch loads per thread
+// in flight.
 __device__ __forceinline__ void tile_to_bf16(__nv_bfloat16* dst, int ld_dst, const float* src, int64_t ld_src,
                                              int rows, int valid, int cols) {
-  for (int i = static_cast<int>(threadIdx.x); i < rows * (cols / 4); i += static_cast<int>(blockDim.x)) {
-    const int r = i / (cols / 4), c = i % (cols / 4) * 4;
-    const float4 x = r < valid ? *reinterpret_cast<const float4*>(src + r * ld_src + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-    *reinterpret_cast<uint2*>(dst + r * ld_dst + c) =
-        make_uint2(mma::pack2<__nv_bfloat16>(x.x, x.y), mma::pack2<__nv_bfloat16>(x.z, x.w));
+  constexpr int kBatch = 8;
+  const int n = rows * (cols / 4), step = static_cast<int>(blockDim.x);
+  for (int i0 = static_cast<int>(threadIdx.x); i0 < n; i0 += kBatch * step) {
+    float4 x[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j * step, r = i / (cols / 4), c = i % (cols / 4) * 4;
+      x[j] = i < n && r < valid ? __ldg(reinterpret_cast<const float4*>(src + r * ld_src + c))
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j * step, r = i / (cols / 4), c = i % (cols / 4) * 4;
+      if (i < n) {
+        *reinterpret_cast<uint2*>(dst + r * ld_dst + c) =
+            make_uint2(mma::pack2<__nv_bfloat16>(x[j].x, x[j].y), mma::pack2<__nv_bfloat16>(x[j].z, x[j].w));
+      }
+    }
   }
 }
 
@@ -1347,17 +1409,27 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   const int64_t ldv = z.HV * V;  // token-major rows of dO, v, dv
 
   // The states (and sum_j dS1 S0 per row, in fp32), the chunk's terms and dO, all in bf16.
-  for (int c = warp; c < kK; c += Z::kThreads / 32) {
-    float dot = 0.f;
-    if (lane * 4 < V) {
-      const float4 a = *reinterpret_cast<const float4*>(starts + state + c * V + lane * 4);
-      const float4 b = *reinterpret_cast<const float4*>(dends + state + c * V + lane * 4);
-      *reinterpret_cast<uint2*>(sS0 + c * kLd + lane * 4) = make_uint2(mma::pack2<bf16>(a.x, a.y), mma::pack2<bf16>(a.z, a.w));
-      *reinterpret_cast<uint2*>(sdS1 + c * kLd + lane * 4) = make_uint2(mma::pack2<bf16>(b.x, b.y), mma::pack2<bf16>(b.z, b.w));
-      dot = a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+  constexpr int kRowsPerWarp = kK / (Z::kThreads / 32), kBatch = 4;
+  for (int c0 = warp * kRowsPerWarp; c0 < (warp + 1) * kRowsPerWarp; c0 += kBatch) {
+    float4 a[kBatch], b[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const bool in = lane * 4 < V;
+      a[j] = in ? __ldg(reinterpret_cast<const float4*>(starts + state + (c0 + j) * V + lane * 4)) : float4{};
+      b[j] = in ? __ldg(reinterpret_cast<const float4*>(dends + state + (c0 + j) * V + lane * 4)) : float4{};
     }
-    dot = warp_reduce(dot, SumOp{});
-    if (lane == 0) w.last[gc + c] = dot;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int c = c0 + j;
+      if (lane * 4 < V) {
+        *reinterpret_cast<uint2*>(sS0 + c * kLd + lane * 4) =
+            make_uint2(mma::pack2<bf16>(a[j].x, a[j].y), mma::pack2<bf16>(a[j].z, a[j].w));
+        *reinterpret_cast<uint2*>(sdS1 + c * kLd + lane * 4) =
+            make_uint2(mma::pack2<bf16>(b[j].x, b[j].y), mma::pack2<bf16>(b[j].z, b[j].w));
+      }
+      const float dot = warp_reduce(a[j].x * b[j].x + a[j].y * b[j].y + a[j].z * b[j].z + a[j].w * b[j].w, SumOp{});
+      if (lane == 0) w.last[gc + c] = dot;
+    }
   }
   tile_to_bf16(sW, kLd, in.W + row0 * kK, kK, kChunk, L, kK);
   tile_to_bf16(sKd, kLd, in.Kd + row0 * kK, kK, kChunk, L, kK);
@@ -1372,8 +1444,8 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
     const int n0 = half * V / 2;
     warp_tile_product<false, false>(acc, sW, kLd, sS0, kLd, rt, n0, V, 0, kK / 16);
     drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) {
-      const float* ut = in.Ut + (row0 + t) * V + col;
-      store_pair(sU + t * kLd + col, t < L ? ut[0] - x0 : 0.f, t < L ? ut[1] - x1 : 0.f);
+      const float2 ut = t < L ? __ldg(reinterpret_cast<const float2*>(in.Ut + (row0 + t) * V + col)) : float2{};
+      store_pair(sU + t * kLd + col, ut.x - x0, ut.y - x1);
     });
     warp_tile_product<true, false>(acc, sAqk, kLdC, sdO, kLd, rt, n0, V, 0, kChunk / 16);
 #pragma unroll
@@ -1415,9 +1487,10 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
       store_pair(sdO + t * kLd + col, x0, x1);
       if (t < L) {
         const int64_t e = (t0 + t) * ldv + hv * V + col;
-        const float b = beta[(t0 + t) * z.HV + hv];
+        const float b = __ldg(beta + (t0 + t) * z.HV + hv);
+        const float2 ve = __ldg(reinterpret_cast<const float2*>(v + e));
         store_pair(dv + e, b * x0, b * x1);
-        part[(t / 8) % 2] += x0 * v[e] + x1 * v[e + 1];
+        part[(t / 8) % 2] += x0 * ve.x + x1 * ve.y;
       }
     });
 #pragma unroll
@@ -1502,7 +1575,8 @@ __device__ __forceinline__ void pairs_diag_out(int n, int64_t at, int ld, const 
 
 template <int kK, typename T>
 __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
-    bwd_pairs_diag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, Intra<float> intra, BwdWork<float> w) {
+    bwd_pairs_diag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, Intra<float> intra, BwdWork<float> w,
+                          GradOut out) {
   using C = ChunkTiles16<kK, T>;
   constexpr int kLdK = C::kLdK, kLdG = C::kLdG;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -1522,20 +1596,27 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
   // staged; G_last's extra gradient gC sum_j dS1 S0 + sum_t Kd dKd (a thread per channel).
   for (int t = warp; t < L; t += C::kThreads / 32) {
     float acc = 0.f;
+#pragma unroll
     for (int c = lane; c < kK; c += 32) {
-      acc += w.ZW[(row0 + t) * kK + c] * to_float(sk[t * kLdK + c]) * srk[t] * exp2_approx(sG[t * kLdG + c]);
+      acc += __ldg(w.ZW + (row0 + t) * kK + c) * to_float(sk[t * kLdK + c]) * srk[t] * exp2_approx(sG[t * kLdG + c]);
     }
-    for (int s = lane; s < t; s += 32) acc += w.dA[(row0 + t) * kChunk + s] * intra.A[(row0 + t) * kChunk + s];
+    for (int s = lane; s < t; s += 32) acc += __ldg(w.dA + (row0 + t) * kChunk + s) * __ldg(intra.A + (row0 + t) * kChunk + s);
     acc = warp_reduce(acc, SumOp{});
-    if (lane == 0) w.dbeta[row0 + t] += acc;
+    if (lane == 0 && out.dbeta != nullptr) {
+      store_elem(out.dbeta, (ch.t0 + t) * HV + blockIdx.y, w.dbeta[row0 + t] + acc, out.eb);
+    } else if (lane == 0) {
+      w.dbeta[row0 + t] += acc;
+    }
   }
+#pragma unroll 8
   for (int i = tid; i < kChunk * kChunk; i += C::kThreads) {
     const int t = i / kChunk;
-    sdA[i] = t < L ? sbeta[t] * w.dA[row0 * kChunk + i] : 0.f;
-    sdAqk[i] = t < L ? w.dAqk[row0 * kChunk + i] : 0.f;
+    sdA[i] = t < L ? sbeta[t] * __ldg(w.dA + row0 * kChunk + i) : 0.f;
+    sdAqk[i] = t < L ? __ldg(w.dAqk + row0 * kChunk + i) : 0.f;
   }
   if (tid < kK) {
     float acc = 0.f;
+#pragma unroll 8
     for (int t = 0; t < L; ++t) {
       acc += to_float(sk[t * kLdK + tid]) * srk[t] * exp2_approx(Gl[tid] - sG[t * kLdG + tid]) *
              w.dk[(row0 + t) * kK + tid];
@@ -1595,7 +1676,7 @@ struct PairsOffdiag {
 
 template <int kK, typename T>
 __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
-    bwd_pairs_offdiag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, BwdWork<float> w) {
+    bwd_pairs_offdiag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, BwdWork<float> w, GradOut out) {
   using bf16 = __nv_bfloat16;
   using C = ChunkTiles16<kK, T>;
   using Z = PairsOffdiag<kK, T>;
@@ -1619,12 +1700,14 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
   const auto G = [&](int t, int c) { return ct.G[t * kLdG + c]; };
 
+#pragma unroll 8
   for (int i = tid; i < kChunk * kChunk / 2; i += C::kThreads) {
     const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
-    const float* da = w.dA + (row0 + t) * kChunk + s;
-    const float* dq = w.dAqk + (row0 + t) * kChunk + s;
-    store_pair(sdA + t * kLdC + s, t < L ? ct.beta[t] * da[0] : 0.f, t < L ? ct.beta[t] * da[1] : 0.f);
-    store_pair(sdAqk + t * kLdC + s, t < L ? dq[0] : 0.f, t < L ? dq[1] : 0.f);
+    const float b = t < L ? ct.beta[t] : 0.f;
+    const float2 da = t < L ? __ldg(reinterpret_cast<const float2*>(w.dA + (row0 + t) * kChunk + s)) : float2{};
+    const float2 dq = t < L ? __ldg(reinterpret_cast<const float2*>(w.dAqk + (row0 + t) * kChunk + s)) : float2{};
+    store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
+    store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
   }
   for (int i = tid; i < Z::kSlabRows * kK; i += C::kThreads) {
     const int j = i / kK, c = i % kK;
@@ -1685,12 +1768,19 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) old[i] += st[(p0 * kRows + i) * kLdS + c];
   };
+  const bool direct = out.dq != nullptr;
   for (int which = 0; which < 2; ++which) {
     float* d = which == 0 ? w.dq : w.dk;
-    add_staged(d, which == 0 ? sSq : sSk);
+    float* st = which == 0 ? sSq : sSk;
+    add_staged(d, st);
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      if (p0 * kRows + i < L) d[(row0 + p0 * kRows + i) * kK + c] = old[i];
+      const int t = p0 * kRows + i;
+      if (direct) {
+        st[t * kLdS + c] = old[i];  // the normalisation's pass below takes them from here
+      } else if (t < L) {
+        d[(row0 + t) * kK + c] = old[i];
+      }
     }
   }
   add_staged(w.dg, sSg);
@@ -1706,48 +1796,35 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   for (int p = p0 + 1; p < kParts; ++p) base += ct.part[p * kK + c];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
-    if (p0 * kRows + i < L) w.dg[(row0 + p0 * kRows + i) * kK + c] = old[i] + base;
+    const int t = p0 * kRows + i;
+    if (t < L && direct) {
+      store_elem(out.dg, ((ch.t0 + t) * HV + blockIdx.y) * kK + c, old[i] + base, out.eg);
+    } else if (t < L) {
+      w.dg[(row0 + t) * kK + c] = old[i] + base;
+    }
   }
-}
-
-// Element types of the row kernels below, chosen at run time.
-enum class Elem : int { kF32, kBF16, kF16 };
-
-Elem elem_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return Elem::kF32;
-    case at::kBFloat16:
-      return Elem::kBF16;
-    case at::kHalf:
-      return Elem::kF16;
-    default:
-      TORCH_CHECK(false, "kda: the CUDA kernels take bfloat16, float16 or float32 inputs, got ", t.scalar_type(),
-                  " (use the CPU kernel for float64)");
-  }
-}
-
-__device__ __forceinline__ float load_elem(const void* p, int64_t i, Elem e) {
-  switch (e) {
-    case Elem::kBF16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case Elem::kF16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void store_elem(void* p, int64_t i, float x, Elem e) {
-  switch (e) {
-    case Elem::kBF16:
-      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
-      break;
-    case Elem::kF16:
-      static_cast<__half*>(p)[i] = __float2half_rn(x);
-      break;
-    default:
-      static_cast<float*>(p)[i] = x;
+  if (!direct) return;
+  // dq, dk w.r.t. the raw q, k (HV == H): through the normalisation, (d - n (n . d)) r; a warp per row.
+  __syncthreads();
+  for (int task = warp; task < 2 * L; task += C::kThreads / 32) {
+    const bool is_k = task >= L;
+    const int t = task % L;
+    const float* d = (is_k ? sSk : sSq) + t * kLdS;
+    const T* x = (is_k ? ct.k : ct.q) + t * kLdK;
+    const float r = (is_k ? ct.rk : ct.rq)[t];
+    float ds[kK / 32], n[kK / 32], nd = 0.f;
+#pragma unroll
+    for (int i = 0; i < kK / 32; ++i) {
+      ds[i] = d[lane + 32 * i];
+      n[i] = to_float(x[lane + 32 * i]) * r;
+      nd += n[i] * ds[i];
+    }
+    nd = in.l2norm ? warp_reduce(nd, SumOp{}) : 0.f;
+#pragma unroll
+    for (int i = 0; i < kK / 32; ++i) {
+      store_elem(is_k ? out.dk : out.dq, ((ch.t0 + t) * HV + blockIdx.y) * kK + lane + 32 * i, (ds[i] - n[i] * nd) * r,
+                 out.eq);
+    }
   }
 }
 
@@ -1782,8 +1859,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) l2norm_rows_kernel(const void*
 struct FinishArgs {
   const float *dq, *dk, *dg, *dbeta;
   const float *nq, *nk, *rq, *rk;  // normalised q, k [tokens, H, K] and factors [tokens, H]; nullptr: none
-  void *oq, *ok, *og, *ob;
-  Elem eq, eg, eb;
+  GradOut o;
   int64_t tokens;
   int H, HV, K;
 };
@@ -1814,15 +1890,15 @@ __global__ void __launch_bounds__(32 * kRowWarps) finish_grads_kernel(FinishArgs
         const int c = lane + 32 * i;
         if (c < a.K) {
           const float x = n != nullptr ? (ds[i] - n[at_row + c] * nd) * r[t * a.H + h] : ds[i];
-          store_elem(is_k ? a.ok : a.oq, at_row + c, x, a.eq);
+          store_elem(is_k ? a.o.dk : a.o.dq, at_row + c, x, a.o.eq);
         }
       }
     } else {
       const int hv = task - 2 * a.H;
       for (int c = lane; c < a.K; c += 32) {
-        store_elem(a.og, (t * a.HV + hv) * a.K + c, a.dg[(hv * a.tokens + t) * a.K + c], a.eg);
+        store_elem(a.o.dg, (t * a.HV + hv) * a.K + c, a.dg[(hv * a.tokens + t) * a.K + c], a.o.eg);
       }
-      if (lane == 0) store_elem(a.ob, t * a.HV + hv, a.dbeta[hv * a.tokens + t], a.eb);
+      if (lane == 0) store_elem(a.o.dbeta, t * a.HV + hv, a.dbeta[hv * a.tokens + t], a.o.eb);
     }
   }
 }
@@ -2047,6 +2123,10 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
                          dense_bf16 ? ws(rows * kChunk) : nullptr,
                          dense_bf16 ? ws(rows * kChunk) : nullptr,
                          dense_bf16 ? ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K)) : nullptr};
+  const GradOut out{gr.dq.data_ptr(), gr.dk.data_ptr(), gr.dg.data_ptr(), gr.dbeta.data_ptr(),
+                    elem_of(gr.dq),     elem_of(gr.dg),     elem_of(gr.dbeta)};
+  // The bf16 pair kernels write the final gradients themselves where no value heads share a head.
+  const bool direct = dense_bf16 && p.HV == p.H;
   if (l.seqs.slots > 0 && dense_bf16) {
     const dim3 grid(static_cast<unsigned>(l.seqs.slots), static_cast<unsigned>(p.HV));
     with_bf16_types(p, raw->q, [&](auto kt, auto tag) {
@@ -2061,13 +2141,13 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
       const RawIn<T> ri = raw_in<T>(*raw, l2norm);
       const auto diag = bwd_pairs_diag_kernel<kK, T>;
       set_smem(diag, PairsDiag<kK, T>::bytes());
-      diag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsDiag<kK, T>::bytes(), l.stream>>>(l.seqs, p.H, p.HV, ri,
-                                                                                         intra, w);
+      diag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsDiag<kK, T>::bytes(), l.stream>>>(
+          l.seqs, p.H, p.HV, ri, intra, w, direct ? out : GradOut{});
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       const auto offdiag = bwd_pairs_offdiag_kernel<kK, T>;
       set_smem(offdiag, PairsOffdiag<kK, T>::bytes());
-      offdiag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsOffdiag<kK, T>::bytes(), l.stream>>>(l.seqs, p.H, p.HV,
-                                                                                              ri, w);
+      offdiag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsOffdiag<kK, T>::bytes(), l.stream>>>(
+          l.seqs, p.H, p.HV, ri, w, direct ? out : GradOut{});
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else if (l.seqs.slots > 0) {
@@ -2080,6 +2160,7 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
         grad_o.data_ptr<float>(), w, gr.dv.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  if (direct) return;
   const FinishArgs a{dq.data_ptr<float>(),
                      dk.data_ptr<float>(),
                      dg.data_ptr<float>(),
@@ -2088,13 +2169,7 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
                      l2norm ? in.k.data_ptr<float>() : nullptr,
                      l2norm ? rinv_q.data_ptr<float>() : nullptr,
                      l2norm ? rinv_k.data_ptr<float>() : nullptr,
-                     gr.dq.data_ptr(),
-                     gr.dk.data_ptr(),
-                     gr.dg.data_ptr(),
-                     gr.dbeta.data_ptr(),
-                     elem_of(gr.dq),
-                     elem_of(gr.dg),
-                     elem_of(gr.dbeta),
+                     out,
                      tokens,
                      static_cast<int>(p.H),
                      static_cast<int>(p.HV),
