@@ -69,7 +69,7 @@ Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   const auto acc = accumulation_type(q);
   auto norm = [&](const at::Tensor& x, at::Tensor* rinv) {
 #ifdef KDA_DSA_OPS_WITH_CUDA
-    if (x.is_cuda()) return l2norm_rows_cuda(x, use_qk_l2norm, rinv);
+    if (x.is_cuda()) return l2norm_rows_cuda(x, use_qk_l2norm);
 #endif
     at::Tensor xa = x.to(acc);
     if (!use_qk_l2norm) return xa.contiguous();
@@ -157,12 +157,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     check_same_device(*grad_final_state, q, "grad_final_state", "q");
     dht = grad_final_state->to(acc).contiguous();
   }
-  at::Tensor rinv_q, rinv_k;
-  const Inputs in = prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, &rinv_q, &rinv_k);
-  const at::Tensor dO = grad_o.to(acc).contiguous();
   const auto opts = q.options().dtype(acc);
   Grads gr;
-  gr.dv = at::empty({p.B, p.T, p.HV, p.V}, opts);
   gr.dinitial_state = at::empty({p.N, p.HV, p.K, p.V}, opts);
   at::Tensor dh0 = initial_state.has_value() ? gr.dinitial_state : at::empty({0}, opts);
 #ifdef KDA_DSA_OPS_WITH_CUDA
@@ -171,12 +167,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     gr.dk = at::empty(k.sizes(), k.options());
     gr.dg = at::empty(g.sizes(), g.options());
     gr.dbeta = at::empty(beta.sizes(), beta.options());
-    const bool bf16 = bf16_fwd_supported(p, q);
-    const Inputs raw = bf16 ? raw_inputs(q, k, v, g, beta, initial_state) : Inputs{};
-    bwd_cuda(p, in, bf16 ? &raw : nullptr, use_qk_l2norm, rinv_q, rinv_k, dO, dht, gr);
+    if (bf16_fwd_supported(p, q)) {
+      // scale dO in bf16, rounded once from the product
+      const at::Tensor dOs =
+          (grad_o.scalar_type() == at::kBFloat16 ? grad_o * p.scale : grad_o.to(at::kFloat) * p.scale)
+              .to(at::kBFloat16)
+              .contiguous();
+      gr.dv = at::empty(v.sizes(), v.options());
+      bwd_cuda_bf16(p, raw_inputs(q, k, v, g, beta, initial_state), use_qk_l2norm, dOs, dht, gr);
+      return {gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta, dh0};
+    }
+    const Inputs in = prepare(q, k, v, g, beta, initial_state, use_qk_l2norm);
+    gr.dv = at::empty({p.B, p.T, p.HV, p.V}, opts);
+    bwd_cuda(p, in, q.contiguous(), k.contiguous(), use_qk_l2norm, grad_o.to(acc).contiguous(), dht, gr);
     return {gr.dq, gr.dk, gr.dv.to(v.scalar_type()), gr.dg, gr.dbeta, dh0};
   }
 #endif
+  at::Tensor rinv_q, rinv_k;
+  const Inputs in = prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, &rinv_q, &rinv_k);
+  const at::Tensor dO = grad_o.to(acc).contiguous();
+  gr.dv = at::empty({p.B, p.T, p.HV, p.V}, opts);
   gr.dq = at::empty({p.B, p.T, p.HV, p.K}, opts);
   gr.dk = at::empty({p.B, p.T, p.HV, p.K}, opts);
   gr.dg = at::empty({p.B, p.T, p.HV, p.K}, opts);

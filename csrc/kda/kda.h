@@ -42,15 +42,17 @@ void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
 // or q's dtype) and writes o [B,T,HV,V] in q's dtype.
 bool bf16_fwd_supported(const Problem& p, const at::Tensor& q);
 void fwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, at::Tensor& o, at::Tensor& final_state);
-// The CUDA backward writes the op's gradients directly: grads.dq, dk [B,T,H,K] in q's dtype (w.r.t.
-// the raw q, k: through the normalisation with rinv_q, rinv_k [B,T,H,1] when l2norm), dg, dbeta in
-// the dtypes of g, beta; dv and dinitial_state in fp32. raw: the op's inputs as for fwd_cuda_bf16
-// where bf16_fwd_supported (the intra-chunk terms then come from them), else nullptr.
-void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm, const at::Tensor& rinv_q,
-              const at::Tensor& rinv_k, const at::Tensor& grad_o, const at::Tensor& grad_final_state, Grads& grads);
-// x [..., K] (K <= 128) to fp32, divided by sqrt(|x|^2 + 1e-6) per row when l2norm; the factors
-// into *rinv [..., 1] when given.
-at::Tensor l2norm_rows_cuda(const at::Tensor& x, bool l2norm, at::Tensor* rinv);
+// The CUDA backward writes the op's gradients directly: grads.dq, dk [B,T,H,K] in q's dtype
+// (w.r.t. the raw q, k: through the normalisation when l2norm), dg, dbeta in the dtypes of g,
+// beta, and dinitial_state in fp32. bwd_cuda: on the prepared inputs (q, k: the raw ones,
+// contiguous), grad_o and dv in fp32. bwd_cuda_bf16 (where bf16_fwd_supported): on the raw inputs
+// as for fwd_cuda_bf16, with dOs = scale grad_o in bf16; dv in v's dtype.
+void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& q, const at::Tensor& k, bool l2norm,
+              const at::Tensor& grad_o, const at::Tensor& grad_final_state, Grads& grads);
+void bwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, const at::Tensor& dOs,
+                   const at::Tensor& grad_final_state, Grads& grads);
+// x [..., K] (K <= 128) to fp32, divided by sqrt(|x|^2 + 1e-6) per row when l2norm.
+at::Tensor l2norm_rows_cuda(const at::Tensor& x, bool l2norm);
 #endif
 
 std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -215,8 +215,8 @@ struct Seqs {
 // Head-major workspaces of the intra-chunk terms: row t of value head hv at (hv * tokens + t).
 template <typename T>
 struct Intra {
-  T *A, *Minv;  // nullptr in the forward, which keeps them in shared memory
-  T *Aqk, *W, *Ut, *Qg, *Kd;
+  float* A;  // A and Minv: nullptr in the forward, which keeps them in shared memory
+  T *Minv, *Aqk, *W, *Ut, *Qg, *Kd;
   float* gC;
 };
 
@@ -290,10 +290,6 @@ __device__ __forceinline__ void store_pair(T* p, float a, float b) {
   *reinterpret_cast<uint32_t*>(p) = mma::pack2<T>(a, b);
 }
 // Eight consecutive elements (16-byte aligned) from fp32.
-__device__ __forceinline__ void store8(float* p, const float (&x)[8]) {
-  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
-  *reinterpret_cast<float4*>(p + 4) = make_float4(x[4], x[5], x[6], x[7]);
-}
 __device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&x)[8]) {
   using bf16 = __nv_bfloat16;
   *reinterpret_cast<uint4*>(p) = make_uint4(mma::pack2<bf16>(x[0], x[1]), mma::pack2<bf16>(x[2], x[3]),
@@ -423,6 +419,8 @@ __device__ __forceinline__ float warp_sum_transposed(float (&v)[32]) {
   return v[0];
 }
 
+constexpr float kNormEps = 1e-6f;  // x / sqrt(|x|^2 + eps), as reference/kda.py
+
 // Shared-memory tiles of one chunk of one value head for the bf16 kernels (256 threads): the raw
 // q, k [kChunk, kK + 8] in T, G = log2(e) cumsum(g) [kChunk, kK + 4] in fp32 (plain fp32 sum,
 // scaled so that every exp is one ex2), beta and the factors 1 / |q_t|, 1 / |k_t| (ones without
@@ -492,7 +490,7 @@ struct ChunkTiles16 {
 #pragma unroll
       for (int c = 0; c < kK / 32; ++c) ss += x[c] * x[c];
       ss = warp_reduce(ss, SumOp{});
-      if (lane == 0) (task < kChunk ? rq : rk)[task % kChunk] = in.l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
+      if (lane == 0) (task < kChunk ? rq : rk)[task % kChunk] = in.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
     }
     {
       constexpr int kParts = kThreads / kK, kRows = kChunk / kParts;
@@ -547,9 +545,9 @@ struct IntraBf16 {
   static_assert(kK == 64 || kK == 128, "K 64 or 128");
 };
 
-template <int kK, typename T, typename Out>
+template <int kK, typename T>
 __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
-    intra_bf16_kernel(Seqs sq_, int64_t H, int64_t HV, int V, RawIn<T> in, Intra<Out> out) {
+    intra_bf16_kernel(Seqs sq_, int64_t H, int64_t HV, int V, RawIn<T> in, Intra<__nv_bfloat16> out) {
   using bf16 = __nv_bfloat16;
   using Z = IntraBf16<kK>;
   constexpr int kLdK = Z::kLdK, kLdG = Z::kLdG, kLdA = Z::kLdA;
@@ -671,8 +669,8 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
       sA[t1 * kLdA + b0 + s] = s < p ? a1 * srk[t1] * fs : 0.f;
       sA[t2 * kLdA + b0 + s] = s < 15 - p ? a2 * srk[t2] * fs : 0.f;
     } else {
-      if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = from_float<Out>(s <= p ? a1 * srq[t1] * fs : 0.f);
-      if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = from_float<Out>(s <= 15 - p ? a2 * srq[t2] * fs : 0.f);
+      if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = from_float<bf16>(s <= p ? a1 * srq[t1] * fs : 0.f);
+      if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = from_float<bf16>(s <= 15 - p ? a2 * srq[t2] * fs : 0.f);
     }
   }
   // Aqk is zero right of the diagonal blocks.
@@ -806,7 +804,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
 
   // W = Mb (k exp(G)), Ut = Mb v: warp w takes rows 16 (w % 4).. and half of the columns.
   const int rt = warp % 4, half = warp / 4;
-  const auto product = [&](const bf16* B, int ldb, int N, Out* dst) {
+  const auto product = [&](const bf16* B, int ldb, int N, bf16* dst) {
     float acc[8][4] = {};
     const int n0 = half * N / 2;
     warp_tile_product<false, false>(acc, sMb, Z::kLdM, B, ldb, rt, n0, N, 0, kChunk / 16);
@@ -1068,12 +1066,14 @@ struct Bf16State {
       *reinterpret_cast<uint32_t*>(bS + srow(2) * kLdC + scol(j, 2)) = mma::pack2<bf16>(S[j][2], S[j][3]);
     }
   }
-  // An [L, 64] fragment set into the bf16 tile bU.
-  __device__ void round_u(const float (&u)[4][4]) const {
+  // An [L, 64] fragment set times `factor` into the bf16 tile bU.
+  __device__ void round_u(const float (&u)[4][4], float factor = 1.f) const {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      *reinterpret_cast<uint32_t*>(bU + urow(0) * kLdC + ucol(j, 0)) = mma::pack2<bf16>(u[j][0], u[j][1]);
-      *reinterpret_cast<uint32_t*>(bU + urow(2) * kLdC + ucol(j, 2)) = mma::pack2<bf16>(u[j][2], u[j][3]);
+      *reinterpret_cast<uint32_t*>(bU + urow(0) * kLdC + ucol(j, 0)) =
+          mma::pack2<bf16>(factor * u[j][0], factor * u[j][1]);
+      *reinterpret_cast<uint32_t*>(bU + urow(2) * kLdC + ucol(j, 2)) =
+          mma::pack2<bf16>(factor * u[j][2], factor * u[j][3]);
     }
   }
   // acc (this warp's [L, 64] fragments) += A B over k blocks [kk0, kk1): A rows 16 ru.. of a
@@ -1190,16 +1190,16 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
 }
 
 // Backward, chunks in reverse, dS the gradient of the chunk's end state (stored into dends):
-// dU = scale Aqk^T dO + Kd dS, dS <- diag(gC) dS + scale Qg^T dO - W^T dU (the factors scale and
-// -1 ride on the bf16 rounding of Aqk, Qg and W); the initial state's gradient into dh0.
-template <int kK>
-__global__ void __launch_bounds__(Bf16State<kK, float>::kThreads) state_bwd_bf16_kernel(
-    Seqs sq_, Sizes<float> z, float scale, Intra<float> in, const float* __restrict__ dO, const float* __restrict__ dht,
+// dU = scale Aqk^T dO + Kd dS, dS <- diag(gC) dS + scale Qg^T dO - W^T dU; the initial state's
+// gradient into dh0. With fp32 terms (staged) the factor scale rides on the rounding of Aqk and
+// Qg; with bf16 terms dO comes as scale dO in bf16. -1 rides on the rounding of dU.
+template <int kK, typename Ws>
+__global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_kernel(
+    Seqs sq_, Sizes<float> z, float scale, Intra<Ws> in, const Ws* __restrict__ dO, const float* __restrict__ dht,
     float* dends, float* dh0) {
-  using F = Bf16State<kK, float>;
+  using F = Bf16State<kK, Ws>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const F sm(smem_raw);
-  const typename F::Tiles cur = sm.set(0);
   const StateTile<float> st(sq_, z);
   const int64_t V = z.V;
   float dS[F::kSTiles][4];
@@ -1208,7 +1208,8 @@ __global__ void __launch_bounds__(Bf16State<kK, float>::kThreads) state_bwd_bf16
     int64_t slot, t0;
     int L;
     if (i >= 0 && st.chunk(sq_, i, slot, t0, L)) {
-      sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V, 0);
+      sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V,
+               static_cast<int>(i % 2));
     }
   };
   stage(st.chunks - 1);
@@ -1222,9 +1223,12 @@ __global__ void __launch_bounds__(Bf16State<kK, float>::kThreads) state_bwd_bf16
     sm.store_state(dS, dends + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
     mma::cp_async_wait<0>();
     __syncthreads();
-    sm.round_chunk(L, -1.f, scale, scale);
+    const typename F::Tiles cur = sm.set(static_cast<int>(i % 2));
+    if constexpr (F::kStaged) {
+      sm.round_chunk(L, 1.f, scale, scale);
+      F::round_tile(cur.X, F::kLdC, sm.stX, F::kLdX, kChunk, kChunk, 1.f);
+    }
     sm.round_state(dS);
-    F::round_tile(cur.X, F::kLdC, sm.stX, F::kLdX, kChunk, kChunk, 1.f);
     __syncthreads();
     stage(i - 1);
     float du[4][4];
@@ -1235,7 +1239,7 @@ __global__ void __launch_bounds__(Bf16State<kK, float>::kThreads) state_bwd_bf16
     }
     sm.template mul_u<true>(du, cur.A, F::kLdC, cur.X, sm.ru, kChunk / 16);  // (Aqk^T)_ts is zero for s < t
     sm.template mul_u<false>(du, cur.Kd, F::kLdK, sm.bS, 0, kK / 16);
-    sm.round_u(du);
+    sm.round_u(du, -1.f);
     __syncthreads();
     sm.scale_state_rows(dS, in.gC + (st.hv * sq_.slots + slot) * kK);
     sm.mul_state(dS, cur.Q, cur.X);
@@ -1337,36 +1341,11 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
             w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), w.dbeta + row);
 }
 
-// rows x cols (cols % 4 == 0) of fp32 at src (row stride ld_src; rows from `valid` on are zero;
-// read-only while the kernel runs) to bf16 at dst (row stride ld_dst), kBatch loads per thread
-// in flight.
-__device__ __forceinline__ void tile_to_bf16(__nv_bfloat16* dst, int ld_dst, const float* src, int64_t ld_src,
-                                             int rows, int valid, int cols) {
-  constexpr int kBatch = 8;
-  const int n = rows * (cols / 4), step = static_cast<int>(blockDim.x);
-  for (int i0 = static_cast<int>(threadIdx.x); i0 < n; i0 += kBatch * step) {
-    float4 x[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = i0 + j * step, r = i / (cols / 4), c = i % (cols / 4) * 4;
-      x[j] = i < n && r < valid ? __ldg(reinterpret_cast<const float4*>(src + r * ld_src + c))
-                                : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = i0 + j * step, r = i / (cols / 4), c = i % (cols / 4) * 4;
-      if (i < n) {
-        *reinterpret_cast<uint2*>(dst + r * ld_dst + c) =
-            make_uint2(mma::pack2<__nv_bfloat16>(x[j].x, x[j].y), mma::pack2<__nv_bfloat16>(x[j].z, x[j].w));
-      }
-    }
-  }
-}
-
 // chunk_bwd_dense in bf16-product mode for K, V in {64, 128}: one block of 8 warps per (chunk,
 // value head), every product an mma.sync on bf16 tiles in shared memory (fp32 accumulation),
-// warp w taking rows 16 (w % 4).. and half of the columns. Results into w's dq (dQg), dk (dKd),
-// ZW, dA, dAqk, last and dbeta, and dv, as chunk_bwd_dense leaves them.
+// warp w taking rows 16 (w % 4).. and half of the columns. It takes the intra kernel's bf16
+// terms, dO as scale dO in bf16, and v, beta as given. Results into w's dq (dQg), dk (dKd), ZW,
+// dA, dAqk, last and dbeta, and dv (in v's type), as chunk_bwd_dense leaves them.
 template <int kK>
 struct BwdDenseBf16 {
   static constexpr int kThreads = 256;
@@ -1377,11 +1356,11 @@ struct BwdDenseBf16 {
   }
 };
 
-template <int kK>
+template <int kK, typename T>
 __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
-    bwd_dense_bf16_kernel(Seqs sq_, Sizes<float> z, float scale, Intra<float> in, const float* __restrict__ starts,
-                          const float* __restrict__ dends, const float* __restrict__ dO, const float* __restrict__ v,
-                          const float* __restrict__ beta, BwdWork<float> w, float* dv) {
+    bwd_dense_bf16_kernel(Seqs sq_, int64_t HV, int V, Intra<__nv_bfloat16> in, const float* __restrict__ starts,
+                          const float* __restrict__ dends, const __nv_bfloat16* __restrict__ dOs, RawIn<T> raw,
+                          BwdWork<float> w, T* dv) {
   using bf16 = __nv_bfloat16;
   using Z = BwdDenseBf16<kK>;
   constexpr int kLd = Z::kLd, kLdC = Z::kLdC;
@@ -1391,7 +1370,7 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   bf16* sW = sdS1 + kK * kLd;                      // [64, K]
   bf16* sKd = sW + kChunk * kLd;                   // [64, K], then ZW
   bf16* sUt = sKd + kChunk * kLd;                  // [64, V]
-  bf16* sdO = sUt + kChunk * kLd;                  // [64, V], then ZU
+  bf16* sdO = sUt + kChunk * kLd;                  // [64, V] (scale dO), then ZU
   bf16* sU = sdO + kChunk * kLd;                   // [64, V]
   bf16* sdU = sU + kChunk * kLd;                   // [64, V]
   bf16* sdW = sdU + kChunk * kLd;                  // [64, K]
@@ -1403,20 +1382,31 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   int64_t t0;
   int L;
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
-  const int V = static_cast<int>(z.V), warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int rt = warp % 4, half = warp / 4;
   const int64_t row0 = hv * sq_.tokens + t0, gc = (hv * sq_.slots + slot) * kK, state = gc * V;
-  const int64_t ldv = z.HV * V;  // token-major rows of dO, v, dv
+  const int64_t ldv = HV * V;  // token-major rows of dO, v, dv
 
-  // The states (and sum_j dS1 S0 per row, in fp32), the chunk's terms and dO, all in bf16.
+  // The chunk's terms and dO (rows from L on zero) by bulk copies; the states (and sum_j dS1 S0
+  // per row, in fp32) rounded to bf16 meanwhile.
+  const auto rows = [&](const bf16* base, int64_t ld) {
+    return [=](int r) { return r < L ? base + r * ld : nullptr; };
+  };
+  mma::gather_rows(sW, kLd, kChunk, kK, kK, rows(in.W + row0 * kK, kK));
+  mma::gather_rows(sKd, kLd, kChunk, kK, kK, rows(in.Kd + row0 * kK, kK));
+  mma::gather_rows(sUt, kLd, kChunk, V, V, rows(in.Ut + row0 * V, V));
+  mma::gather_rows(sAqk, kLdC, kChunk, kChunk, kChunk, rows(in.Aqk + row0 * kChunk, kChunk));
+  mma::gather_rows(sMinv, kLdC, kChunk, kChunk, kChunk, rows(in.Minv + row0 * kChunk, kChunk));
+  mma::gather_rows(sdO, kLd, kChunk, V, V, rows(dOs + (t0 * HV + hv) * V, ldv));
+  mma::cp_async_commit();
   constexpr int kRowsPerWarp = kK / (Z::kThreads / 32), kBatch = 4;
   for (int c0 = warp * kRowsPerWarp; c0 < (warp + 1) * kRowsPerWarp; c0 += kBatch) {
     float4 a[kBatch], b[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      const bool in = lane * 4 < V;
-      a[j] = in ? __ldg(reinterpret_cast<const float4*>(starts + state + (c0 + j) * V + lane * 4)) : float4{};
-      b[j] = in ? __ldg(reinterpret_cast<const float4*>(dends + state + (c0 + j) * V + lane * 4)) : float4{};
+      const bool in_row = lane * 4 < V;
+      a[j] = in_row ? __ldg(reinterpret_cast<const float4*>(starts + state + (c0 + j) * V + lane * 4)) : float4{};
+      b[j] = in_row ? __ldg(reinterpret_cast<const float4*>(dends + state + (c0 + j) * V + lane * 4)) : float4{};
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -1431,37 +1421,26 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
       if (lane == 0) w.last[gc + c] = dot;
     }
   }
-  tile_to_bf16(sW, kLd, in.W + row0 * kK, kK, kChunk, L, kK);
-  tile_to_bf16(sKd, kLd, in.Kd + row0 * kK, kK, kChunk, L, kK);
-  tile_to_bf16(sUt, kLd, in.Ut + row0 * V, V, kChunk, L, V);
-  tile_to_bf16(sAqk, kLdC, in.Aqk + row0 * kChunk, kChunk, kChunk, L, kChunk);
-  tile_to_bf16(sMinv, kLdC, in.Minv + row0 * kChunk, kChunk, kChunk, L, kChunk);
-  tile_to_bf16(sdO, kLd, dO + (t0 * z.HV + hv) * V, ldv, kChunk, L, V);
+  mma::cp_async_wait<0>();
   __syncthreads();
 
   float acc[8][4] = {};
-  {  // U = Ut - W S0, dU = scale Aqk^T dO + Kd dS1 (rows from L on are zero in both)
+  {  // U = Ut - W S0, dU = Aqk^T (scale dO) + Kd dS1 (rows from L on are zero in both)
     const int n0 = half * V / 2;
     warp_tile_product<false, false>(acc, sW, kLd, sS0, kLd, rt, n0, V, 0, kK / 16);
     drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) {
-      const float2 ut = t < L ? __ldg(reinterpret_cast<const float2*>(in.Ut + (row0 + t) * V + col)) : float2{};
-      store_pair(sU + t * kLd + col, ut.x - x0, ut.y - x1);
+      store_pair(sU + t * kLd + col, to_float(sUt[t * kLd + col]) - x0, to_float(sUt[t * kLd + col + 1]) - x1);
     });
     warp_tile_product<true, false>(acc, sAqk, kLdC, sdO, kLd, rt, n0, V, 0, kChunk / 16);
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[n][r] *= scale;
-    }
     warp_tile_product<false, false>(acc, sKd, kLd, sdS1, kLd, rt, n0, V, 0, kK / 16);
     drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) { store_pair(sdU + t * kLd + col, x0, x1); });
   }
   __syncthreads();
-  {  // dQg = scale dO S0^T, dKd = U dS1^T, dW = -dU S0^T, dAqk = scale dO U^T (s <= t)
+  {  // dQg = (scale dO) S0^T, dKd = U dS1^T, dW = -dU S0^T, dAqk = (scale dO) U^T (s <= t)
     const int n0 = half * kK / 2;
     warp_tile_product<false, true>(acc, sdO, kLd, sS0, kLd, rt, n0, kK, 0, V / 16);
     drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) {
-      if (t < L) store_pair(w.dq + (row0 + t) * kK + col, scale * x0, scale * x1);
+      if (t < L) store_pair(w.dq + (row0 + t) * kK + col, x0, x1);
     });
     warp_tile_product<false, true>(acc, sU, kLd, sdS1, kLd, rt, n0, kK, 0, V / 16);
     drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) {
@@ -1471,7 +1450,7 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
     drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) { store_pair(sdW + t * kLd + col, -x0, -x1); });
     warp_tile_product<false, true>(acc, sdO, kLd, sU, kLd, rt, half * kChunk / 2, kChunk, 0, V / 16);
     drain_tile(acc, rt, half * kChunk / 2, kChunk, [&](int t, int col, float x0, float x1) {
-      if (t < L) store_pair(w.dAqk + (row0 + t) * kChunk + col, col <= t ? scale * x0 : 0.f, col + 1 <= t ? scale * x1 : 0.f);
+      if (t < L) store_pair(w.dAqk + (row0 + t) * kChunk + col, col <= t ? x0 : 0.f, col + 1 <= t ? x1 : 0.f);
     });
   }
   __syncthreads();
@@ -1486,11 +1465,12 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
     drain_tile(acc, rt, half * V / 2, V, [&](int t, int col, float x0, float x1) {
       store_pair(sdO + t * kLd + col, x0, x1);
       if (t < L) {
-        const int64_t e = (t0 + t) * ldv + hv * V + col;
-        const float b = __ldg(beta + (t0 + t) * z.HV + hv);
-        const float2 ve = __ldg(reinterpret_cast<const float2*>(v + e));
+        const int64_t e = (t0 + t) * ldv + hv * V + col, eb = (t0 + t) * HV + hv;
+        const float b = raw.beta_f32 ? __ldg(static_cast<const float*>(raw.beta) + eb)
+                                     : to_float(__ldg(static_cast<const T*>(raw.beta) + eb));
+        const float v0 = to_float(__ldg(raw.v + e)), v1 = to_float(__ldg(raw.v + e + 1));
         store_pair(dv + e, b * x0, b * x1);
-        part[(t / 8) % 2] += x0 * ve.x + x1 * ve.y;
+        part[(t / 8) % 2] += x0 * v0 + x1 * v1;
       }
     });
 #pragma unroll
@@ -1575,7 +1555,7 @@ __device__ __forceinline__ void pairs_diag_out(int n, int64_t at, int ld, const 
 
 template <int kK, typename T>
 __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
-    bwd_pairs_diag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, Intra<float> intra, BwdWork<float> w,
+    bwd_pairs_diag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, const float* __restrict__ A, BwdWork<float> w,
                           GradOut out) {
   using C = ChunkTiles16<kK, T>;
   constexpr int kLdK = C::kLdK, kLdG = C::kLdG;
@@ -1600,7 +1580,7 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
     for (int c = lane; c < kK; c += 32) {
       acc += __ldg(w.ZW + (row0 + t) * kK + c) * to_float(sk[t * kLdK + c]) * srk[t] * exp2_approx(sG[t * kLdG + c]);
     }
-    for (int s = lane; s < t; s += 32) acc += __ldg(w.dA + (row0 + t) * kChunk + s) * __ldg(intra.A + (row0 + t) * kChunk + s);
+    for (int s = lane; s < t; s += 32) acc += __ldg(w.dA + (row0 + t) * kChunk + s) * __ldg(A + (row0 + t) * kChunk + s);
     acc = warp_reduce(acc, SumOp{});
     if (lane == 0 && out.dbeta != nullptr) {
       store_elem(out.dbeta, (ch.t0 + t) * HV + blockIdx.y, w.dbeta[row0 + t] + acc, out.eb);
@@ -1830,76 +1810,81 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
 
 constexpr int kRowWarps = 8;  // warps per block of the row kernels
 
-// Rows of K (<= 128) elements: out = x rinv in fp32 with rinv = 1 / sqrt(|x|^2 + eps) (1 without
-// normalisation); a warp per row.
+// One row of K (<= 128) elements of type e at p + at into x (element lane + 32 i, zeros past K);
+// returns 1 / sqrt(|x|^2 + eps), or 1 without l2norm. Every lane of the warp calls it.
+__device__ __forceinline__ float load_row(const void* p, int64_t at, int K, Elem e, bool l2norm,
+                                          float (&x)[kMaxHeadDim / 32]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+    const int c = static_cast<int>(threadIdx.x % 32) + 32 * i;
+    x[i] = c < K ? load_elem(p, at + c, e) : 0.f;
+    ss += x[i] * x[i];
+  }
+  return l2norm ? rsqrtf(warp_reduce(ss, SumOp{}) + kNormEps) : 1.f;
+}
+
+// Rows of K (<= 128) elements: out = x r in fp32 (load_row's r); a warp per row.
 __global__ void __launch_bounds__(32 * kRowWarps) l2norm_rows_kernel(const void* x, Elem e, int64_t rows, int K,
-                                                                    bool l2norm, float* out, float* rinv) {
+                                                                    bool l2norm, float* out) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (row >= rows) return;
-  float xs[kMaxHeadDim / 32], ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < kMaxHeadDim / 32; ++i) {
-    const int c = lane + 32 * i;
-    xs[i] = c < K ? load_elem(x, row * K + c, e) : 0.f;
-    ss += xs[i] * xs[i];
-  }
-  ss = warp_reduce(ss, SumOp{});
-  const float r = l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
+  float xs[kMaxHeadDim / 32];
+  const float r = load_row(x, row * K, K, e, l2norm, xs);
 #pragma unroll
   for (int i = 0; i < kMaxHeadDim / 32; ++i) {
     if (lane + 32 * i < K) out[row * K + lane + 32 * i] = xs[i] * r;
   }
-  if (lane == 0 && rinv != nullptr) rinv[row] = r;
 }
 
-// The CUDA backward's last step, a warp per row (token, task): the gradients w.r.t. the
-// raw q, k (each head's value heads summed, then through the normalisation: (d - n (n . d)) r),
-// dg and dbeta token-major, each in its output type. Inputs head-major: [HV, tokens, K], [HV, tokens].
+// The CUDA backward's last step, a warp per (token, task): the gradients w.r.t. the raw q, k
+// (each head's value heads summed, then through the normalisation: (d - n (n . d)) r with n = x r,
+// r = 1 / sqrt(|x|^2 + eps) from the raw rows x), dg and dbeta token-major, each in its output
+// type. Inputs head-major: [HV, tokens, K], [HV, tokens].
 struct FinishArgs {
   const float *dq, *dk, *dg, *dbeta;
-  const float *nq, *nk, *rq, *rk;  // normalised q, k [tokens, H, K] and factors [tokens, H]; nullptr: none
+  const void *q, *k;  // the raw q, k [tokens, H, K] (element type eqk)
+  Elem eqk;
+  bool l2norm;
   GradOut o;
   int64_t tokens;
   int H, HV, K;
 };
 
 __global__ void __launch_bounds__(32 * kRowWarps) finish_grads_kernel(FinishArgs a) {
-  const int tasks = 2 * a.H + a.HV, lane = static_cast<int>(threadIdx.x % 32), group = a.HV / a.H;
-  const int64_t id = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32, t = id / tasks;
-  const int task = static_cast<int>(id % tasks);
-  if (t < a.tokens) {
-    if (task < 2 * a.H) {
-      const bool is_k = task >= a.H;
-      const int h = task % a.H;
-      const float *d = is_k ? a.dk : a.dq, *n = is_k ? a.nk : a.nq, *r = is_k ? a.rk : a.rq;
-      const int64_t at_row = (t * a.H + h) * a.K;
-      float ds[kMaxHeadDim / 32], nd = 0.f;
+  const int lane = static_cast<int>(threadIdx.x % 32), group = a.HV / a.H;
+  const int64_t t = blockIdx.x;
+  const int task = static_cast<int>(blockIdx.y * kRowWarps + threadIdx.x / 32);
+  if (task >= 2 * a.H + a.HV) return;
+  if (task < 2 * a.H) {
+    const bool is_k = task >= a.H;
+    const int h = task % a.H;
+    const float* d = is_k ? a.dk : a.dq;
+    const int64_t at_row = (t * a.H + h) * a.K;
+    float ds[kMaxHeadDim / 32], x[kMaxHeadDim / 32], nd = 0.f;
+    const float r = load_row(is_k ? a.k : a.q, at_row, a.K, a.eqk, a.l2norm, x);
 #pragma unroll
-      for (int i = 0; i < kMaxHeadDim / 32; ++i) {
-        const int c = lane + 32 * i;
-        ds[i] = 0.f;
-        if (c < a.K) {
-          for (int j = 0; j < group; ++j) ds[i] += d[((h * group + j) * a.tokens + t) * a.K + c];
-          if (n != nullptr) nd += n[at_row + c] * ds[i];
-        }
+    for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+      const int c = lane + 32 * i;
+      ds[i] = 0.f;
+      if (c < a.K) {
+        for (int j = 0; j < group; ++j) ds[i] += d[((h * group + j) * a.tokens + t) * a.K + c];
       }
-      if (n != nullptr) nd = warp_reduce(nd, SumOp{});
-#pragma unroll
-      for (int i = 0; i < kMaxHeadDim / 32; ++i) {
-        const int c = lane + 32 * i;
-        if (c < a.K) {
-          const float x = n != nullptr ? (ds[i] - n[at_row + c] * nd) * r[t * a.H + h] : ds[i];
-          store_elem(is_k ? a.o.dk : a.o.dq, at_row + c, x, a.o.eq);
-        }
-      }
-    } else {
-      const int hv = task - 2 * a.H;
-      for (int c = lane; c < a.K; c += 32) {
-        store_elem(a.o.dg, (t * a.HV + hv) * a.K + c, a.dg[(hv * a.tokens + t) * a.K + c], a.o.eg);
-      }
-      if (lane == 0) store_elem(a.o.dbeta, t * a.HV + hv, a.dbeta[hv * a.tokens + t], a.o.eb);
+      nd += x[i] * ds[i];
     }
+    nd = a.l2norm ? warp_reduce(nd, SumOp{}) * r : 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+      const int c = lane + 32 * i;
+      if (c < a.K) store_elem(is_k ? a.o.dk : a.o.dq, at_row + c, (ds[i] - x[i] * r * nd) * r, a.o.eq);
+    }
+  } else {
+    const int hv = task - 2 * a.H;
+    for (int c = lane; c < a.K; c += 32) {
+      store_elem(a.o.dg, (t * a.HV + hv) * a.K + c, a.dg[(hv * a.tokens + t) * a.K + c], a.o.eg);
+    }
+    if (lane == 0) store_elem(a.o.dbeta, t * a.HV + hv, a.dbeta[hv * a.tokens + t], a.o.eb);
   }
 }
 
@@ -1947,21 +1932,20 @@ RawIn<T> raw_in(const Inputs& raw, bool l2norm) {
 }
 
 // intra_bf16_kernel over every chunk slot, on the raw inputs.
-template <int kK, typename T, typename Out>
-void run_intra_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, const Intra<Out>& w) {
+template <int kK, typename T>
+void run_intra_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, const Intra<__nv_bfloat16>& w) {
   if (l.seqs.slots == 0) return;
   const RawIn<T> in = raw_in<T>(raw, l2norm);
-  const auto kernel = intra_bf16_kernel<kK, T, Out>;
+  const auto kernel = intra_bf16_kernel<kK, T>;
   set_smem(kernel, IntraBf16<kK>::bytes());
   kernel<<<dim3(l.seqs.slots, p.HV), IntraBf16<kK>::kThreads, IntraBf16<kK>::bytes(), l.stream>>>(
       l.seqs, p.H, p.HV, static_cast<int>(p.V), in, w);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The intra-chunk terms of every chunk into workspaces (A and Minv only for the backward): from
-// the raw inputs by intra_bf16_kernel where given (bf16_fwd_supported), else from the prepared ones.
-Intra<float> run_intra(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm, const Launch& l,
-                       bool for_bwd, std::vector<at::Tensor>& keep) {
+// The intra-chunk terms of every chunk from the prepared inputs into fp32 workspaces (A and Minv
+// only for the backward).
+Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool for_bwd, std::vector<at::Tensor>& keep) {
   const auto opts = in.q.options();
   const int64_t rows = p.HV * l.seqs.tokens;
   auto ws = [&](int64_t n) {
@@ -1971,12 +1955,6 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Inputs* raw, bo
   Intra<float> out{for_bwd ? ws(rows * kChunk) : nullptr, for_bwd ? ws(rows * kChunk) : nullptr, ws(rows * kChunk),
                    ws(rows * p.K), ws(rows * p.V), ws(rows * p.K), ws(rows * p.K),
                    ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K))};
-  if (raw != nullptr) {
-    with_bf16_types(p, raw->q, [&](auto k, auto tag) {
-      run_intra_bf16<decltype(k)::value, decltype(tag), float>(p, *raw, l2norm, l, out);
-    });
-    return out;
-  }
   if (l.seqs.slots == 0) return out;
   const size_t smem =
       ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + intra_scratch(static_cast<int>(p.K)));
@@ -1992,8 +1970,9 @@ size_t state_smem_bytes(int64_t K) { return StateSmem<float>::bytes(K); }
 
 dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
 
-// A state pass: its bf16-operand kernel in bf16-product mode where the head sizes fit its
-// tiles, else the generic kernel (its products 3xTF32, or bf16 operands in bf16-product mode).
+// A state pass on fp32 terms: its bf16-operand kernel in bf16-product mode where the head sizes
+// fit its tiles, else the generic kernel (its products 3xTF32, or bf16 operands in bf16-product
+// mode).
 template <typename Generic, typename Bf16K128, typename Bf16K64, typename... Args>
 void run_state_pass(const Problem& p, const Launch& l, Generic generic, Bf16K128 bf16_k128, Bf16K64 bf16_k64,
                     Args... args) {
@@ -2021,33 +2000,120 @@ void run_state_fwd(const Problem& p, const Launch& l, const Intra<float>& intra,
                  state_fwd_bf16_kernel<64, float, float>, intra, h0, o, ht, starts);
 }
 
-// The bf16 forward: intra_bf16_kernel on the raw inputs, the state pass on its bf16 terms, o in T.
+// The bf16 kernels' workspaces of the intra-chunk terms (A in fp32 and Minv for the backward),
+// filled by intra_bf16_kernel from the raw inputs.
 template <int kK, typename T>
-void run_fwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, T* o, float* ht) {
+Intra<__nv_bfloat16> run_intra_bf16_ws(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l,
+                                       bool for_bwd, std::vector<at::Tensor>& keep) {
   using bf16 = __nv_bfloat16;
   const int64_t rows = p.HV * l.seqs.tokens;
-  std::vector<at::Tensor> keep;
   const auto ws = [&](int64_t n, at::ScalarType type) {
     keep.push_back(at::empty({std::max<int64_t>(1, n)}, raw.q.options().dtype(type)));
     return keep.back().data_ptr();
   };
-  const Intra<bf16> w{nullptr,
-                      nullptr,
-                      static_cast<bf16*>(ws(rows * kChunk, at::kBFloat16)),
-                      static_cast<bf16*>(ws(rows * kK, at::kBFloat16)),
-                      static_cast<bf16*>(ws(rows * p.V, at::kBFloat16)),
-                      static_cast<bf16*>(ws(rows * kK, at::kBFloat16)),
-                      static_cast<bf16*>(ws(rows * kK, at::kBFloat16)),
+  const auto ws16 = [&](int64_t n) { return static_cast<bf16*>(ws(n, at::kBFloat16)); };
+  const Intra<bf16> w{for_bwd ? static_cast<float*>(ws(rows * kChunk, at::kFloat)) : nullptr,
+                      for_bwd ? ws16(rows * kChunk) : nullptr,
+                      ws16(rows * kChunk),
+                      ws16(rows * kK),
+                      ws16(rows * p.V),
+                      ws16(rows * kK),
+                      ws16(rows * kK),
                       static_cast<float*>(ws(p.HV * l.seqs.slots * kK, at::kFloat))};
-  run_intra_bf16<kK, T, bf16>(p, raw, l2norm, l, w);
-  if (p.N == 0) return;
-  using F = Bf16State<kK, bf16>;
-  const auto kernel = state_fwd_bf16_kernel<kK, bf16, T>;
+  run_intra_bf16<kK, T>(p, raw, l2norm, l, w);
+  return w;
+}
+
+// state_fwd_bf16_kernel on bf16 terms (o in O, ht, starts each may be nullptr).
+template <int kK, typename O>
+void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const Inputs& raw, O* o,
+                        float* ht, float* starts) {
+  using F = Bf16State<kK, __nv_bfloat16>;
+  const auto kernel = state_fwd_bf16_kernel<kK, __nv_bfloat16, O>;
   set_smem(kernel, F::bytes());
   kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
       l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, true}, static_cast<float>(p.scale), w,
-      raw.initial_state.defined() ? raw.initial_state.data_ptr<float>() : nullptr, o, ht, nullptr);
+      raw.initial_state.defined() ? raw.initial_state.data_ptr<float>() : nullptr, o, ht, starts);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The bf16 forward: intra_bf16_kernel on the raw inputs, the state pass on its bf16 terms, o in T.
+template <int kK, typename T>
+void run_fwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, T* o, float* ht) {
+  std::vector<at::Tensor> keep;
+  const Intra<__nv_bfloat16> w = run_intra_bf16_ws<kK, T>(p, raw, l2norm, l, false, keep);
+  if (p.N > 0) run_state_fwd_bf16<kK, T>(p, l, w, raw, o, ht, nullptr);
+}
+
+// The finishing pass (group sum, normalisation, token-major, output types) over head-major dq,
+// dk, dg, dbeta.
+void run_finish(const Problem& p, const Launch& l, const float* dq, const float* dk, const float* dg,
+                const float* dbeta, const at::Tensor& q, const at::Tensor& k, bool l2norm, const GradOut& out) {
+  const FinishArgs a{dq,  dk,     dg,  dbeta,          q.data_ptr(),          k.data_ptr(),           elem_of(q),
+                     l2norm, out, l.seqs.tokens, static_cast<int>(p.H), static_cast<int>(p.HV), static_cast<int>(p.K)};
+  const dim3 grid(static_cast<unsigned>(l.seqs.tokens), static_cast<unsigned>(ceil_div(2 * p.H + p.HV, int64_t{kRowWarps})));
+  finish_grads_kernel<<<grid, 32 * kRowWarps, 0, l.stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+GradOut grad_out(const Grads& gr) {
+  return GradOut{gr.dq.data_ptr(), gr.dk.data_ptr(), gr.dg.data_ptr(), gr.dbeta.data_ptr(),
+                 elem_of(gr.dq),   elem_of(gr.dg),   elem_of(gr.dbeta)};
+}
+
+// The bf16 backward: the intra-chunk terms in bf16 from the raw inputs, both state passes on them
+// (dOs = scale dO in bf16), then per chunk the dense part and the two pair kernels; these write
+// the final gradients where HV == H, else head-major fp32 for the finishing pass.
+template <int kK, typename T>
+void run_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, const at::Tensor& dOs,
+                  const float* dht, Grads& gr) {
+  using bf16 = __nv_bfloat16;
+  std::vector<at::Tensor> keep;
+  const Intra<bf16> intra = run_intra_bf16_ws<kK, T>(p, raw, l2norm, l, true, keep);
+  const auto f32 = raw.q.options().dtype(at::kFloat);
+  const int64_t rows = p.HV * l.seqs.tokens;
+  const at::Tensor starts = at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * kK * p.V)}, f32);
+  const at::Tensor dends = at::empty_like(starts);
+  if (p.N > 0) {
+    run_state_fwd_bf16<kK, float>(p, l, intra, raw, nullptr, nullptr, starts.data_ptr<float>());
+    using F = Bf16State<kK, bf16>;
+    const auto kernel = state_bwd_bf16_kernel<kK, bf16>;
+    set_smem(kernel, F::bytes());
+    kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
+        l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, true}, static_cast<float>(p.scale), intra,
+        static_cast<const bf16*>(dOs.data_ptr()), dht, dends.data_ptr<float>(), gr.dinitial_state.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (rows == 0 || l.seqs.slots == 0) return;
+  const auto ws = [&](int64_t n) {
+    keep.push_back(at::empty({std::max<int64_t>(1, n)}, f32));
+    return keep.back().data_ptr<float>();
+  };
+  // Head-major: dq, dk, dg, dbeta (every row of a chunk is written), ZW, dA, dAqk, sum_j dS1 S0.
+  const BwdWork<float> w{nullptr, nullptr, nullptr, ws(rows * kK), nullptr, nullptr, nullptr,
+                         ws(rows * kK), ws(rows * kK), ws(rows * kK), ws(rows),
+                         ws(rows * kChunk), ws(rows * kChunk), ws(p.HV * l.seqs.slots * kK)};
+  const GradOut out = grad_out(gr);
+  const bool direct = p.HV == p.H;
+  const RawIn<T> ri = raw_in<T>(raw, l2norm);
+  const dim3 grid(static_cast<unsigned>(l.seqs.slots), static_cast<unsigned>(p.HV));
+  const auto dense = bwd_dense_bf16_kernel<kK, T>;
+  set_smem(dense, BwdDenseBf16<kK>::bytes());
+  dense<<<grid, BwdDenseBf16<kK>::kThreads, BwdDenseBf16<kK>::bytes(), l.stream>>>(
+      l.seqs, p.HV, static_cast<int>(p.V), intra, starts.data_ptr<float>(), dends.data_ptr<float>(),
+      static_cast<const bf16*>(dOs.data_ptr()), ri, w, static_cast<T*>(gr.dv.data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto diag = bwd_pairs_diag_kernel<kK, T>;
+  set_smem(diag, PairsDiag<kK, T>::bytes());
+  diag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsDiag<kK, T>::bytes(), l.stream>>>(
+      l.seqs, p.H, p.HV, ri, intra.A, w, direct ? out : GradOut{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto offdiag = bwd_pairs_offdiag_kernel<kK, T>;
+  set_smem(offdiag, PairsOffdiag<kK, T>::bytes());
+  offdiag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsOffdiag<kK, T>::bytes(), l.stream>>>(
+      l.seqs, p.H, p.HV, ri, w, direct ? out : GradOut{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!direct) run_finish(p, l, w.dq, w.dk, w.dg, w.dbeta, raw.q, raw.k, l2norm, out);
 }
 
 }  // namespace
@@ -2056,7 +2122,7 @@ void fwd_cuda(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
   const c10::cuda::CUDAGuard guard(in.q.device());
   const Launch l = launch_setup(p, in.q);
   std::vector<at::Tensor> keep;
-  const Intra<float> intra = run_intra(p, in, nullptr, false, l, false, keep);
+  const Intra<float> intra = run_intra(p, in, l, false, keep);
   if (p.N == 0) return;
   run_state_fwd(p, l, intra, in.initial_state.defined() ? in.initial_state.data_ptr<float>() : nullptr,
                 o.data_ptr<float>(), final_state.defined() ? final_state.data_ptr<float>() : nullptr, nullptr);
@@ -2077,12 +2143,22 @@ void fwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, at::Tensor&
   });
 }
 
-void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm, const at::Tensor& rinv_q,
-              const at::Tensor& rinv_k, const at::Tensor& grad_o, const at::Tensor& grad_final_state, Grads& gr) {
+void bwd_cuda_bf16(const Problem& p, const Inputs& raw, bool l2norm, const at::Tensor& dOs,
+                   const at::Tensor& grad_final_state, Grads& gr) {
+  const c10::cuda::CUDAGuard guard(raw.q.device());
+  const Launch l = launch_setup(p, raw.q);
+  const float* dht = grad_final_state.defined() ? grad_final_state.data_ptr<float>() : nullptr;
+  with_bf16_types(p, raw.q, [&](auto k, auto tag) {
+    run_bwd_bf16<decltype(k)::value, decltype(tag)>(p, raw, l2norm, l, dOs, dht, gr);
+  });
+}
+
+void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& q, const at::Tensor& k, bool l2norm,
+              const at::Tensor& grad_o, const at::Tensor& grad_final_state, Grads& gr) {
   const c10::cuda::CUDAGuard guard(in.q.device());
   const Launch l = launch_setup(p, in.q);
   std::vector<at::Tensor> keep;
-  const Intra<float> intra = run_intra(p, in, raw, l2norm, l, true, keep);
+  const Intra<float> intra = run_intra(p, in, l, true, keep);
   const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_products};
   const auto opts = in.q.options();
   const int64_t tokens = l.seqs.tokens, rows = p.HV * tokens;
@@ -2094,8 +2170,8 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
                   nullptr, starts.data_ptr<float>());
     const float* dO = grad_o.data_ptr<float>();
     const float* dht = grad_final_state.defined() ? grad_final_state.data_ptr<float>() : nullptr;
-    run_state_pass(p, l, state_bwd_kernel<float>, state_bwd_bf16_kernel<128>, state_bwd_bf16_kernel<64>, intra, dO,
-                   dht, dends.data_ptr<float>(), gr.dinitial_state.data_ptr<float>());
+    run_state_pass(p, l, state_bwd_kernel<float>, state_bwd_bf16_kernel<128, float>, state_bwd_bf16_kernel<64, float>,
+                   intra, dO, dht, dends.data_ptr<float>(), gr.dinitial_state.data_ptr<float>());
   }
   if (rows == 0) return;
   auto ws = [&](int64_t n) {
@@ -2106,51 +2182,12 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
   const at::Tensor dq = at::zeros({p.HV, p.B, p.T, p.K}, opts), dk = at::zeros_like(dq), dg = at::zeros_like(dq);
   const at::Tensor dbeta = at::zeros({p.HV, p.B, p.T}, opts);
   gr.dv.zero_();
-  // The dense part on bf16 tiles where the bf16 kernels apply (raw given: K, V in {64, 128}).
-  const bool dense_bf16 = raw != nullptr;
-  const auto scratch = [&](int64_t n) { return dense_bf16 ? nullptr : ws(n); };  // the fp32 chunk kernel's
-  const BwdWork<float> w{scratch(rows * p.V),
-                         scratch(rows * p.V),
-                         scratch(rows * p.K),
-                         ws(rows * p.K),
-                         scratch(rows * p.V),
-                         scratch(rows * p.K),
-                         scratch(rows * p.K),
-                         dq.data_ptr<float>(),
-                         dk.data_ptr<float>(),
-                         dg.data_ptr<float>(),
-                         dbeta.data_ptr<float>(),
-                         dense_bf16 ? ws(rows * kChunk) : nullptr,
-                         dense_bf16 ? ws(rows * kChunk) : nullptr,
-                         dense_bf16 ? ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K)) : nullptr};
-  const GradOut out{gr.dq.data_ptr(), gr.dk.data_ptr(), gr.dg.data_ptr(), gr.dbeta.data_ptr(),
-                    elem_of(gr.dq),     elem_of(gr.dg),     elem_of(gr.dbeta)};
-  // The bf16 pair kernels write the final gradients themselves where no value heads share a head.
-  const bool direct = dense_bf16 && p.HV == p.H;
-  if (l.seqs.slots > 0 && dense_bf16) {
-    const dim3 grid(static_cast<unsigned>(l.seqs.slots), static_cast<unsigned>(p.HV));
-    with_bf16_types(p, raw->q, [&](auto kt, auto tag) {
-      constexpr int kK = decltype(kt)::value;
-      using T = decltype(tag);
-      const auto dense = bwd_dense_bf16_kernel<kK>;
-      set_smem(dense, BwdDenseBf16<kK>::bytes());
-      dense<<<grid, BwdDenseBf16<kK>::kThreads, BwdDenseBf16<kK>::bytes(), l.stream>>>(
-          l.seqs, z, scale, intra, starts.data_ptr<float>(), dends.data_ptr<float>(), grad_o.data_ptr<float>(),
-          in.v.data_ptr<float>(), in.beta.data_ptr<float>(), w, gr.dv.data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const RawIn<T> ri = raw_in<T>(*raw, l2norm);
-      const auto diag = bwd_pairs_diag_kernel<kK, T>;
-      set_smem(diag, PairsDiag<kK, T>::bytes());
-      diag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsDiag<kK, T>::bytes(), l.stream>>>(
-          l.seqs, p.H, p.HV, ri, intra, w, direct ? out : GradOut{});
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const auto offdiag = bwd_pairs_offdiag_kernel<kK, T>;
-      set_smem(offdiag, PairsOffdiag<kK, T>::bytes());
-      offdiag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsOffdiag<kK, T>::bytes(), l.stream>>>(
-          l.seqs, p.H, p.HV, ri, w, direct ? out : GradOut{});
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  } else if (l.seqs.slots > 0) {
+  const BwdWork<float> w{ws(rows * p.V),           ws(rows * p.V),           ws(rows * p.K),
+                         ws(rows * p.K),           ws(rows * p.V),           ws(rows * p.K),
+                         ws(rows * p.K),           dq.data_ptr<float>(),     dk.data_ptr<float>(),
+                         dg.data_ptr<float>(),     dbeta.data_ptr<float>(),  nullptr,
+                         nullptr,                  nullptr};
+  if (l.seqs.slots > 0) {
     const size_t smem =
         ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + (2 * kSub + 1) * p.K);
     set_smem(chunk_bwd_kernel<float>, smem);
@@ -2160,38 +2197,19 @@ void bwd_cuda(const Problem& p, const Inputs& in, const Inputs* raw, bool l2norm
         grad_o.data_ptr<float>(), w, gr.dv.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (direct) return;
-  const FinishArgs a{dq.data_ptr<float>(),
-                     dk.data_ptr<float>(),
-                     dg.data_ptr<float>(),
-                     dbeta.data_ptr<float>(),
-                     l2norm ? in.q.data_ptr<float>() : nullptr,
-                     l2norm ? in.k.data_ptr<float>() : nullptr,
-                     l2norm ? rinv_q.data_ptr<float>() : nullptr,
-                     l2norm ? rinv_k.data_ptr<float>() : nullptr,
-                     out,
-                     tokens,
-                     static_cast<int>(p.H),
-                     static_cast<int>(p.HV),
-                     static_cast<int>(p.K)};
-  finish_grads_kernel<<<static_cast<unsigned>(ceil_div(tokens * (2 * p.H + p.HV), int64_t{kRowWarps})),
-                        32 * kRowWarps, 0, l.stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  run_finish(p, l, dq.data_ptr<float>(), dk.data_ptr<float>(), dg.data_ptr<float>(), dbeta.data_ptr<float>(), q, k,
+             l2norm, grad_out(gr));
 }
 
-at::Tensor l2norm_rows_cuda(const at::Tensor& x, bool l2norm, at::Tensor* rinv) {
+at::Tensor l2norm_rows_cuda(const at::Tensor& x, bool l2norm) {
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
   const int64_t K = x.size(-1), rows = K > 0 ? x.numel() / K : 0;
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
-  std::vector<int64_t> rshape(x.sizes().begin(), x.sizes().end());
-  rshape.back() = 1;
-  if (rinv != nullptr) *rinv = at::empty(rshape, out.options());
   if (rows > 0) {
     l2norm_rows_kernel<<<static_cast<unsigned>(ceil_div(rows, int64_t{kRowWarps})), 32 * kRowWarps, 0,
                          c10::cuda::getCurrentCUDAStream(x.get_device()).stream()>>>(
-        xc.data_ptr(), elem_of(xc), rows, static_cast<int>(K), l2norm, out.data_ptr<float>(),
-        rinv != nullptr ? rinv->data_ptr<float>() : nullptr);
+        xc.data_ptr(), elem_of(xc), rows, static_cast<int>(K), l2norm, out.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
