@@ -399,24 +399,26 @@ struct RawIn {
 
 // One butterfly step of warp_sum_transposed: the lanes whose bit m is set keep v[m, 2m), the
 // others v[0, m), each adding its partner's half.
-template <int kM>
-__device__ __forceinline__ void butterfly_step(float (&v)[32], bool up) {
+template <int kM, int N>
+__device__ __forceinline__ void butterfly_step(float (&v)[N], bool up) {
 #pragma unroll
   for (int i = 0; i < kM; ++i) {
     const float send = up ? v[i] : v[i + kM], keep = up ? v[i + kM] : v[i];
     v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kM);
   }
 }
-// 32 per-lane values v[i] summed over the warp: lane l returns the sum of v[l] (the values halve
-// each step: 31 shuffles instead of 32 x 5).
-__device__ __forceinline__ float warp_sum_transposed(float (&v)[32]) {
+// N (32 or 16) per-lane values v[i] summed over the warp: lane l returns the sum of v[l % N] (the
+// values halve each step: N - 1 shuffles, and one more for N = 16, instead of N x 5).
+template <int N>
+__device__ __forceinline__ float warp_sum_transposed(float (&v)[N]) {
+  static_assert(N == 16 || N == 32, "16 or 32 values");
   const int lane = threadIdx.x % 32;
-  butterfly_step<16>(v, lane & 16);
+  if constexpr (N == 32) butterfly_step<16>(v, lane & 16);
   butterfly_step<8>(v, lane & 8);
   butterfly_step<4>(v, lane & 4);
   butterfly_step<2>(v, lane & 2);
   butterfly_step<1>(v, lane & 1);
-  return v[0];
+  return N == 32 ? v[0] : v[0] + __shfl_xor_sync(0xffffffffu, v[0], 16);
 }
 
 constexpr float kNormEps = 1e-6f;  // x / sqrt(|x|^2 + eps), as reference/kda.py
@@ -1510,25 +1512,17 @@ struct Chunk16 {
   }
 };
 
-// chunk_bwd_pairs in bf16-product mode (bf16 / fp16 inputs, K 64 or 128), part 1 of 2, after
-// bwd_dense_bf16_kernel: dbeta's other terms, G_last's extra gradient into w.last, and per element
-// (t, c) the terms from dQg, dKd and ZW and the pairs inside the diagonal 16 x 16 blocks. A thread
-// per (channel, diagonal block) walks the block's 136 pairs once, each pair's exp serving the row
-// terms of t and the column term of s. dq, dk, dg into w (over dQg, dKd); part 2
-// (bwd_pairs_offdiag_kernel) adds the pairs across blocks and the reverse cumsum.
-template <int kK, typename T>
-struct PairsDiag {
-  using C = ChunkTiles16<kK, T>;
-  static constexpr size_t bytes() { return C::bytes() + 4 * 2 * kChunk * kChunk; }
-};
-
 // bwd_pairs_diag_kernel's results for the rows i < n (up to 16) of one channel of a diagonal
-// block (element i at at + i ld), the loads of kGroup rows issued together.
-__device__ __forceinline__ void pairs_diag_out(int n, int64_t at, int ld, const float* beta, float gl,
-                                               const float (&kn)[16], const float (&qn)[16], const float (&G)[16],
-                                               const float (&ra)[16], const float (&rq)[16], const float (&cl)[16],
-                                               const float* zw, float* dq, float* dk, float* dg) {
+// block (element i at at + i ld), the loads of kGroup rows issued together. ra[i] is replaced by
+// row i's term of dbeta, ZW k exp(G) (its registers are free then); the return value is the
+// channel's term of G_last's extra gradient over these rows, sum Kd dKd.
+template <typename QN>
+__device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const float* beta, float gl,
+                                                const float (&kn)[16], QN qn, const float (&G)[16],
+                                                float (&ra)[16], const float (&rq)[16], const float (&cl)[16],
+                                                const float* zw, float* dq, float* dk, float* dg) {
   constexpr int kGroup = 2;
+  float last = 0.f;
 #pragma unroll
   for (int i0 = 0; i0 < 16; i0 += kGroup) {
     float dqg[kGroup], dkd[kGroup], z[kGroup];
@@ -1537,21 +1531,39 @@ __device__ __forceinline__ void pairs_diag_out(int n, int64_t at, int ld, const 
       const int64_t e = at + (i0 + i) * ld;
       dqg[i] = i0 + i < n ? dq[e] : 0.f;
       dkd[i] = i0 + i < n ? dk[e] : 0.f;
-      z[i] = i0 + i < n ? beta[i0 + i] * zw[e] : 0.f;
+      z[i] = i0 + i < n ? __ldg(zw + e) : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) {
       const int i = i0 + j;
+      const float eg = exp2_approx(G[i]), ed = exp2_approx(gl - G[i]), zg = z[j] * eg;
+      last += kn[i] * ed * dkd[j];
       if (i < n) {
         const int64_t e = at + i * ld;
-        const float eg = exp2_approx(G[i]), ed = exp2_approx(gl - G[i]);
+        const float bz = beta[i] * zg;
         dq[e] = dqg[j] * eg + rq[i];
-        dk[e] = dkd[j] * ed + ra[i] + cl[i] + z[j] * eg;
-        dg[e] = dqg[j] * qn[i] * eg - dkd[j] * kn[i] * ed + kn[i] * (ra[i] - cl[i] + z[j] * eg) + qn[i] * rq[i];
+        dk[e] = dkd[j] * ed + ra[i] + cl[i] + bz;
+        const float qi = qn(i);
+        dg[e] = dqg[j] * qi * eg - dkd[j] * kn[i] * ed + kn[i] * (ra[i] - cl[i] + bz) + qi * rq[i];
       }
+      ra[i] = zg * kn[i];
     }
   }
+  return last;
 }
+
+// chunk_bwd_pairs in bf16-product mode (bf16 / fp16 inputs, K 64 or 128), part 1 of 2, after
+// bwd_dense_bf16_kernel: dbeta's other terms, G_last's extra gradient into w.last, and per element
+// (t, c) the terms from dQg, dKd and ZW and the pairs inside the diagonal 16 x 16 blocks. A thread
+// per (channel, diagonal block) walks the block's 136 pairs once, each pair's exp serving the row
+// terms of t and the column term of s; the sums over channels and rows (dbeta, w.last) go
+// through shared memory. dq, dk, dg into w (over dQg, dKd); part 2
+// (bwd_pairs_offdiag_kernel) adds the pairs across blocks and the reverse cumsum.
+template <int kK, typename T>
+struct PairsDiag {
+  using C = ChunkTiles16<kK, T>;
+  static constexpr size_t bytes() { return C::bytes() + 4 * (2 * kChunk * kChunk + kChunk + kK); }
+};
 
 template <int kK, typename T>
 __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
@@ -1568,68 +1580,77 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
   const T *sq = ct.q, *sk = ct.k;
   const float *sG = ct.G, *sbeta = ct.beta, *srq = ct.rq, *srk = ct.rk;
   float* sdA = reinterpret_cast<float*>(ch.rest);  // [kChunk, kChunk]: beta_t dA_ts
-  float* sdAqk = sdA + kChunk * kChunk;         // [kChunk, kChunk]
+  float* sdAqk = sdA + kChunk * kChunk;            // [kChunk, kChunk]
+  float* sdb = sdAqk + kChunk * kChunk;            // [kChunk]: dbeta's terms here
+  float* slast = sdb + kChunk;                     // [kK]: sum_t Kd dKd
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const float* Gl = sG + (L - 1) * kLdG;
+  if (tid < kChunk) sdb[tid] = 0.f;
+  if (tid < kK) slast[tid] = 0.f;
+  __syncthreads();
 
-  // dbeta_t += sum_c ZW k exp(G) + sum_{s<t} dA A (a warp per row); dA (times beta_t) and dAqk
-  // staged; G_last's extra gradient gC sum_j dS1 S0 + sum_t Kd dKd (a thread per channel).
-  for (int t = warp; t < L; t += C::kThreads / 32) {
-    float acc = 0.f;
+  {  // dA (times beta_t) and dAqk staged; dbeta_t += sum_{s<t} dA A (iteration j: rows warp / 2 + 4 j)
+    constexpr int kIters = kChunk * kChunk / C::kThreads;
+    static_assert(kIters == 16, "a transposed sum over 16 rows");
+#pragma unroll 8
+    for (int j = 0; j < kIters; ++j) {
+      const int i = tid + j * C::kThreads, t = i / kChunk;
+      sdA[i] = t < L ? sbeta[t] * __ldg(w.dA + row0 * kChunk + i) : 0.f;
+      sdAqk[i] = t < L ? __ldg(w.dAqk + row0 * kChunk + i) : 0.f;
+    }
+    float da_a[kIters];
 #pragma unroll
-    for (int c = lane; c < kK; c += 32) {
-      acc += __ldg(w.ZW + (row0 + t) * kK + c) * to_float(sk[t * kLdK + c]) * srk[t] * exp2_approx(sG[t * kLdG + c]);
+    for (int j = 0; j < kIters; ++j) {
+      const int i = tid + j * C::kThreads, t = i / kChunk;
+      da_a[j] = t < L ? __ldg(w.dA + row0 * kChunk + i) * __ldg(A + row0 * kChunk + i) : 0.f;
     }
-    for (int s = lane; s < t; s += 32) acc += __ldg(w.dA + (row0 + t) * kChunk + s) * __ldg(A + (row0 + t) * kChunk + s);
-    acc = warp_reduce(acc, SumOp{});
-    if (lane == 0 && out.dbeta != nullptr) {
-      store_elem(out.dbeta, (ch.t0 + t) * HV + blockIdx.y, w.dbeta[row0 + t] + acc, out.eb);
-    } else if (lane == 0) {
-      w.dbeta[row0 + t] += acc;
-    }
-  }
-#pragma unroll 8
-  for (int i = tid; i < kChunk * kChunk; i += C::kThreads) {
-    const int t = i / kChunk;
-    sdA[i] = t < L ? sbeta[t] * __ldg(w.dA + row0 * kChunk + i) : 0.f;
-    sdAqk[i] = t < L ? __ldg(w.dAqk + row0 * kChunk + i) : 0.f;
-  }
-  if (tid < kK) {
-    float acc = 0.f;
-#pragma unroll 8
-    for (int t = 0; t < L; ++t) {
-      acc += to_float(sk[t * kLdK + tid]) * srk[t] * exp2_approx(Gl[tid] - sG[t * kLdG + tid]) *
-             w.dk[(row0 + t) * kK + tid];
-    }
-    w.last[gc + tid] = w.last[gc + tid] * exp2_approx(Gl[tid]) + acc;
+    const float sum = warp_sum_transposed(da_a);
+    if (lane < kIters) atomicAdd(sdb + warp / 2 + 4 * lane, sum);
   }
   __syncthreads();
 
-  for (int task = tid; task < 4 * kK; task += C::kThreads) {  // a warp shares its block
+  // Per (channel, diagonal block), a warp sharing its block: the block's pairs, then the outputs,
+  // dbeta's ZW k exp(G) summed over the warp's channels, sum_t Kd dKd over the block's rows.
+  for (int task = tid; task < 4 * kK; task += C::kThreads) {
     const int c = task % kK, b0 = task / kK * 16;
     if (b0 >= L) continue;
-    float kn[16], qn[16], G[16], ra[16], rq[16], cl[16];
+    // q's normalised row i of the block, from shared memory where needed (not held in registers)
+    const auto qn = [&](int i) { return to_float(sq[(b0 + i) * kLdK + c]) * srq[b0 + i]; };
+    float kn[16], G[16], ra[16], rq[16], cl[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       kn[i] = to_float(sk[(b0 + i) * kLdK + c]) * srk[b0 + i];
-      qn[i] = to_float(sq[(b0 + i) * kLdK + c]) * srq[b0 + i];
       G[i] = sG[(b0 + i) * kLdG + c];
       ra[i] = rq[i] = cl[i] = 0.f;
     }
 #pragma unroll
     for (int t = 0; t < 16; ++t) {
+      const float qt = qn(t);
 #pragma unroll
       for (int s = 0; s <= t; ++s) {
         const float e = exp2_approx(G[t] - G[s]), x = kn[s] * e;
         const float da = sdA[(b0 + t) * kChunk + b0 + s], dq = sdAqk[(b0 + t) * kChunk + b0 + s];
         ra[t] += da * x;
         rq[t] += dq * x;
-        cl[s] += (da * kn[t] + dq * qn[t]) * e;
+        cl[s] += (da * kn[t] + dq * qt) * e;
       }
     }
-    pairs_diag_out(L - b0, (row0 + b0) * kK + c, kK, sbeta + b0, Gl[c], kn, qn, G, ra, rq, cl, w.ZW, w.dq,
-                   w.dk, w.dg);
+    const float last = pairs_diag_out(L - b0, (row0 + b0) * kK + c, kK, sbeta + b0, Gl[c], kn, qn, G, ra, rq, cl,
+                                      w.ZW, w.dq, w.dk, w.dg);
+    atomicAdd(slast + c, last);
+    const float zsum = warp_sum_transposed(ra);  // dbeta's terms now
+    if (lane < 16) atomicAdd(sdb + b0 + lane, zsum);
   }
+  __syncthreads();
+  if (tid < L) {
+    const float db = w.dbeta[row0 + tid] + sdb[tid];
+    if (out.dbeta != nullptr) {
+      store_elem(out.dbeta, (ch.t0 + tid) * HV + blockIdx.y, db, out.eb);
+    } else {
+      w.dbeta[row0 + tid] = db;
+    }
+  }
+  if (tid < kK) w.last[gc + tid] = w.last[gc + tid] * exp2_approx(Gl[tid]) + slast[tid];
 }
 
 // Part 2 of 2: the pairs across diagonal blocks as mma.sync products on bf16 tiles, the operands
