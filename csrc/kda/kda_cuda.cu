@@ -431,7 +431,9 @@ constexpr float kNormEps = 1e-6f;  // x / sqrt(|x|^2 + eps), as reference/kda.py
 template <int kK, typename T>
 struct ChunkTiles16 {
   static constexpr int kThreads = 256, kLdK = kK + 8, kLdG = kK + 4, kLdV = kMaxHeadDim + 8;
-  static constexpr size_t bytes() { return 2 * sizeof(T) * kChunk * kLdK + 4 * (kChunk * kLdG + 3 * kChunk + kThreads); }
+  static constexpr size_t bytes() {
+    return 2 * sizeof(T) * kChunk * kLdK + 4 * (kChunk * kLdG + 3 * kChunk + kThreads);
+  }
   T *q, *k;
   float *G, *beta, *rq, *rk, *part;
 
@@ -515,8 +517,8 @@ struct ChunkTiles16 {
   }
 };
 
-// The intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64 or 128):
-// in bf16 for the forward's bf16 state pass, in fp32 with A and Minv for the backward. One block
+// The intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64 or 128),
+// in bf16 for the bf16 state passes (the backward's also A in fp32 and Minv in bf16). One block
 // of 8 warps per (chunk, value head), two blocks per SM. It reads the op's inputs as they are:
 // the casts, the q / k L2 normalisation and the cumsum of g (plain fp32, scaled by log2 e so that
 // every exp is one ex2) happen here.
@@ -1303,7 +1305,7 @@ struct GradOut {
 // Scratch and head-major outputs of the chunk backward: row t of value head hv at hv * tokens + t.
 template <typename T>
 struct BwdWork {
-  T *U, *dU, *dW, *ZW, *ZU, *kE, *qE;  // scratch
+  T *U, *dU, *dW, *ZW, *ZU, *kE, *qE;  // scratch (the bf16 kernels: ZW only)
   T *dq, *dk, *dg, *dbeta;              // outputs [HV, tokens, K] ([HV, tokens] for dbeta)
   // The bf16 kernels' chunk_bwd_dense results (else nullptr): dA, dAqk [HV, tokens, kChunk], sum_j
   // dS1 S0 [HV, slots, K] (then G_last's extra gradient).
@@ -1966,7 +1968,8 @@ void run_intra_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Laun
 
 // The intra-chunk terms of every chunk from the prepared inputs into fp32 workspaces (A and Minv
 // only for the backward).
-Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool for_bwd, std::vector<at::Tensor>& keep) {
+Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool for_bwd,
+                       std::vector<at::Tensor>& keep) {
   const auto opts = in.q.options();
   const int64_t rows = p.HV * l.seqs.tokens;
   auto ws = [&](int64_t n) {
@@ -2070,9 +2073,10 @@ void run_fwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch
 // dk, dg, dbeta.
 void run_finish(const Problem& p, const Launch& l, const float* dq, const float* dk, const float* dg,
                 const float* dbeta, const at::Tensor& q, const at::Tensor& k, bool l2norm, const GradOut& out) {
-  const FinishArgs a{dq,  dk,     dg,  dbeta,          q.data_ptr(),          k.data_ptr(),           elem_of(q),
+  const FinishArgs a{dq,     dk,  dg,           dbeta, q.data_ptr(), k.data_ptr(), elem_of(q),
                      l2norm, out, l.seqs.tokens, static_cast<int>(p.H), static_cast<int>(p.HV), static_cast<int>(p.K)};
-  const dim3 grid(static_cast<unsigned>(l.seqs.tokens), static_cast<unsigned>(ceil_div(2 * p.H + p.HV, int64_t{kRowWarps})));
+  const dim3 grid(static_cast<unsigned>(l.seqs.tokens),
+                  static_cast<unsigned>(ceil_div(2 * p.H + p.HV, int64_t{kRowWarps})));
   finish_grads_kernel<<<grid, 32 * kRowWarps, 0, l.stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -2203,11 +2207,10 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& q, const at:
   const at::Tensor dq = at::zeros({p.HV, p.B, p.T, p.K}, opts), dk = at::zeros_like(dq), dg = at::zeros_like(dq);
   const at::Tensor dbeta = at::zeros({p.HV, p.B, p.T}, opts);
   gr.dv.zero_();
-  const BwdWork<float> w{ws(rows * p.V),           ws(rows * p.V),           ws(rows * p.K),
-                         ws(rows * p.K),           ws(rows * p.V),           ws(rows * p.K),
-                         ws(rows * p.K),           dq.data_ptr<float>(),     dk.data_ptr<float>(),
-                         dg.data_ptr<float>(),     dbeta.data_ptr<float>(),  nullptr,
-                         nullptr,                  nullptr};
+  const BwdWork<float> w{ws(rows * p.V),       ws(rows * p.V),          ws(rows * p.K),       ws(rows * p.K),
+                         ws(rows * p.V),       ws(rows * p.K),          ws(rows * p.K),       dq.data_ptr<float>(),
+                         dk.data_ptr<float>(), dg.data_ptr<float>(),    dbeta.data_ptr<float>(), nullptr,
+                         nullptr,              nullptr};
   if (l.seqs.slots > 0) {
     const size_t smem =
         ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + (2 * kSub + 1) * p.K);
