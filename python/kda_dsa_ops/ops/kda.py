@@ -35,7 +35,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     matmuls: "highest" and "high" compute them as 3xTF32 (fp32 accuracy, the default); "medium"
     rounds their operands to bfloat16 (fp32 accumulation and state), the precision of
     flash-linear-attention's chunk_kda (on an H200, for bf16 / fp16 inputs with K, V in {64, 128},
-    about 9x faster forward and 3x faster forward+backward); every output, gradient and the final
+    about 9x faster forward and 6x faster forward+backward); every output, gradient and the final
     state then carry bf16 rounding (relative RMS <~ 5e-3 at K, V = 64, 128). The CPU
     kernels always compute in the accumulation type.
     """
