@@ -6,7 +6,7 @@ LI       T = Tk = 8192, Hi = 64, Di = 128, topk = 2048, causal: fused scoring + 
 SFA      T = 4096, Tk = 8192, H = 64 and 128, Dqk = 576, dv = 512 (MLA), topk = 2048, gated: forward
          and backward (SFAG, atomic and deterministic dkv) vs gather + einsum + softmax in chunks.
 
-    python bench/bench_dsa.py [--quick] [--out DIR]
+    python bench/bench_dsa.py [--quick] [--parts li sfa] [--out DIR]
 """
 
 from __future__ import annotations
@@ -128,11 +128,14 @@ def bench_attention(quick: bool) -> list[Result]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half the sequence lengths, H = 64 only")
+    parser.add_argument("--parts", nargs="+", choices=["li", "sfa"], default=["li", "sfa"],
+                        help="which ops to time (default both)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
-    results = bench_indexer(args.quick) + bench_attention(args.quick)
+    results = ((bench_indexer(args.quick) if "li" in args.parts else []) +
+               (bench_attention(args.quick) if "sfa" in args.parts else []))
     print(write_results("dsa", results, ceilings, args.out))
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda_dsa_ops as K
@@ -237,7 +237,7 @@ HALF = [torch.bfloat16, torch.float16]
        Di=st.sampled_from([8, 40, 128]), dtype=st.sampled_from(HALF))
 def test_lightning_indexer_cuda_matches_reference(seed, lens, extra_keys, topk, Hi, Di, dtype):
     """Integer inputs make every score exact, so indices (ties included) and scores must match
-    exactly; sequences longer than the candidate buffer exercise its cut back to top-k."""
+    exactly; varlen blocks of four queries that straddle sequences, Di of one or two 64-wide halves."""
     torch.manual_seed(seed)
     klens = [n + e for n, e in zip(lens, extra_keys)]
     T, Tk = sum(lens), sum(klens)
@@ -246,6 +246,27 @@ def test_lightning_indexer_cuda_matches_reference(seed, lens, extra_keys, topk, 
     idx, sc = K.lightning_indexer(q.cuda(), k.cuda(), w.cuda(), cu_of(lens).cuda(), cu_of(klens).cuda(), topk)
     idx_ref, sc_ref = R.lightning_indexer(q.to(F64), k.to(F64), w.to(F64), cu_of(lens), cu_of(klens), topk)
     assert idx.dtype == torch.int32 and sc.dtype == torch.float32
+    assert torch.equal(idx.cpu(), idx_ref)
+    assert torch.equal(sc.cpu().to(F64), sc_ref)
+
+
+@pytest.mark.cuda
+@settings(max_examples=12)
+@given(seed=SEEDS, lens=st.lists(st.integers(500, 2600), min_size=1, max_size=2),
+       topk=st.sampled_from([1, 7, 200, 1500, 2048]), Hi=st.sampled_from([1, 3]), Di=st.sampled_from([8, 72]),
+       spread=st.sampled_from([3, 100]), dtype=st.sampled_from(HALF))
+def test_lightning_indexer_cuda_long_sequences(seed, lens, topk, Hi, Di, spread, dtype):
+    """Sequences far longer than topk: each query's candidate buffer (topk + 512 entries) fills and
+    is cut back to its top-k again and again. q and k are integers in [-spread, spread] (exact in
+    bf16 and fp16, every score exact in fp32): spread 3 gives many tied scores (the cut then ranks
+    by key), spread 100 few."""
+    torch.manual_seed(seed)
+    T = sum(lens)
+    ints = lambda *shape: torch.randint(-spread, spread + 1, shape).to(dtype)
+    q, k, w = ints(T, Hi, Di), ints(T, Di), small_ints(T, Hi, dtype=dtype)
+    cu = cu_of(lens)
+    idx, sc = K.lightning_indexer(q.cuda(), k.cuda(), w.cuda(), cu.cuda(), cu.cuda(), topk)
+    idx_ref, sc_ref = R.lightning_indexer(q.to(F64), k.to(F64), w.to(F64), cu, cu, topk)
     assert torch.equal(idx.cpu(), idx_ref)
     assert torch.equal(sc.cpu().to(F64), sc_ref)
 

@@ -13,8 +13,9 @@ import kda_dsa_ops as K
 def main():
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
-    # indexer: varlen with an empty sequence, a sequence longer than the candidate buffer
-    lens, klens = [1, 0, 150, 37], [3, 2, 150, 40]
+    # indexer: varlen with an empty sequence, a sequence longer than the candidate buffer (topk +
+    # 512 entries: cut back to top-k on the way)
+    lens, klens = [1, 0, 700, 37], [3, 2, 700, 40]
     cu_q = torch.tensor([0] + lens, device=dev).cumsum(0).int()
     cu_k = torch.tensor([0] + klens, device=dev).cumsum(0).int()
     T, Tk = sum(lens), sum(klens)

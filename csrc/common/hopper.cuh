@@ -37,6 +37,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                : "memory");
 }
 
+// One arrival (no transaction bytes) on a barrier of this CTA.
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Waits until the phase with the given parity has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = smem_addr(bar);
@@ -169,6 +174,10 @@ __device__ __forceinline__ void warpgroup_reg_dealloc() {
 
 // ---- wgmma ------------------------------------------------------------------------------
 
+// Byte offset of 16-byte piece q of row r in a 128B-swizzled box of 128-byte rows (the layout TMA
+// writes with CU_TENSOR_MAP_SWIZZLE_128B and wgmma reads through sw128_descriptor).
+__device__ __forceinline__ int sw128_offset(int r, int q) { return r * 128 + ((q ^ (r % 8)) * 16); }
+
 // Shared-memory matrix descriptor for a 128-byte-swizzled operand (tile base 1024-aligned).
 //   K-major:  rows of 64 16-bit elements (128 B) along K; 8-row groups every 1024 B (SBO).
 //   MN-major: rows of 64 elements along M/N, one row per k; 8-k groups every 1024 B (SBO);
@@ -208,21 +217,26 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
 #define KDA_ACC8(i) \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define KDA_ACC32(i) KDA_ACC8(i), KDA_ACC8(i + 8), KDA_ACC8(i + 16), KDA_ACC8(i + 24)
-#define KDA_WGMMA_REGS                                                                                          \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
-  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, "  \
-  "%68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, "  \
-  "%90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "  \
-  "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
-#define KDA_WGMMA_M64N256K16(TYPE)                                                                       \
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %132, 0;\n"                                          \
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " KDA_WGMMA_REGS            \
-               ", %128, %129, p, 1, 1, %130, %131;\n}\n"                                                \
-               : KDA_ACC32(0), KDA_ACC32(32), KDA_ACC32(64), KDA_ACC32(96)                              \
+#define KDA_REGS_0_63 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define KDA_REGS_64_127 \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+// One wgmma.mma_async: the accumulators are operands %0.., then come the two descriptors (DESC),
+// kTransA and kTransB (TRANS) and the scale-d flag (SCALE_D, 1: accumulate).
+#define KDA_WGMMA(SHAPE, TYPE, REGS, DESC, TRANS, SCALE_D, ...)                                             \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " SCALE_D ", 0;\n"                                         \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS "}, " DESC ", p, 1, 1, " TRANS \
+               ";\n}\n"                                                                                        \
+               : __VA_ARGS__                                                                                 \
                : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB), "r"(1))
 
-// d[64 x 256] += A[64 x 16] * B[16 x 256], both operands in shared memory. kTransA/kTransB:
+// d[64 x N] += A[64 x 16] * B[16 x N], both operands in shared memory. kTransA/kTransB:
 // 1 when the operand is M/N-major rather than K-major. Accumulator layout: thread t of the
 // warpgroup holds rows 16*(t/32) + (t%32)/4 (+8) and, for each 8-column block j, columns
 // 8j + 2*(t%4) (+1): d[4j], d[4j+1] on the first row, d[4j+2], d[4j+3] on the second.
@@ -230,15 +244,31 @@ template <typename T, int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
 #ifdef KDA_SM90A_ENABLED
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    KDA_WGMMA_M64N256K16("bf16");
+    KDA_WGMMA("m64n256k16", "bf16", KDA_REGS_0_63 ", " KDA_REGS_64_127, "%128, %129", "%130, %131", "%132",
+              KDA_ACC32(0), KDA_ACC32(32), KDA_ACC32(64), KDA_ACC32(96));
   } else {
-    KDA_WGMMA_M64N256K16("f16");
+    KDA_WGMMA("m64n256k16", "f16", KDA_REGS_0_63 ", " KDA_REGS_64_127, "%128, %129", "%130, %131", "%132",
+              KDA_ACC32(0), KDA_ACC32(32), KDA_ACC32(64), KDA_ACC32(96));
   }
 #endif
 }
 
-#undef KDA_WGMMA_M64N256K16
-#undef KDA_WGMMA_REGS
+template <typename T, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+#ifdef KDA_SM90A_ENABLED
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    KDA_WGMMA("m64n128k16", "bf16", KDA_REGS_0_63, "%64, %65", "%66, %67", "%68", KDA_ACC32(0),
+              KDA_ACC32(32));
+  } else {
+    KDA_WGMMA("m64n128k16", "f16", KDA_REGS_0_63, "%64, %65", "%66, %67", "%68", KDA_ACC32(0),
+              KDA_ACC32(32));
+  }
+#endif
+}
+
+#undef KDA_WGMMA
+#undef KDA_REGS_64_127
+#undef KDA_REGS_0_63
 #undef KDA_ACC32
 #undef KDA_ACC8
 

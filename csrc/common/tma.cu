@@ -1,9 +1,11 @@
 #include "common/tma.h"
 
+#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
 #include <mutex>
+#include <string>
 
 namespace kda_dsa_ops {
 namespace {
@@ -24,6 +26,17 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled_fn() {
 }
 
 }  // namespace
+
+void check_sm90(const at::Tensor& t, const char* op) {
+  int major = 0, minor = 0;
+  const int device = t.get_device();
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  TORCH_CHECK(major == 9 && minor == 0, op, ": the CUDA kernel needs a Hopper GPU (sm_90), got sm_", major, minor);
+  const std::string archs = KDA_DSA_OPS_CUDA_ARCHS;
+  TORCH_CHECK(archs.find("9.0a") != std::string::npos, op, ": this build has no sm_90a code (TORCH_CUDA_ARCH_LIST='",
+              archs, "'); rebuild with TORCH_CUDA_ARCH_LIST=9.0a");
+}
 
 template <int kRank>
 CUtensorMap make_tensor_map_sw128(const at::Tensor& t, const std::array<uint64_t, kRank>& dims,

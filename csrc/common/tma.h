@@ -1,5 +1,6 @@
-// Host-side creation of TMA tensor maps (CUtensorMap) for 16-bit operands with 128-byte
-// swizzle. The driver entry point is looked up through the runtime, so nothing links libcuda.
+// Host side of the Hopper kernels: the check that the device and the build have sm_90a, and the
+// creation of TMA tensor maps (CUtensorMap) for 16-bit operands with 128-byte swizzle. The
+// driver entry point is looked up through the runtime, so nothing links libcuda.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +10,9 @@
 #include <cstdint>
 
 namespace kda_dsa_ops {
+
+// Raises unless `t` is on an sm_90 device and this build has sm_90a code (wgmma, TMA).
+void check_sm90(const at::Tensor& t, const char* op);
 
 // A tiled tensor map over `t`'s storage. dims/box are innermost first (dims[0] is the
 // contiguous dimension); strides are in elements for dims 1..rank-1. Out-of-bounds reads of

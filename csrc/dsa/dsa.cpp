@@ -58,7 +58,8 @@ void check_cuda_dtype(const at::Tensor& q, const char* op) {
 void check_indexer_cuda(const IndexerShapes& s, const at::Tensor& q, const char* op) {
   check_cuda_dtype(q, op);
   TORCH_CHECK(s.Hi <= 64, op, ": the CUDA kernel takes up to 64 indexer heads, got Hi = ", s.Hi);
-  TORCH_CHECK(s.Di % 8 == 0 && s.Di <= 128, op, ": the CUDA kernel takes Di a multiple of 8 up to 128, got Di = ", s.Di);
+  TORCH_CHECK(s.Di % 8 == 0 && s.Di >= 8 && s.Di <= 128, op,
+              ": the CUDA kernel takes Di a multiple of 8 from 8 to 128, got Di = ", s.Di);
 }
 
 void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) {

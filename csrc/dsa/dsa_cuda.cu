@@ -1,9 +1,9 @@
-// DSA on CUDA, bf16/fp16 operands on the tensor cores (mma.sync m16n8k16, fp32 accumulation).
-//   LI forward    one block per query: its visible keys in tiles of 64 scored against the
-//                 query's heads, ReLU, weighted sum over heads; the scores go straight into a
-//                 shared-memory candidate buffer that is sorted and cut back to top-k whenever it
-//                 fills (the [T, Tk] matrix never exists); keys pass a threshold (the k-th best so
-//                 far) to enter it.
+// DSA on CUDA, bf16/fp16 operands on the tensor cores with fp32 accumulation.
+//   LI forward    (sm_90a: TMA, wgmma) four queries per block scored against the keys they see
+//                 in tiles of 64, ReLU and the weighted sum over heads in registers; the scores go
+//                 straight into per-query shared-memory candidate buffers (the [T, Tk] matrix
+//                 never exists), past a threshold (the k-th best so far); a full buffer is cut
+//                 back to top-k by a radix select.
 //   LI backward   one block per query over its selected keys: dq and dw in registers, dk added to
 //                 an fp32 buffer.
 //   SFA forward   one block per (query, kv head, block of up to 64 heads) over the selected keys in
@@ -11,16 +11,21 @@
 //                 return_p a second pass sums the final probabilities over the heads.
 //   SFA backward  the same blocks: dq in registers, dkv added to an fp32 buffer (atomically, or,
 //                 with deterministic, stored per (query, slot) and summed in index order).
-// Warps of a block: 16-row groups x 2 halves of the columns (keys or values).
+// The others run mma.sync m16n8k16; their warps are 16-row groups x 2 halves of the columns (keys
+// or values).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "common/device.cuh"
 #include "common/dispatch.h"
+#include "common/hopper.cuh"
 #include "common/mma.cuh"
+#include "common/tma.h"
 #include "dsa/dsa.h"
 
 namespace kda_dsa_ops::dsa {
@@ -143,153 +148,375 @@ struct SelectedRows {
   }
 };
 
-// ---- lightning indexer, forward ---------------------------------------------------------
+// ---- lightning indexer ------------------------------------------------------------------
 
-constexpr int kIdxRows = 64;  // indexer heads per block (Hi <= 64)
+constexpr int kIdxRows = 64;  // indexer heads (Hi <= 64, padded)
 constexpr int kIdxKeys = 64;  // keys per tile
 constexpr int kIdxDim = 128;  // Di <= 128
 constexpr int kIdxLd = kIdxDim + 8;
-constexpr int kIdxThreads = 256;
-// Key tiles in flight in the indexer forward: one (a second one cost more in blocks per SM than
-// it hid: 2.25 vs 1.89 ms at T = 4096 on the H200, bench/NOTES.md).
-constexpr int kIdxFwdStages = 1;
+constexpr int kIdxThreads = 256;  // backward
+
+// Forward (sm_90a). A block scores 4 consecutive queries against the keys any of them sees, in
+// tiles of 64 keys that a producer thread streams by TMA into a 4-stage ring (128B-swizzled,
+// 64 keys x 128 dims of 16-bit values). Two consumer warpgroups own two queries each: wgmma
+// m64n128k16 gives keys x (2 queries x 64 heads), two tiles in flight (two accumulator sets).
+// ReLU, the weights and the sum over heads stay in registers (16 heads per thread, then across
+// the 4 lanes of a quad); a key whose candidate beats its query's threshold enters the query's
+// buffer. A buffer within one tile of full is cut back to its top-k by a radix select, which
+// also sets the threshold to the k-th best; at the end the survivors are sorted and written.
+// Candidates are (descending score bits << 32 | key): ascending order is score descending, ties
+// to the lower key.
+struct IdxFwd {
+  static constexpr int kQueries = 4, kConsumers = 2, kQueriesPerGroup = kQueries / kConsumers;
+  static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+  static constexpr int kStages = 4;
+  static constexpr int kChunkBytes = kIdxKeys * 128;                         // 64 keys x 64 dims
+  static constexpr int kStageBytes = 2 * kChunkBytes;                        // x 128 dims
+  static constexpr int kQChunkBytes = kQueriesPerGroup * kIdxRows * 128;     // 128 columns x 64 dims
+  static constexpr int kQBytes = kConsumers * 2 * kQChunkBytes;
+  static constexpr int kSlack = 512;                                        // buffer room past topk
+  static constexpr int kPerThread = (kMaxTopk + kSlack) / 128;               // of a cut, in registers
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static constexpr int kAlign = 1024;                                       // swizzle atoms
+  static int capacity(int topk) {
+    int pow2 = 1;
+    while (pow2 < topk) pow2 *= 2;  // the final sort pads to a power of two
+    return std::max(topk + kSlack, pow2);
+  }
+};
+
+// A forward block's shared state besides the tiles and the candidate buffers.
+struct IdxFwdShared {
+  uint64_t full[IdxFwd::kStages], empty[IdxFwd::kStages];
+  uint64_t threshold[IdxFwd::kQueries];  // a candidate enters below it
+  uint64_t kept_max[IdxFwd::kConsumers];
+  int64_t key_start[IdxFwd::kQueries], visible[IdxFwd::kQueries];
+  float w[IdxFwd::kQueries][kIdxRows];
+  int hist[IdxFwd::kConsumers][256];
+  int digit[IdxFwd::kConsumers][3];  // a radix pass's bin, the count before it, its count
+  int count[IdxFwd::kQueries], kept[IdxFwd::kConsumers];
+};
 
 struct IndexerArgs {
   const void* q;
-  const void* k;
   const float* w;
   const int32_t* cu_q;
   const int32_t* cu_k;
+  int64_t T, Tk;  // keys outside [0, Tk) (bad cu_seqlens values) are never selected
   int N, Hi, Di, topk, cap;
-  int64_t Tk;  // keys outside [0, Tk) (bad cu_seqlens values) are never read
   int32_t* indices;
   float* scores;
 };
 
-// Sorts buf[0, count) ascending (the padding up to a power of two takes the largest key).
-__device__ void block_sort(uint64_t* buf, int count) {
-  int n = 2;
-  while (n < count) n *= 2;
-  for (int i = count + threadIdx.x; i < n; i += blockDim.x) buf[i] = ~uint64_t{0};
-  __syncthreads();
-  for (int k = 2; k <= n; k *= 2) {
-    for (int j = k / 2; j > 0; j /= 2) {
-      for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int p = i ^ j;
-        if (p > i) {
-          const uint64_t a = buf[i], b = buf[p];
-          if ((a > b) == ((i & k) == 0)) {
-            buf[i] = b;
-            buf[p] = a;
+__device__ __forceinline__ void group_sync(int group) { sm90::named_barrier_sync(1 + group, 128); }
+
+// Cuts a query's candidates buf[0, n) (distinct, n > topk) back to the topk smallest, in any
+// order, by a radix select over 8-bit digits from the most significant, and sets *count = topk
+// and *threshold = the largest kept. The 128 threads of consumer warpgroup `group` call it.
+__device__ void cut_to_topk(uint64_t* buf, int n, int topk, IdxFwdShared& sh, int group, int* count,
+                            uint64_t* threshold) {
+  const int tid = threadIdx.x % 128, lane = threadIdx.x % 32;
+  int* hist = sh.hist[group];
+  uint64_t e[IdxFwd::kPerThread];
+#pragma unroll
+  for (int j = 0; j < IdxFwd::kPerThread; ++j) e[j] = tid + 128 * j < n ? buf[tid + 128 * j] : ~uint64_t{0};
+  uint64_t prefix = 0, mask = 0;
+  int need = topk;
+  for (int shift = 56;; shift -= 8) {
+    for (int b = tid; b < 256; b += 128) hist[b] = 0;
+    group_sync(group);
+#pragma unroll
+    for (int j = 0; j < IdxFwd::kPerThread; ++j) {
+      const bool in = tid + 128 * j < n && (e[j] & mask) == prefix;
+      const uint32_t d = static_cast<uint32_t>(e[j] >> shift) & 255u;
+      const uint32_t peers = __match_any_sync(0xffffffffu, in ? d : 256u + lane);
+      if (in && lane == __ffs(peers) - 1) atomicAdd(hist + d, __popc(peers));
+    }
+    group_sync(group);
+    if (tid < 32) {  // the bin holding the need-th smallest: lane l scans bins 8l..8l+7
+      int h[8], sum = 0;
+#pragma unroll
+      for (int b = 0; b < 8; ++b) sum += (h[b] = hist[8 * tid + b]);
+      const int inclusive = warp_inclusive_scan(sum, SumOp{});
+      int run = inclusive - sum;
+      if (run < need && need <= inclusive) {
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          if (run + h[b] >= need) {
+            sh.digit[group][0] = 8 * tid + b;
+            sh.digit[group][1] = run;
+            sh.digit[group][2] = h[b];
+            break;
           }
+          run += h[b];
         }
       }
-      __syncthreads();
+    }
+    group_sync(group);
+    const int bin = sh.digit[group][0], cnt = sh.digit[group][2];
+    need -= sh.digit[group][1];
+    prefix |= uint64_t(bin) << shift;
+    mask |= uint64_t{255} << shift;
+    if (cnt == need || shift == 0) break;  // the whole bin is kept (distinct keys: by the last digit)
+  }
+  if (tid == 0) {
+    sh.kept[group] = 0;
+    sh.kept_max[group] = 0;
+  }
+  group_sync(group);
+  uint64_t largest = 0;
+#pragma unroll
+  for (int j = 0; j < IdxFwd::kPerThread; ++j) {
+    const bool keep = tid + 128 * j < n && (e[j] & mask) <= prefix;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
+    int base = 0;
+    if (lane == 0 && ballot != 0) base = atomicAdd(&sh.kept[group], __popc(ballot));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    if (keep) {
+      buf[base + __popc(ballot & ((1u << lane) - 1))] = e[j];
+      largest = e[j] > largest ? e[j] : largest;
+    }
+  }
+  largest = warp_reduce(largest, MaxOp{});
+  if (lane == 0) atomicMax(reinterpret_cast<unsigned long long*>(&sh.kept_max[group]), largest);
+  group_sync(group);
+  if (tid == 0) {
+    *count = topk;
+    *threshold = sh.kept_max[group];
+  }
+  group_sync(group);
+}
+
+// Sorts the candidates of a warpgroup's two queries ascending (buffers `cap` apart, n0 and n1
+// entries), bitonic over a common power of two padded with the largest key.
+__device__ void sort_candidates(uint64_t* buf, int cap, int n0, int n1, int group) {
+  const int tid = threadIdx.x % 128;
+  int size = 1;
+  while (size < max(n0, n1)) size *= 2;
+  for (int i = n0 + tid; i < size; i += 128) buf[i] = ~uint64_t{0};
+  for (int i = n1 + tid; i < size; i += 128) buf[cap + i] = ~uint64_t{0};
+  group_sync(group);
+  const int half = size / 2;
+  for (int k = 2; k <= size; k *= 2) {
+    for (int j = k / 2; j > 0; j /= 2) {
+      for (int m = tid; m < 2 * half; m += 128) {
+        uint64_t* b = buf + (m >= half ? cap : 0);
+        const int mm = m >= half ? m - half : m;
+        const int i = 2 * mm - (mm & (j - 1)), p = i + j;  // i has bit j clear
+        const uint64_t x = b[i], y = b[p];
+        if ((x > y) == ((i & k) == 0)) {
+          b[i] = y;
+          b[p] = x;
+        }
+      }
+      group_sync(group);
     }
   }
 }
 
-// Keys ks + k0 + r of one sequence, r < visible (the indexer's dense tiles).
-template <typename T>
-struct VisibleRows {
-  int64_t base[2];
-  int64_t ks, visible;
-  int D;
-  const T* k;
-  __device__ void slots(int b, int64_t k0) { base[b] = k0; }
-  __device__ const T* row(int b, int r) const {
-    return base[b] + r < visible ? k + (ks + base[b] + r) * D : nullptr;
+// kChunks: 64-dim halves of the keys (1 for Di <= 64, else 2).
+template <typename T, int kChunks>
+__global__ void __launch_bounds__(IdxFwd::kThreads, 1)
+    indexer_fwd_kernel(const __grid_constant__ IndexerArgs a, const __grid_constant__ CUtensorMap map_k) {
+#ifdef KDA_SM90A_ENABLED
+  using F = IdxFwd;
+  using namespace sm90;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((F::kAlign - (smem_addr(smem_raw) & (F::kAlign - 1))) & (F::kAlign - 1));
+  uint8_t* ktiles = smem;                                                   // [kStages] key tiles
+  uint8_t* qtile = ktiles + F::kStages * F::kStageBytes;                    // [group][dim chunk] (128 x 64)
+  uint64_t* cand = reinterpret_cast<uint64_t*>(qtile + F::kQBytes);         // [kQueries][cap]
+  IdxFwdShared& sh = *reinterpret_cast<IdxFwdShared*>(cand + F::kQueries * a.cap);
+
+  const int64_t t0 = (gridDim.x - 1 - int64_t{blockIdx.x}) * F::kQueries;  // the longest rows first
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x < F::kQueries) {
+    // Query t's sequence: the last n with cu_q[n] <= t; its keys start at cu_k[n].
+    const int64_t t = t0 + threadIdx.x;
+    int64_t start = 0, visible = 0;
+    if (t < a.T) {
+      int lo = 0, hi = a.N;
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (a.cu_q[mid] <= t) lo = mid; else hi = mid;
+      }
+      const int64_t qs = a.cu_q[lo], Lq = a.cu_q[lo + 1] - qs, Lk = a.cu_k[lo + 1] - a.cu_k[lo];
+      start = a.cu_k[lo];
+      visible = min(min(t - qs + Lk - Lq + 1, Lk), a.Tk - start);
+      if (visible < 0 || start < 0) visible = 0;
+    }
+    sh.key_start[threadIdx.x] = start;
+    sh.visible[threadIdx.x] = visible;
+    sh.count[threadIdx.x] = 0;
+    sh.threshold[threadIdx.x] = ~uint64_t{0};
   }
-};
-
-// Candidates are (descending score bits << 32 | key): ascending order is score descending, ties
-// to the lower key; keys arrive in increasing order, so after a cut a later key that ties the
-// threshold ranks below it and is rightly refused.
-template <typename T>
-__global__ void __launch_bounds__(kIdxThreads) indexer_fwd_kernel(IndexerArgs a) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  T* sQ = reinterpret_cast<T*>(smem);
-  T* sK = sQ + kIdxRows * kIdxLd;  // kIdxFwdStages key tiles
-  float* sW = reinterpret_cast<float*>(sK + kIdxFwdStages * kIdxKeys * kIdxLd);
-  float* colsum = sW + kIdxRows;  // [4][kIdxKeys]
-  uint64_t* buf = reinterpret_cast<uint64_t*>(colsum + 4 * kIdxKeys);
-  __shared__ int count;
-  __shared__ uint64_t threshold;
-
-  const T* q = static_cast<const T*>(a.q);
-  const T* k = static_cast<const T*>(a.k);
-  const int64_t t = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int wr = warp / 2, wc = warp % 2;
-
-  // The sequence of query t: the last n with cu_q[n] <= t.
-  int lo = 0, hi = a.N;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (a.cu_q[mid] <= t) lo = mid; else hi = mid;
-  }
-  const int64_t qs = a.cu_q[lo], Lq = a.cu_q[lo + 1] - qs, ks = a.cu_k[lo], Lk = a.cu_k[lo + 1] - ks;
-  int64_t visible = t - qs + Lk - Lq + 1;
-  if (visible > Lk) visible = Lk;
-  if (visible > a.Tk - ks) visible = a.Tk - ks;
-  if (visible < 0 || ks < 0) visible = 0;
-
-  gather_rows(sQ, kIdxLd, kIdxRows, a.Di, kIdxDim,
-              [&](int r) { return r < a.Hi ? q + (t * a.Hi + r) * a.Di : static_cast<const T*>(nullptr); });
-  for (int r = threadIdx.x; r < kIdxRows; r += blockDim.x) sW[r] = r < a.Hi ? a.w[t * a.Hi + r] : 0.f;
   if (threadIdx.x == 0) {
-    count = 0;
-    threshold = ~uint64_t{0};
+    for (int s = 0; s < F::kStages; ++s) {
+      mbar_init(sh.full + s, 1);
+      mbar_init(sh.empty + s, F::kConsumers * 4);  // every consumer warp
+    }
+    mbar_init_fence();
   }
-  const int kd = round16(a.Di);
-  KeyTiles<T, kIdxFwdStages, kIdxKeys, VisibleRows<T>> tiles{sK, kIdxLd, a.Di, kIdxDim, visible,
-                                                 VisibleRows<T>{{0, 0}, ks, visible, a.Di, k}};
-  tiles.start();
-
-  int it = 0;
-  for (int64_t j0 = 0; j0 < visible; j0 += kIdxKeys, ++it) {
-    __syncthreads();
-    if (count > a.cap - kIdxKeys) {  // cut back to the top-k
-      block_sort(buf, count);
-      if (threadIdx.x == 0) {
-        count = a.topk;
-        threshold = buf[a.topk - 1];
-      }
-      __syncthreads();
-    }
-    const T* tile = tiles.tile(tiles.ready(it, j0));
-    float s[4][4] = {};
-    warp_qk_16x32(s, sQ, tile, kIdxLd, wr * 16, wc * 32, kd);
-    const float w0 = sW[wr * 16 + g], w1 = sW[wr * 16 + g + 8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = fmaxf(s[j][e], 0.f) * w0 + fmaxf(s[j][2 + e], 0.f) * w1;
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (g == 0) colsum[wr * kIdxKeys + wc * 32 + j * 8 + 2 * c + e] = v;
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < kIdxKeys && j0 + threadIdx.x < visible) {
-      const int col = threadIdx.x;
-      const float score = ((colsum[col] + colsum[kIdxKeys + col]) + colsum[2 * kIdxKeys + col]) + colsum[3 * kIdxKeys + col];
-      if (isfinite(score)) {
-        const uint64_t key = uint64_t{descending_bits(score)} << 32 | static_cast<uint32_t>(ks + j0 + col);
-        if (key < threshold) buf[atomicAdd(&count, 1)] = key;
-      }
-    }
+  // Weights and the query tile (zeros past Hi, Di and T): column n = query x 64 + head of a
+  // warpgroup's 128, K-major, 128B-swizzled like the TMA key tiles.
+  const T* q = static_cast<const T*>(a.q);
+  for (int i = threadIdx.x; i < F::kQueries * kIdxRows; i += blockDim.x) {
+    const int64_t t = t0 + i / kIdxRows;
+    const int h = i % kIdxRows;
+    sh.w[i / kIdxRows][h] = t < a.T && h < a.Hi ? a.w[t * a.Hi + h] : 0.f;
   }
+  for (int i = threadIdx.x; i < F::kQueries * kIdxRows * 16; i += blockDim.x) {
+    const int row = i / 16, piece = i % 16, h = row % kIdxRows;
+    const int64_t t = t0 + row / kIdxRows;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (t < a.T && h < a.Hi && piece * 8 < a.Di) v = *reinterpret_cast<const uint4*>(q + (t * a.Hi + h) * a.Di + piece * 8);
+    const int group = row / (F::kQueriesPerGroup * kIdxRows), n = row % (F::kQueriesPerGroup * kIdxRows);
+    *reinterpret_cast<uint4*>(qtile + (group * 2 + piece / 8) * F::kQChunkBytes + sw128_offset(n, piece % 8)) = v;
+  }
+  fence_proxy_async();
   __syncthreads();
-  const int n = count;
-  block_sort(buf, n);
-  for (int r = threadIdx.x; r < a.topk; r += blockDim.x) {
-    const bool keep = r < n;
-    a.indices[t * a.topk + r] = keep ? static_cast<int32_t>(buf[r] & 0xffffffffu) : -1;
-    a.scores[t * a.topk + r] = keep ? from_descending_bits(static_cast<uint32_t>(buf[r] >> 32)) : -INFINITY;
+
+  int64_t lo = INT64_MAX, hi = 0;  // the keys any of the block's queries sees
+#pragma unroll
+  for (int i = 0; i < F::kQueries; ++i) {
+    if (sh.visible[i] > 0) {
+      lo = min(lo, sh.key_start[i]);
+      hi = max(hi, sh.key_start[i] + sh.visible[i]);
+    }
   }
+  // An even number of tiles (the consumers take them in pairs; keys past hi are masked).
+  const int tiles = lo < hi ? static_cast<int>(ceil_div(hi - lo, 2 * kIdxKeys)) * 2 : 0;
+
+  if (warpgroup == F::kConsumers) {
+    warpgroup_reg_dealloc<F::kProducerRegs>();
+    if (threadIdx.x == F::kConsumers * 128) {
+      tma_prefetch_descriptor(&map_k);
+      for (int i = 0; i < tiles; ++i) {
+        const int s = i % F::kStages;
+        mbar_wait(sh.empty + s, ((i / F::kStages) & 1) ^ 1);
+        mbar_arrive_expect_tx(sh.full + s, kChunks * F::kChunkBytes);
+        for (int c = 0; c < kChunks; ++c) {
+          tma_load_2d(ktiles + s * F::kStageBytes + c * F::kChunkBytes, &map_k, sh.full + s, 64 * c,
+                      static_cast<int>(lo + int64_t{i} * kIdxKeys));
+        }
+      }
+    }
+    return;
+  }
+
+  warpgroup_reg_alloc<F::kConsumerRegs>();
+  const int group = warpgroup, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32, c = lane % 4;
+  // After the sums, lane c holds query 2 group + c / 2 at key row 16 warp + lane / 4 + 8 (c % 2).
+  const int my_query = 2 * group + c / 2, my_row = 16 * warp + lane / 4 + 8 * (c % 2);
+  const int64_t my_start = sh.key_start[my_query], my_end = my_start + sh.visible[my_query];
+  uint64_t* my_buf = cand + my_query * a.cap;
+  const uint32_t q_base = smem_addr(qtile + group * 2 * F::kQChunkBytes);
+
+  auto issue = [&](float(&acc)[64], int i) {
+    const int s = i % F::kStages;
+#pragma unroll
+    for (int x = 0; x < 64; ++x) acc[x] = 0.f;
+    mbar_wait(sh.full + s, (i / F::kStages) & 1);
+    const uint32_t k_base = smem_addr(ktiles + s * F::kStageBytes);
+    fence_accumulators(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4 * kChunks; ++kk) {
+      const uint64_t da = sw128_descriptor(k_base + (kk / 4) * F::kChunkBytes + (kk % 4) * 32, 16);
+      const uint64_t db = sw128_descriptor(q_base + (kk / 4) * F::kQChunkBytes + (kk % 4) * 32, 16);
+      wgmma_m64n128k16<T, 0, 0>(acc, da, db);
+    }
+    wgmma_commit();
+  };
+  // Tile i's scores into the candidate buffers once its wgmmas are done (`pending`: how many of
+  // this group's later wgmma batches may still run).
+  auto finish = [&](float(&acc)[64], int i, auto pending) {
+    wgmma_wait<decltype(pending)::value>();
+    fence_accumulators(acc);
+    if (lane == 0) mbar_arrive(sh.empty + i % F::kStages);
+    float part[2][2] = {};  // [query][row g, g + 8]
+#pragma unroll
+    for (int qi = 0; qi < 2; ++qi) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {  // heads 8 jj + 2c (+1)
+        const float* d = acc + 4 * (8 * qi + jj);
+        const float2 wv = *reinterpret_cast<const float2*>(&sh.w[2 * group + qi][8 * jj + 2 * c]);
+        part[qi][0] += fmaxf(d[0], 0.f) * wv.x + fmaxf(d[1], 0.f) * wv.y;
+        part[qi][1] += fmaxf(d[2], 0.f) * wv.x + fmaxf(d[3], 0.f) * wv.y;
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      float& v = part[x / 2][x % 2];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+    }
+    const float score = c == 0 ? part[0][0] : c == 1 ? part[0][1] : c == 2 ? part[1][0] : part[1][1];
+    const int64_t key = lo + int64_t{i} * kIdxKeys + my_row;
+    const uint64_t candidate = uint64_t{descending_bits(score)} << 32 | static_cast<uint32_t>(key);
+    const bool enter = key >= my_start && key < my_end && isfinite(score) && candidate < sh.threshold[my_query];
+    const uint32_t ballot = __ballot_sync(0xffffffffu, enter);
+#pragma unroll
+    for (int qi = 0; qi < 2; ++qi) {
+      const uint32_t m = ballot & (qi == 0 ? 0x33333333u : 0xCCCCCCCCu);  // lanes c = 2 qi, 2 qi + 1
+      if (m == 0) continue;
+      const int leader = __ffs(m) - 1;
+      int base = 0;
+      if (lane == leader) base = atomicAdd(&sh.count[2 * group + qi], __popc(m));
+      base = __shfl_sync(0xffffffffu, base, leader);
+      if (enter && c / 2 == qi) my_buf[base + __popc(m & ((1u << lane) - 1))] = candidate;
+    }
+    group_sync(group);
+    const int counts[2] = {sh.count[2 * group], sh.count[2 * group + 1]};
+    group_sync(group);  // read by all before the next tile's candidates arrive
+#pragma unroll 1
+    for (int qi = 0; qi < 2; ++qi) {
+      const int query = 2 * group + qi;
+      if (counts[qi] > a.cap - kIdxKeys) {
+        cut_to_topk(cand + query * a.cap, counts[qi], a.topk, sh, group, &sh.count[query], &sh.threshold[query]);
+      }
+    }
+  };
+
+  // Two tiles in flight: tile i + 1's wgmmas run while tile i's scores are reduced.
+  using One = std::integral_constant<int, 1>;
+  using None = std::integral_constant<int, 0>;
+  float acc0[64], acc1[64];
+  if (tiles > 0) {
+    issue(acc0, 0);
+    for (int i = 0; i < tiles - 2; i += 2) {
+      issue(acc1, i + 1);
+      finish(acc0, i, One{});
+      issue(acc0, i + 2);
+      finish(acc1, i + 1, One{});
+    }
+    issue(acc1, tiles - 1);
+    finish(acc0, tiles - 2, One{});
+    finish(acc1, tiles - 1, None{});
+  }
+
+#pragma unroll 1
+  for (int qi = 0; qi < 2; ++qi) {
+    const int query = 2 * group + qi;
+    if (sh.count[query] > a.topk) {
+      cut_to_topk(cand + query * a.cap, sh.count[query], a.topk, sh, group, &sh.count[query], &sh.threshold[query]);
+    }
+  }
+  uint64_t* buf = cand + 2 * group * a.cap;
+  const int n0 = sh.count[2 * group], n1 = sh.count[2 * group + 1];
+  sort_candidates(buf, a.cap, n0, n1, group);
+  for (int qi = 0; qi < 2; ++qi) {
+    const int64_t t = t0 + 2 * group + qi;
+    if (t >= a.T) continue;
+    const int n = qi == 0 ? n0 : n1;
+    for (int r = threadIdx.x % 128; r < a.topk; r += 128) {
+      const bool keep = r < n;
+      const uint64_t e = buf[qi * a.cap + r];
+      a.indices[t * a.topk + r] = keep ? static_cast<int32_t>(e & 0xffffffffu) : -1;
+      a.scores[t * a.topk + r] = keep ? from_descending_bits(static_cast<uint32_t>(e >> 32)) : -INFINITY;
+    }
+  }
+#endif
 }
 
 // ---- lightning indexer, backward --------------------------------------------------------
@@ -940,16 +1167,28 @@ AttnArgs attn_args(const AttnProblem& p, const at::Tensor& q, const at::Tensor& 
 void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,
                       at::Tensor& indices, at::Tensor& scores) {
   if (p.T == 0) return;
+  check_sm90(q, "lightning_indexer");
+  if (p.Tk == 0) {  // no keys: nothing to select (and no tensor map over an empty k)
+    indices.fill_(-1);
+    scores.fill_(-INFINITY);
+    return;
+  }
   const c10::cuda::CUDAGuard guard(q.device());
-  IndexerArgs a{q.data_ptr(), k.data_ptr(), w.data_ptr<float>(), p.cu_q.data_ptr<int32_t>(),
-                p.cu_k.data_ptr<int32_t>(), static_cast<int>(p.N), static_cast<int>(p.Hi), static_cast<int>(p.Di),
-                static_cast<int>(p.topk), 0, p.Tk, indices.data_ptr<int32_t>(), scores.data_ptr<float>()};
-  a.cap = 2;
-  while (a.cap < a.topk + kIdxKeys) a.cap *= 2;
-  const size_t smem = (kIdxRows + kIdxFwdStages * kIdxKeys) * kIdxLd * q.element_size() +
-                      (kIdxRows + 4 * kIdxKeys) * sizeof(float) + a.cap * sizeof(uint64_t);
+  using F = IdxFwd;
+  const IndexerArgs a{q.data_ptr(), w.data_ptr<float>(), p.cu_q.data_ptr<int32_t>(), p.cu_k.data_ptr<int32_t>(),
+                      p.T, p.Tk, static_cast<int>(p.N), static_cast<int>(p.Hi), static_cast<int>(p.Di),
+                      static_cast<int>(p.topk), F::capacity(static_cast<int>(p.topk)), indices.data_ptr<int32_t>(),
+                      scores.data_ptr<float>()};
+  const CUtensorMap map_k = make_tensor_map_sw128<2>(k, {static_cast<uint64_t>(p.Di), static_cast<uint64_t>(p.Tk)},
+                                                     {static_cast<uint64_t>(p.Di)}, {64, kIdxKeys}, "k");
+  const size_t smem = F::kAlign + F::kStages * F::kStageBytes + F::kQBytes +
+                      size_t{F::kQueries} * a.cap * sizeof(uint64_t) + sizeof(IdxFwdShared);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "lightning_indexer", [&] {
-    launch(indexer_fwd_kernel<scalar_t>, dim3(p.T), kIdxThreads, smem, a);
+    const auto kernel = p.Di > 64 ? indexer_fwd_kernel<scalar_t, 2> : indexer_fwd_kernel<scalar_t, 1>;
+    set_smem(kernel, smem);
+    kernel<<<ceil_div(p.T, F::kQueries), F::kThreads, smem, stream>>>(a, map_k);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

@@ -188,9 +188,6 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
          (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&h)) << 16);
 }
 
-// Byte offset of 16-byte piece q of row r in a 128B-swizzled 64 x 64 box of 16-bit values.
-__device__ __forceinline__ int box_offset(int r, int q) { return r * 128 + ((q ^ (r % 8)) * 16); }
-
 // This thread's accumulator columns [64 c, 64 c + 64) of its rows (16 warp + lane / 4, + 8) into
 // a box, as 16-bit pairs; c must be a compile-time constant after unrolling.
 template <typename T>
@@ -201,7 +198,7 @@ __device__ __forceinline__ void stage_box(uint8_t* box, const float (&acc)[128],
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       const int j = c * 8 + q;
-      *reinterpret_cast<uint32_t*>(box + box_offset(r, q) + (lane % 4) * 4) =
+      *reinterpret_cast<uint32_t*>(box + sw128_offset(r, q) + (lane % 4) * 4) =
           pack_pair<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
     }
   }
@@ -413,7 +410,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
           const int row = t.m0 + warpgroup * 64 + r, col = t.n0 + sub * 64 + q * 8;
           if (row < t.m_end && col < p.N) {
             *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * p.N + col) =
-                *reinterpret_cast<const uint4*>(box + box_offset(r, q));
+                *reinterpret_cast<const uint4*>(box + sw128_offset(r, q));
           }
         }
       }
@@ -453,17 +450,6 @@ __global__ void __launch_bounds__(1024) expert_bounds_kernel(const int* __restri
     tile_carry += tiles_total;
     __syncthreads();
   }
-}
-
-void check_sm90(const at::Tensor& t, const char* op) {
-  int major = 0, minor = 0;
-  const int device = t.get_device();
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  TORCH_CHECK(major == 9 && minor == 0, op, ": the CUDA kernel needs a Hopper GPU (sm_90), got sm_", major, minor);
-  const std::string archs = KDA_DSA_OPS_CUDA_ARCHS;
-  TORCH_CHECK(archs.find("9.0a") != std::string::npos, op, ": this build has no sm_90a code (TORCH_CUDA_ARCH_LIST='",
-              archs, "'); rebuild with TORCH_CUDA_ARCH_LIST=9.0a");
 }
 
 void check_half(const at::Tensor& t, const char* op) {
