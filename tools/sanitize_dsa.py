@@ -14,8 +14,8 @@ def main():
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
     # indexer: varlen with an empty sequence, a sequence longer than the candidate buffer (topk +
-    # 512 entries: cut back to top-k on the way)
-    lens, klens = [1, 0, 700, 37], [3, 2, 700, 40]
+    # 1024 entries: cut back to top-k on the way)
+    lens, klens = [1, 0, 1300, 37], [3, 2, 1300, 40]
     cu_q = torch.tensor([0] + lens, device=dev).cumsum(0).int()
     cu_k = torch.tensor([0] + klens, device=dev).cumsum(0).int()
     T, Tk = sum(lens), sum(klens)

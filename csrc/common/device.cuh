@@ -69,6 +69,10 @@ struct SumOp {
   template <typename T>
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
 };
+struct MinOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a < b ? a : b; }
+};
 struct MaxOp {
   template <typename T>
   __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; }

@@ -157,7 +157,7 @@ constexpr int kIdxLd = kIdxDim + 8;
 constexpr int kIdxThreads = 256;  // backward
 
 // Forward (sm_90a). A block scores 4 consecutive queries against the keys any of them sees, in
-// tiles of 64 keys that a producer thread streams by TMA into a 4-stage ring (128B-swizzled,
+// tiles of 64 keys that a producer thread streams by TMA into a 3-stage ring (128B-swizzled,
 // 64 keys x 128 dims of 16-bit values). Two consumer warpgroups own two queries each: wgmma
 // m64n128k16 gives keys x (2 queries x 64 heads), two tiles in flight (two accumulator sets).
 // ReLU, the weights and the sum over heads stay in registers (16 heads per thread, then across
@@ -169,12 +169,12 @@ constexpr int kIdxThreads = 256;  // backward
 struct IdxFwd {
   static constexpr int kQueries = 4, kConsumers = 2, kQueriesPerGroup = kQueries / kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
-  static constexpr int kStages = 4;
+  static constexpr int kStages = 3;
   static constexpr int kChunkBytes = kIdxKeys * 128;                         // 64 keys x 64 dims
   static constexpr int kStageBytes = 2 * kChunkBytes;                        // x 128 dims
   static constexpr int kQChunkBytes = kQueriesPerGroup * kIdxRows * 128;     // 128 columns x 64 dims
   static constexpr int kQBytes = kConsumers * 2 * kQChunkBytes;
-  static constexpr int kSlack = 512;                                        // buffer room past topk
+  static constexpr int kSlack = 1024;                                       // buffer room past topk
   static constexpr int kPerThread = (kMaxTopk + kSlack) / 128;               // of a cut, in registers
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static constexpr int kAlign = 1024;                                       // swizzle atoms
@@ -190,6 +190,7 @@ struct IdxFwdShared {
   uint64_t full[IdxFwd::kStages], empty[IdxFwd::kStages];
   uint64_t threshold[IdxFwd::kQueries];  // a candidate enters below it
   uint64_t kept_max[IdxFwd::kConsumers];
+  uint64_t range[IdxFwd::kConsumers][2];  // a cut's smallest and largest candidate
   int64_t key_start[IdxFwd::kQueries], visible[IdxFwd::kQueries];
   float w[IdxFwd::kQueries][kIdxRows];
   int hist[IdxFwd::kConsumers][256];
@@ -211,26 +212,41 @@ struct IndexerArgs {
 __device__ __forceinline__ void group_sync(int group) { sm90::named_barrier_sync(1 + group, 128); }
 
 // Cuts a query's candidates buf[0, n) (distinct, n > topk) back to the topk smallest, in any
-// order, by a radix select over 8-bit digits from the most significant, and sets *count = topk
-// and *threshold = the largest kept. The 128 threads of consumer warpgroup `group` call it.
+// order, and sets *count = topk and *threshold = the largest kept. A radix select: the bits all
+// candidates share (those of their minimum and maximum) are skipped, then 8-bit digits from the
+// most significant narrow down the topk-th smallest. The 128 threads of consumer warpgroup `group`
+// call it; sh.range, kept and kept_max hold their initial values on entry and again on return.
 __device__ void cut_to_topk(uint64_t* buf, int n, int topk, IdxFwdShared& sh, int group, int* count,
                             uint64_t* threshold) {
+  constexpr int kPer = IdxFwd::kPerThread;
   const int tid = threadIdx.x % 128, lane = threadIdx.x % 32;
   int* hist = sh.hist[group];
-  uint64_t e[IdxFwd::kPerThread];
+  uint64_t e[kPer];
+  uint64_t smallest = ~uint64_t{0}, largest = 0;
 #pragma unroll
-  for (int j = 0; j < IdxFwd::kPerThread; ++j) e[j] = tid + 128 * j < n ? buf[tid + 128 * j] : ~uint64_t{0};
-  uint64_t prefix = 0, mask = 0;
+  for (int j = 0; j < kPer; ++j) {
+    const bool valid = tid + 128 * j < n;
+    e[j] = valid ? buf[tid + 128 * j] : ~uint64_t{0};
+    smallest = e[j] < smallest ? e[j] : smallest;
+    largest = valid && e[j] > largest ? e[j] : largest;
+  }
+  smallest = warp_reduce(smallest, MinOp{});
+  largest = warp_reduce(largest, MaxOp{});
+  if (lane == 0) {
+    atomicMin(reinterpret_cast<unsigned long long*>(&sh.range[group][0]), smallest);
+    atomicMax(reinterpret_cast<unsigned long long*>(&sh.range[group][1]), largest);
+  }
+  for (int b = tid; b < 256; b += 128) hist[b] = 0;
+  group_sync(group);
+  // The highest bit in which candidates differ; the bits above it are the prefix of them all.
+  const int top = 63 - __clzll(static_cast<long long>(sh.range[group][0] ^ sh.range[group][1]));
+  uint64_t mask = top == 63 ? 0 : ~uint64_t{0} << (top + 1);
+  uint64_t prefix = sh.range[group][0] & mask;
   int need = topk;
-  for (int shift = 56;; shift -= 8) {
-    for (int b = tid; b < 256; b += 128) hist[b] = 0;
-    group_sync(group);
+  for (int shift = max(top - 7, 0);; shift = max(shift - 8, 0)) {
 #pragma unroll
-    for (int j = 0; j < IdxFwd::kPerThread; ++j) {
-      const bool in = tid + 128 * j < n && (e[j] & mask) == prefix;
-      const uint32_t d = static_cast<uint32_t>(e[j] >> shift) & 255u;
-      const uint32_t peers = __match_any_sync(0xffffffffu, in ? d : 256u + lane);
-      if (in && lane == __ffs(peers) - 1) atomicAdd(hist + d, __popc(peers));
+    for (int j = 0; j < kPer; ++j) {
+      if (tid + 128 * j < n && (e[j] & mask) == prefix) atomicAdd(hist + (static_cast<uint32_t>(e[j] >> shift) & 255u), 1);
     }
     group_sync(group);
     if (tid < 32) {  // the bin holding the need-th smallest: lane l scans bins 8l..8l+7
@@ -258,15 +274,12 @@ __device__ void cut_to_topk(uint64_t* buf, int n, int topk, IdxFwdShared& sh, in
     prefix |= uint64_t(bin) << shift;
     mask |= uint64_t{255} << shift;
     if (cnt == need || shift == 0) break;  // the whole bin is kept (distinct keys: by the last digit)
+    for (int b = tid; b < 256; b += 128) hist[b] = 0;
+    group_sync(group);
   }
-  if (tid == 0) {
-    sh.kept[group] = 0;
-    sh.kept_max[group] = 0;
-  }
-  group_sync(group);
-  uint64_t largest = 0;
+  largest = 0;
 #pragma unroll
-  for (int j = 0; j < IdxFwd::kPerThread; ++j) {
+  for (int j = 0; j < kPer; ++j) {
     const bool keep = tid + 128 * j < n && (e[j] & mask) <= prefix;
     const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
     int base = 0;
@@ -283,13 +296,19 @@ __device__ void cut_to_topk(uint64_t* buf, int n, int topk, IdxFwdShared& sh, in
   if (tid == 0) {
     *count = topk;
     *threshold = sh.kept_max[group];
+    sh.kept[group] = 0;
+    sh.kept_max[group] = 0;
+    sh.range[group][0] = ~uint64_t{0};
+    sh.range[group][1] = 0;
   }
   group_sync(group);
 }
 
 // Sorts the candidates of a warpgroup's two queries ascending (buffers `cap` apart, n0 and n1
-// entries), bitonic over a common power of two padded with the largest key.
+// entries), bitonic over a common power of two padded with the largest key. Each thread loads
+// 8 pairs before it compares and stores any (the stages are bound by shared-memory latency).
 __device__ void sort_candidates(uint64_t* buf, int cap, int n0, int n1, int group) {
+  constexpr int kBatch = 8;
   const int tid = threadIdx.x % 128;
   int size = 1;
   while (size < max(n0, n1)) size *= 2;
@@ -299,14 +318,27 @@ __device__ void sort_candidates(uint64_t* buf, int cap, int n0, int n1, int grou
   const int half = size / 2;
   for (int k = 2; k <= size; k *= 2) {
     for (int j = k / 2; j > 0; j /= 2) {
-      for (int m = tid; m < 2 * half; m += 128) {
-        uint64_t* b = buf + (m >= half ? cap : 0);
-        const int mm = m >= half ? m - half : m;
-        const int i = 2 * mm - (mm & (j - 1)), p = i + j;  // i has bit j clear
-        const uint64_t x = b[i], y = b[p];
-        if ((x > y) == ((i & k) == 0)) {
-          b[i] = y;
-          b[p] = x;
+      for (int m0 = tid; m0 < 2 * half; m0 += 128 * kBatch) {
+        uint64_t x[kBatch], y[kBatch];
+        int lo[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int m = m0 + 128 * u;
+          const int mm = m >= half ? m - half : m;
+          lo[u] = (m >= half ? cap : 0) + 2 * mm - (mm & (j - 1));  // the pair's lower index has bit j clear
+          if (m < 2 * half) {
+            x[u] = buf[lo[u]];
+            y[u] = buf[lo[u] + j];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int m = m0 + 128 * u;
+          const bool ascending = ((lo[u] - (m >= half ? cap : 0)) & k) == 0;
+          if (m < 2 * half && (x[u] > y[u]) == ascending) {
+            buf[lo[u]] = y[u];
+            buf[lo[u] + j] = x[u];
+          }
         }
       }
       group_sync(group);
@@ -314,7 +346,6 @@ __device__ void sort_candidates(uint64_t* buf, int cap, int n0, int n1, int grou
   }
 }
 
-// kChunks: 64-dim halves of the keys (1 for Di <= 64, else 2).
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
     indexer_fwd_kernel(const __grid_constant__ IndexerArgs a, const __grid_constant__ CUtensorMap map_k) {
@@ -349,6 +380,12 @@ __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
     sh.visible[threadIdx.x] = visible;
     sh.count[threadIdx.x] = 0;
     sh.threshold[threadIdx.x] = ~uint64_t{0};
+  }
+  if (threadIdx.x < F::kConsumers) {
+    sh.kept[threadIdx.x] = 0;
+    sh.kept_max[threadIdx.x] = 0;
+    sh.range[threadIdx.x][0] = ~uint64_t{0};
+    sh.range[threadIdx.x][1] = 0;
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < F::kStages; ++s) {
