@@ -304,48 +304,107 @@ __device__ void cut_to_topk(uint64_t* buf, int n, int topk, IdxFwdShared& sh, in
   group_sync(group);
 }
 
-// Sorts the candidates of a warpgroup's two queries ascending (buffers `cap` apart, n0 and n1
-// entries), bitonic over a common power of two padded with the largest key. Each thread loads
-// 8 pairs before it compares and stores any (the stages are bound by shared-memory latency).
-__device__ void sort_candidates(uint64_t* buf, int cap, int n0, int n1, int group) {
-  constexpr int kBatch = 8;
-  const int tid = threadIdx.x % 128;
-  int size = 1;
-  while (size < max(n0, n1)) size *= 2;
-  for (int i = n0 + tid; i < size; i += 128) buf[i] = ~uint64_t{0};
-  for (int i = n1 + tid; i < size; i += 128) buf[cap + i] = ~uint64_t{0};
-  group_sync(group);
-  const int half = size / 2;
-  for (int k = 2; k <= size; k *= 2) {
-    for (int j = k / 2; j > 0; j /= 2) {
-      for (int m0 = tid; m0 < 2 * half; m0 += 128 * kBatch) {
-        uint64_t x[kBatch], y[kBatch];
-        int lo[kBatch];
+// One bitonic stage of partner distance J < kE between the elements a thread holds (element
+// base + r in v[.][r]), ascending where (element & k) == 0.
+template <int kE, int J>
+__device__ __forceinline__ void stage_in_thread(uint64_t (&v)[2][kE], int base, int k) {
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int m = m0 + 128 * u;
-          const int mm = m >= half ? m - half : m;
-          lo[u] = (m >= half ? cap : 0) + 2 * mm - (mm & (j - 1));  // the pair's lower index has bit j clear
-          if (m < 2 * half) {
-            x[u] = buf[lo[u]];
-            y[u] = buf[lo[u] + j];
-          }
-        }
+  for (int qi = 0; qi < 2; ++qi) {
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int m = m0 + 128 * u;
-          const bool ascending = ((lo[u] - (m >= half ? cap : 0)) & k) == 0;
-          if (m < 2 * half && (x[u] > y[u]) == ascending) {
-            buf[lo[u]] = y[u];
-            buf[lo[u] + j] = x[u];
-          }
-        }
+    for (int r = 0; r < kE; ++r) {
+      if ((r & J) == 0 && r + J < kE) {
+        const bool up = ((base + r) & k) == 0;
+        const uint64_t x = v[qi][r], y = v[qi][r + J];
+        const bool swap = (x > y) == up;
+        v[qi][r] = swap ? y : x;
+        v[qi][r + J] = swap ? x : y;
       }
-      group_sync(group);
     }
   }
 }
 
+// What element e keeps of itself and its partner at distance j in a bitonic stage: the smaller
+// where e is the lower of the pair in an ascending run or the upper in a descending one.
+__device__ __forceinline__ uint64_t keep_of_pair(uint64_t mine, uint64_t partner, int e, int j, int k) {
+  const bool smaller = ((e & j) == 0) == ((e & k) == 0);
+  return smaller == (mine < partner) ? mine : partner;
+}
+
+// Sorts and writes the results of a warpgroup's two queries t[0], t[1] (candidates buf[0, n0) and
+// buf[cap, cap + n1), at most topk each, distinct): a bitonic sort of 128 kE elements per query
+// (padded with the largest key) held in registers, kE consecutive ones per thread; partners in
+// the same thread are exchanged in registers, in another lane by shuffles, in another warp
+// through the buffers.
+template <int kE>
+__device__ void sort_and_write(uint64_t* buf, int cap, const int (&n)[2], const int64_t (&t)[2],
+                               const IndexerArgs& a, int group) {
+  constexpr int kSize = 128 * kE;
+  const int base = (threadIdx.x % 128) * kE;
+  uint64_t v[2][kE];
+#pragma unroll
+  for (int qi = 0; qi < 2; ++qi) {
+#pragma unroll
+    for (int r = 0; r < kE; ++r) v[qi][r] = base + r < n[qi] ? buf[qi * cap + base + r] : ~uint64_t{0};
+  }
+  for (int k = 2; k <= kSize; k *= 2) {
+    for (int j = k / 2; j > 0; j /= 2) {
+      if (j >= 32 * kE) {  // partner in another warp
+        group_sync(group);  // earlier reads of the buffers are done
+#pragma unroll
+        for (int qi = 0; qi < 2; ++qi) {
+#pragma unroll
+          for (int r = 0; r < kE; ++r) buf[qi * cap + base + r] = v[qi][r];
+        }
+        group_sync(group);
+#pragma unroll
+        for (int qi = 0; qi < 2; ++qi) {
+#pragma unroll
+          for (int r = 0; r < kE; ++r) {
+            const int e = base + r;
+            v[qi][r] = keep_of_pair(v[qi][r], buf[qi * cap + (e ^ j)], e, j, k);
+          }
+        }
+      } else if (j >= kE) {  // partner in lane ^ (j / kE)
+#pragma unroll
+        for (int qi = 0; qi < 2; ++qi) {
+#pragma unroll
+          for (int r = 0; r < kE; ++r) {
+            const uint64_t partner = __shfl_xor_sync(0xffffffffu, v[qi][r], j / kE);
+            v[qi][r] = keep_of_pair(v[qi][r], partner, base + r, j, k);
+          }
+        }
+      } else if (j == 8) {
+        stage_in_thread<kE, 8>(v, base, k);
+      } else if (j == 4) {
+        stage_in_thread<kE, 4>(v, base, k);
+      } else if (j == 2) {
+        stage_in_thread<kE, 2>(v, base, k);
+      } else {
+        stage_in_thread<kE, 1>(v, base, k);
+      }
+    }
+  }
+#pragma unroll
+  for (int qi = 0; qi < 2; ++qi) {
+    if (t[qi] >= a.T) continue;
+    int32_t* indices = a.indices + t[qi] * a.topk;
+    float* scores = a.scores + t[qi] * a.topk;
+#pragma unroll
+    for (int r = 0; r < kE; ++r) {
+      const int e = base + r;
+      if (e >= a.topk) continue;
+      const bool keep = e < n[qi];
+      indices[e] = keep ? static_cast<int32_t>(v[qi][r] & 0xffffffffu) : -1;
+      scores[e] = keep ? from_descending_bits(static_cast<uint32_t>(v[qi][r] >> 32)) : -INFINITY;
+    }
+    for (int e = kSize + threadIdx.x % 128; e < a.topk; e += 128) {
+      indices[e] = -1;
+      scores[e] = -INFINITY;
+    }
+  }
+}
+
+// kChunks: 64-dim halves of the keys (1 for Di <= 64, else 2).
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
     indexer_fwd_kernel(const __grid_constant__ IndexerArgs a, const __grid_constant__ CUtensorMap map_k) {
@@ -539,19 +598,20 @@ __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
       cut_to_topk(cand + query * a.cap, sh.count[query], a.topk, sh, group, &sh.count[query], &sh.threshold[query]);
     }
   }
+  const int n[2] = {sh.count[2 * group], sh.count[2 * group + 1]};
+  const int64_t t[2] = {t0 + 2 * group, t0 + 2 * group + 1};
   uint64_t* buf = cand + 2 * group * a.cap;
-  const int n0 = sh.count[2 * group], n1 = sh.count[2 * group + 1];
-  sort_candidates(buf, a.cap, n0, n1, group);
-  for (int qi = 0; qi < 2; ++qi) {
-    const int64_t t = t0 + 2 * group + qi;
-    if (t >= a.T) continue;
-    const int n = qi == 0 ? n0 : n1;
-    for (int r = threadIdx.x % 128; r < a.topk; r += 128) {
-      const bool keep = r < n;
-      const uint64_t e = buf[qi * a.cap + r];
-      a.indices[t * a.topk + r] = keep ? static_cast<int32_t>(e & 0xffffffffu) : -1;
-      a.scores[t * a.topk + r] = keep ? from_descending_bits(static_cast<uint32_t>(e >> 32)) : -INFINITY;
-    }
+  const int most = max(n[0], n[1]);
+  if (most <= 128) {
+    sort_and_write<1>(buf, a.cap, n, t, a, group);
+  } else if (most <= 256) {
+    sort_and_write<2>(buf, a.cap, n, t, a, group);
+  } else if (most <= 512) {
+    sort_and_write<4>(buf, a.cap, n, t, a, group);
+  } else if (most <= 1024) {
+    sort_and_write<8>(buf, a.cap, n, t, a, group);
+  } else {
+    sort_and_write<16>(buf, a.cap, n, t, a, group);
   }
 #endif
 }
