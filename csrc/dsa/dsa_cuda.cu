@@ -163,7 +163,8 @@ constexpr int kIdxThreads = 256;  // backward
 // ReLU, the weights and the sum over heads stay in registers (16 heads per thread, then across
 // the 4 lanes of a quad); a key whose candidate beats its query's threshold enters the query's
 // buffer. A buffer within one tile of full is cut back to its top-k by a radix select, which
-// also sets the threshold to the k-th best; at the end the survivors are sorted and written.
+// also sets the threshold to the k-th best; at the end the survivors are written, unsorted, and
+// indexer_sort_kernel orders them.
 // Candidates are (descending score bits << 32 | key): ascending order is score descending, ties
 // to the lower key.
 struct IdxFwd {
@@ -302,106 +303,6 @@ __device__ void cut_to_topk(uint64_t* buf, int n, int topk, IdxFwdShared& sh, in
     sh.range[group][1] = 0;
   }
   group_sync(group);
-}
-
-// One bitonic stage of partner distance J < kE between the elements a thread holds (element
-// base + r in v[.][r]), ascending where (element & k) == 0.
-template <int kE, int J>
-__device__ __forceinline__ void stage_in_thread(uint64_t (&v)[2][kE], int base, int k) {
-#pragma unroll
-  for (int qi = 0; qi < 2; ++qi) {
-#pragma unroll
-    for (int r = 0; r < kE; ++r) {
-      if ((r & J) == 0 && r + J < kE) {
-        const bool up = ((base + r) & k) == 0;
-        const uint64_t x = v[qi][r], y = v[qi][r + J];
-        const bool swap = (x > y) == up;
-        v[qi][r] = swap ? y : x;
-        v[qi][r + J] = swap ? x : y;
-      }
-    }
-  }
-}
-
-// What element e keeps of itself and its partner at distance j in a bitonic stage: the smaller
-// where e is the lower of the pair in an ascending run or the upper in a descending one.
-__device__ __forceinline__ uint64_t keep_of_pair(uint64_t mine, uint64_t partner, int e, int j, int k) {
-  const bool smaller = ((e & j) == 0) == ((e & k) == 0);
-  return smaller == (mine < partner) ? mine : partner;
-}
-
-// Sorts and writes the results of a warpgroup's two queries t[0], t[1] (candidates buf[0, n0) and
-// buf[cap, cap + n1), at most topk each, distinct): a bitonic sort of 128 kE elements per query
-// (padded with the largest key) held in registers, kE consecutive ones per thread; partners in
-// the same thread are exchanged in registers, in another lane by shuffles, in another warp
-// through the buffers.
-template <int kE>
-__device__ void sort_and_write(uint64_t* buf, int cap, const int (&n)[2], const int64_t (&t)[2],
-                               const IndexerArgs& a, int group) {
-  constexpr int kSize = 128 * kE;
-  const int base = (threadIdx.x % 128) * kE;
-  uint64_t v[2][kE];
-#pragma unroll
-  for (int qi = 0; qi < 2; ++qi) {
-#pragma unroll
-    for (int r = 0; r < kE; ++r) v[qi][r] = base + r < n[qi] ? buf[qi * cap + base + r] : ~uint64_t{0};
-  }
-  for (int k = 2; k <= kSize; k *= 2) {
-    for (int j = k / 2; j > 0; j /= 2) {
-      if (j >= 32 * kE) {  // partner in another warp
-        group_sync(group);  // earlier reads of the buffers are done
-#pragma unroll
-        for (int qi = 0; qi < 2; ++qi) {
-#pragma unroll
-          for (int r = 0; r < kE; ++r) buf[qi * cap + base + r] = v[qi][r];
-        }
-        group_sync(group);
-#pragma unroll
-        for (int qi = 0; qi < 2; ++qi) {
-#pragma unroll
-          for (int r = 0; r < kE; ++r) {
-            const int e = base + r;
-            v[qi][r] = keep_of_pair(v[qi][r], buf[qi * cap + (e ^ j)], e, j, k);
-          }
-        }
-      } else if (j >= kE) {  // partner in lane ^ (j / kE)
-#pragma unroll
-        for (int qi = 0; qi < 2; ++qi) {
-#pragma unroll
-          for (int r = 0; r < kE; ++r) {
-            const uint64_t partner = __shfl_xor_sync(0xffffffffu, v[qi][r], j / kE);
-            v[qi][r] = keep_of_pair(v[qi][r], partner, base + r, j, k);
-          }
-        }
-      } else if (j == 8) {
-        stage_in_thread<kE, 8>(v, base, k);
-      } else if (j == 4) {
-        stage_in_thread<kE, 4>(v, base, k);
-      } else if (j == 2) {
-        stage_in_thread<kE, 2>(v, base, k);
-      } else {
-        stage_in_thread<kE, 1>(v, base, k);
-      }
-    }
-  }
-#pragma unroll
-  for (int qi = 0; qi < 2; ++qi) {
-    if (t[qi] >= a.T) continue;
-    int32_t* indices = a.indices + t[qi] * a.topk;
-    float* scores = a.scores + t[qi] * a.topk;
-#pragma unroll
-    for (int r = 0; r < kE; ++r) {
-      const int e = base + r;
-      if (e >= a.topk) continue;
-      const bool keep = e < n[qi];
-      indices[e] = keep ? static_cast<int32_t>(v[qi][r] & 0xffffffffu) : -1;
-      scores[e] = keep ? from_descending_bits(static_cast<uint32_t>(v[qi][r] >> 32)) : -INFINITY;
-    }
-    for (int e = kSize + threadIdx.x % 128; e < a.topk; e += 128) {
-      indices[e] = -1;
-      scores[e] = -INFINITY;
-    }
-  }
 }
 
 // kChunks: 64-dim halves of the keys (1 for Di <= 64, else 2).
@@ -598,22 +499,57 @@ __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
       cut_to_topk(cand + query * a.cap, sh.count[query], a.topk, sh, group, &sh.count[query], &sh.threshold[query]);
     }
   }
-  const int n[2] = {sh.count[2 * group], sh.count[2 * group + 1]};
-  const int64_t t[2] = {t0 + 2 * group, t0 + 2 * group + 1};
-  uint64_t* buf = cand + 2 * group * a.cap;
-  const int most = max(n[0], n[1]);
-  if (most <= 128) {
-    sort_and_write<1>(buf, a.cap, n, t, a, group);
-  } else if (most <= 256) {
-    sort_and_write<2>(buf, a.cap, n, t, a, group);
-  } else if (most <= 512) {
-    sort_and_write<4>(buf, a.cap, n, t, a, group);
-  } else if (most <= 1024) {
-    sort_and_write<8>(buf, a.cap, n, t, a, group);
-  } else {
-    sort_and_write<16>(buf, a.cap, n, t, a, group);
+  // The survivors, unsorted (indexer_sort_kernel orders each row afterwards), then -1 padding.
+  for (int qi = 0; qi < 2; ++qi) {
+    const int64_t t = t0 + 2 * group + qi;
+    if (t >= a.T) continue;
+    const int n = sh.count[2 * group + qi];
+    const uint64_t* buf = cand + (2 * group + qi) * a.cap;
+    for (int r = threadIdx.x % 128; r < a.topk; r += 128) {
+      const bool keep = r < n;
+      const uint64_t e = keep ? buf[r] : 0;
+      a.indices[t * a.topk + r] = keep ? static_cast<int32_t>(e & 0xffffffffu) : -1;
+      a.scores[t * a.topk + r] = keep ? from_descending_bits(static_cast<uint32_t>(e >> 32)) : -INFINITY;
+    }
   }
 #endif
+}
+
+// Orders each row of the forward's results by score descending, ties to the lower key: a block
+// per row sorts its candidates (descending score bits << 32 | key; the -1 padding as the largest
+// key) with a bitonic network in shared memory. Many rows per SM hide the latency of its stages.
+constexpr int kSortThreads = 256;
+
+__global__ void __launch_bounds__(kSortThreads) indexer_sort_kernel(IndexerArgs a) {
+  extern __shared__ uint64_t keys[];
+  int size = 1;
+  while (size < a.topk) size *= 2;
+  int32_t* indices = a.indices + int64_t{blockIdx.x} * a.topk;
+  float* scores = a.scores + int64_t{blockIdx.x} * a.topk;
+  for (int r = threadIdx.x; r < size; r += blockDim.x) {
+    const int32_t key = r < a.topk ? indices[r] : -1;
+    keys[r] = key >= 0 ? uint64_t{descending_bits(scores[r])} << 32 | static_cast<uint32_t>(key) : ~uint64_t{0};
+  }
+  __syncthreads();
+  for (int k = 2; k <= size; k *= 2) {
+    for (int j = k / 2; j > 0; j /= 2) {
+      for (int m = threadIdx.x; m < size / 2; m += blockDim.x) {
+        const int i = 2 * m - (m & (j - 1));  // the pair's lower index (bit j clear)
+        const uint64_t x = keys[i], y = keys[i + j];
+        if ((x > y) == ((i & k) == 0)) {
+          keys[i] = y;
+          keys[i + j] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int r = threadIdx.x; r < a.topk; r += blockDim.x) {
+    const uint64_t e = keys[r];
+    const bool keep = e != ~uint64_t{0};
+    indices[r] = keep ? static_cast<int32_t>(e & 0xffffffffu) : -1;
+    scores[r] = keep ? from_descending_bits(static_cast<uint32_t>(e >> 32)) : -INFINITY;
+  }
 }
 
 // ---- lightning indexer, backward --------------------------------------------------------
@@ -1287,6 +1223,11 @@ void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Te
     kernel<<<ceil_div(p.T, F::kQueries), F::kThreads, smem, stream>>>(a, map_k);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  if (p.topk > 1) {
+    size_t sort_smem = sizeof(uint64_t);
+    while (sort_smem < p.topk * sizeof(uint64_t)) sort_smem *= 2;
+    launch(indexer_sort_kernel, dim3(p.T), kSortThreads, sort_smem, a);
+  }
 }
 
 void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, const at::Tensor& indices,
