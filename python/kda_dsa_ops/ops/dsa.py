@@ -2,8 +2,9 @@
 selected keys, with their gradients. Semantics are defined in kda_dsa_ops.reference.dsa.
 
 CPU tensors: every floating dtype (fp32 accumulation, fp64 for fp64). CUDA tensors: bf16 or fp16
-q/k/kv (fp32 accumulation on the tensor cores), indexer heads Hi <= 64 with Di <= 128, attention
-head dims Dqk <= 128 (GQA) or Dqk <= 576 with dv <= 512 (MLA); other cases raise a clear error
+q/k/kv (fp32 accumulation on the tensor cores), indexer heads Hi <= 64 with Di a multiple of 8
+up to 128 (the indexer forward needs a Hopper GPU, sm_90), attention head dims Dqk <= 128 (GQA)
+or Dqk <= 576 with dv <= 512 (MLA); other cases raise a clear error
 (kda_dsa_ops.reference has the same functions in PyTorch). On CUDA, value checks of indices and
 cu_seqlens need a host copy and run only with kda_dsa_ops.set_value_checks(True); unchecked,
 an index outside [0, Tk) counts as -1 and keys outside [0, Tk) are never read.
