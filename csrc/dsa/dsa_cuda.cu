@@ -179,11 +179,7 @@ struct IdxFwd {
   static constexpr int kPerThread = (kMaxTopk + kSlack) / 128;               // of a cut, in registers
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static constexpr int kAlign = 1024;                                       // swizzle atoms
-  static int capacity(int topk) {
-    int pow2 = 1;
-    while (pow2 < topk) pow2 *= 2;  // the final sort pads to a power of two
-    return std::max(topk + kSlack, pow2);
-  }
+  static int capacity(int topk) { return topk + kSlack; }
 };
 
 // A forward block's shared state besides the tiles and the candidate buffers.
