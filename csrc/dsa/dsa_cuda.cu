@@ -301,6 +301,12 @@ __device__ void cut_to_topk(uint64_t* buf, int n, int topk, IdxFwdShared& sh, in
   group_sync(group);
 }
 
+// Writes result r of a row: candidate e's key and score, or -1 / -inf where there is none.
+__device__ __forceinline__ void store_result(int32_t* indices, float* scores, int r, uint64_t e, bool keep) {
+  indices[r] = keep ? static_cast<int32_t>(e & 0xffffffffu) : -1;
+  scores[r] = keep ? from_descending_bits(static_cast<uint32_t>(e >> 32)) : -INFINITY;
+}
+
 // kChunks: 64-dim halves of the keys (1 for Di <= 64, else 2).
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
@@ -502,10 +508,7 @@ __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
     const int n = sh.count[2 * group + qi];
     const uint64_t* buf = cand + (2 * group + qi) * a.cap;
     for (int r = threadIdx.x % 128; r < a.topk; r += 128) {
-      const bool keep = r < n;
-      const uint64_t e = keep ? buf[r] : 0;
-      a.indices[t * a.topk + r] = keep ? static_cast<int32_t>(e & 0xffffffffu) : -1;
-      a.scores[t * a.topk + r] = keep ? from_descending_bits(static_cast<uint32_t>(e >> 32)) : -INFINITY;
+      store_result(a.indices + t * a.topk, a.scores + t * a.topk, r, r < n ? buf[r] : 0, r < n);
     }
   }
 #endif
@@ -513,7 +516,7 @@ __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
 
 // Orders each row of the forward's results by score descending, ties to the lower key: a block
 // per row sorts its candidates (descending score bits << 32 | key; the -1 padding as the largest
-// key) with a bitonic network in shared memory. Many rows per SM hide the latency of its stages.
+// key) with a bitonic network in shared memory (whose bandwidth bounds it: bench/NOTES.md).
 constexpr int kSortThreads = 256;
 
 __global__ void __launch_bounds__(kSortThreads) indexer_sort_kernel(IndexerArgs a) {
@@ -540,12 +543,7 @@ __global__ void __launch_bounds__(kSortThreads) indexer_sort_kernel(IndexerArgs 
       __syncthreads();
     }
   }
-  for (int r = threadIdx.x; r < a.topk; r += blockDim.x) {
-    const uint64_t e = keys[r];
-    const bool keep = e != ~uint64_t{0};
-    indices[r] = keep ? static_cast<int32_t>(e & 0xffffffffu) : -1;
-    scores[r] = keep ? from_descending_bits(static_cast<uint32_t>(e >> 32)) : -INFINITY;
-  }
+  for (int r = threadIdx.x; r < a.topk; r += blockDim.x) store_result(indices, scores, r, keys[r], keys[r] != ~uint64_t{0});
 }
 
 // ---- lightning indexer, backward --------------------------------------------------------
