@@ -516,34 +516,77 @@ __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
 
 // Orders each row of the forward's results by score descending, ties to the lower key: a block
 // per row sorts its candidates (descending score bits << 32 | key; the -1 padding as the largest
-// key) with a bitonic network in shared memory (whose bandwidth bounds it: bench/NOTES.md).
+// key) with a bitonic network over 256 kE keys held in registers, kE consecutive ones per thread.
+// Partners in the same thread are exchanged in registers, in another lane by shuffles, in
+// another warp through shared memory (the 6 of 66 stages at 2048 keys whose distance is 256 kE /
+// 8 or more), so that shared memory, which bounds a network run there entirely, carries little;
+// there key e sits in slot (e % kE) * 256 + e / kE, so that no stage's accesses meet in a bank.
 constexpr int kSortThreads = 256;
 
-__global__ void __launch_bounds__(kSortThreads) indexer_sort_kernel(IndexerArgs a) {
-  extern __shared__ uint64_t keys[];
-  int size = 1;
-  while (size < a.topk) size *= 2;
-  int32_t* indices = a.indices + int64_t{blockIdx.x} * a.topk;
-  float* scores = a.scores + int64_t{blockIdx.x} * a.topk;
-  for (int r = threadIdx.x; r < size; r += blockDim.x) {
-    const int32_t key = r < a.topk ? indices[r] : -1;
-    keys[r] = key >= 0 ? uint64_t{descending_bits(scores[r])} << 32 | static_cast<uint32_t>(key) : ~uint64_t{0};
-  }
-  __syncthreads();
-  for (int k = 2; k <= size; k *= 2) {
-    for (int j = k / 2; j > 0; j /= 2) {
-      for (int m = threadIdx.x; m < size / 2; m += blockDim.x) {
-        const int i = 2 * m - (m & (j - 1));  // the pair's lower index (bit j clear)
-        const uint64_t x = keys[i], y = keys[i + j];
-        if ((x > y) == ((i & k) == 0)) {
-          keys[i] = y;
-          keys[i + j] = x;
-        }
-      }
-      __syncthreads();
+// One stage of partner distance J < kE between a thread's keys (key base + r in v[r]), ascending
+// where (key & k) == 0.
+template <int kE, int J>
+__device__ __forceinline__ void sort_stage_in_thread(uint64_t (&v)[kE], int base, int k) {
+#pragma unroll
+  for (int r = 0; r < kE; ++r) {
+    if ((r & J) == 0 && r + J < kE) {
+      const uint64_t x = v[r], y = v[r + J];
+      const bool swap = (x > y) == (((base + r) & k) == 0);
+      v[r] = swap ? y : x;
+      v[r + J] = swap ? x : y;
     }
   }
-  for (int r = threadIdx.x; r < a.topk; r += blockDim.x) store_result(indices, scores, r, keys[r], keys[r] != ~uint64_t{0});
+}
+
+// What key e keeps of itself and its partner at distance j: the smaller where e is the lower of
+// the pair in an ascending run or the upper in a descending one.
+__device__ __forceinline__ uint64_t sort_keep(uint64_t mine, uint64_t partner, int e, int j, int k) {
+  const bool smaller = ((e & j) == 0) == ((e & k) == 0);
+  return smaller == (mine < partner) ? mine : partner;
+}
+
+template <int kE>
+__global__ void __launch_bounds__(kSortThreads) indexer_sort_kernel(IndexerArgs a) {
+  constexpr int kSize = kSortThreads * kE;
+  __shared__ uint64_t keys[kSize];
+  int32_t* indices = a.indices + int64_t{blockIdx.x} * a.topk;
+  float* scores = a.scores + int64_t{blockIdx.x} * a.topk;
+  const int base = threadIdx.x * kE;
+  uint64_t v[kE];
+#pragma unroll
+  for (int r = 0; r < kE; ++r) {
+    const int32_t key = base + r < a.topk ? indices[base + r] : -1;
+    v[r] = key >= 0 ? uint64_t{descending_bits(scores[base + r])} << 32 | static_cast<uint32_t>(key) : ~uint64_t{0};
+  }
+  for (int k = 2; k <= kSize; k *= 2) {
+    for (int j = k / 2; j > 0; j /= 2) {
+      if (j >= 32 * kE) {  // partner in another warp
+#pragma unroll
+        for (int r = 0; r < kE; ++r) keys[r * kSortThreads + threadIdx.x] = v[r];
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < kE; ++r) {
+          v[r] = sort_keep(v[r], keys[r * kSortThreads + (threadIdx.x ^ (j / kE))], base + r, j, k);
+        }
+        __syncthreads();
+      } else if (j >= kE) {  // partner in lane ^ (j / kE)
+#pragma unroll
+        for (int r = 0; r < kE; ++r) {
+          v[r] = sort_keep(v[r], __shfl_xor_sync(0xffffffffu, v[r], j / kE), base + r, j, k);
+        }
+      } else if (j == 4) {
+        sort_stage_in_thread<kE, 4>(v, base, k);
+      } else if (j == 2) {
+        sort_stage_in_thread<kE, 2>(v, base, k);
+      } else {
+        sort_stage_in_thread<kE, 1>(v, base, k);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kE; ++r) {
+    if (base + r < a.topk) store_result(indices, scores, base + r, v[r], v[r] != ~uint64_t{0});
+  }
 }
 
 // ---- lightning indexer, backward --------------------------------------------------------
@@ -1217,10 +1260,13 @@ void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Te
     kernel<<<ceil_div(p.T, F::kQueries), F::kThreads, smem, stream>>>(a, map_k);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  if (p.topk > 1) {
-    size_t sort_smem = sizeof(uint64_t);
-    while (sort_smem < p.topk * sizeof(uint64_t)) sort_smem *= 2;
-    launch(indexer_sort_kernel, dim3(p.T), kSortThreads, sort_smem, a);
+  if (p.topk > 1) {  // kE keys per thread: 256 kE >= topk (kMaxTopk = 2048)
+    static_assert(kMaxTopk <= 8 * kSortThreads);
+    const auto sort = p.topk <= 256 ? indexer_sort_kernel<1>
+                      : p.topk <= 512 ? indexer_sort_kernel<2>
+                      : p.topk <= 1024 ? indexer_sort_kernel<4>
+                                       : indexer_sort_kernel<8>;
+    launch(sort, dim3(p.T), kSortThreads, 0, a);
   }
 }
 
