@@ -27,15 +27,28 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled_fn() {
 
 }  // namespace
 
-void check_sm90(const at::Tensor& t, const char* op) {
+namespace {
+
+// The compute capability of t's device as 10 major + minor.
+int device_sm(const at::Tensor& t) {
   int major = 0, minor = 0;
   const int device = t.get_device();
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  TORCH_CHECK(major == 9 && minor == 0, op, ": the CUDA kernel needs a Hopper GPU (sm_90), got sm_", major, minor);
-  const std::string archs = KDA_DSA_OPS_CUDA_ARCHS;
-  TORCH_CHECK(archs.find("9.0a") != std::string::npos, op, ": this build has no sm_90a code (TORCH_CUDA_ARCH_LIST='",
-              archs, "'); rebuild with TORCH_CUDA_ARCH_LIST=9.0a");
+  return 10 * major + minor;
+}
+
+bool built_for_sm90a() { return std::string(KDA_DSA_OPS_CUDA_ARCHS).find("9.0a") != std::string::npos; }
+
+}  // namespace
+
+bool is_sm90(const at::Tensor& t) { return device_sm(t) == 90 && built_for_sm90a(); }
+
+void check_sm90(const at::Tensor& t, const char* op) {
+  const int sm = device_sm(t);
+  TORCH_CHECK(sm == 90, op, ": the CUDA kernel needs a Hopper GPU (sm_90), got sm_", sm);
+  TORCH_CHECK(built_for_sm90a(), op, ": this build has no sm_90a code (TORCH_CUDA_ARCH_LIST='",
+              KDA_DSA_OPS_CUDA_ARCHS, "'); rebuild with TORCH_CUDA_ARCH_LIST=9.0a");
 }
 
 template <int kRank>

@@ -11,7 +11,9 @@
 
 namespace kda_dsa_ops {
 
-// Raises unless `t` is on an sm_90 device and this build has sm_90a code (wgmma, TMA).
+// Whether `t` is on an sm_90 device and this build has sm_90a code (wgmma, TMA); check_sm90
+// raises where not.
+bool is_sm90(const at::Tensor& t);
 void check_sm90(const at::Tensor& t, const char* op);
 
 // A tiled tensor map over `t`'s storage. dims/box are innermost first (dims[0] is the

@@ -997,6 +997,225 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   }
 }
 
+// ---- sparse attention forward, MLA layout on Hopper -----------------------------------------
+
+// One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512), when
+// no probabilities are asked for. A producer warp gathers the selected rows, 64 keys a tile, into
+// a 2-stage ring of 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer
+// warpgroups each take 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the 576 columns)
+// and half of the value columns for O += P V (wgmma m64n256k16: P from shared memory, V the
+// tile's first 512 columns read N-major). The row maxima cross between the groups every tile;
+// each group keeps its own row sums, added at the end.
+struct MlaFwd {
+  static constexpr int kDqk = 576, kDv = 512, kRows = 64, kKeys = 64;
+  static constexpr int kChunks = kDqk / 64;                 // 64-column swizzled chunks of a row
+  static constexpr int kChunkBytes = 64 * 128;              // 64 rows x 64 columns
+  static constexpr int kTileBytes = kChunks * kChunkBytes;  // Q, or a key tile: 72 KB
+  static constexpr int kStages = 2;
+  static constexpr int kPBytes = kRows * kKeys * 2;
+  static constexpr int kThreads = 256 + 32;                 // two consumer warpgroups + the producer warp
+  static constexpr int kAlign = 1024;
+};
+
+struct MlaFwdShared {
+  uint64_t full[MlaFwd::kStages], empty[MlaFwd::kStages];
+  int valid[MlaFwd::kStages][MlaFwd::kKeys];  // the slot has a key
+  float row_max[2][MlaFwd::kRows];            // per consumer group, this tile
+  float row_sum[2][MlaFwd::kRows];            // per consumer group, at the end
+};
+
+constexpr size_t kMlaFwdSmem = MlaFwd::kAlign + (1 + MlaFwd::kStages) * MlaFwd::kTileBytes + MlaFwd::kPBytes +
+                               sizeof(MlaFwdShared);
+static_assert(kMlaFwdSmem <= kMaxSmem);
+
+// __maxnreg__ instead of __launch_bounds__: the 288 threads could have 224 registers each, but
+// with launch bounds ptxas caps them at 168 (and spills the 128 accumulators of O plus S).
+template <typename T>
+__global__ void __maxnreg__(224) mla_fwd_kernel(const __grid_constant__ AttnArgs a) {
+#ifdef KDA_SM90A_ENABLED
+  using M = MlaFwd;
+  using namespace sm90;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((M::kAlign - (smem_addr(smem_raw) & (M::kAlign - 1))) & (M::kAlign - 1));
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + M::kTileBytes;  // kStages key tiles
+  uint8_t* sP = sK + M::kStages * M::kTileBytes;
+  MlaFwdShared& sh = *reinterpret_cast<MlaFwdShared*>(sP + M::kPBytes);
+
+  const int64_t t = blockIdx.x;
+  const int head0 = blockIdx.z * M::kRows, rows = min(M::kRows, a.G - head0);
+  const int32_t* sel = a.indices + t * a.topk;
+  const T* q = static_cast<const T*>(a.q);
+  const T* kv = static_cast<const T*>(a.kv);
+  constexpr int kPieces = M::kDqk / 8;  // 16-byte pieces per row
+  for (int i = threadIdx.x; i < M::kRows * kPieces; i += blockDim.x) {
+    const int r = i / kPieces, p = i % kPieces;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows) v = *reinterpret_cast<const uint4*>(q + (t * a.H + head0 + r) * M::kDqk + p * 8);
+    *reinterpret_cast<uint4*>(sQ + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8)) = v;
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < M::kStages; ++s) {
+      mbar_init(sh.full + s, 32);  // every producer lane
+      mbar_init(sh.empty + s, 8);  // every consumer warp
+    }
+    mbar_init_fence();
+  }
+  fence_proxy_async();
+  __syncthreads();
+  const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
+
+  if (threadIdx.x >= 256) {
+    // Producer warp: slot u of a tile is in lane u % 32 (keys[u / 32]); each lane copies pieces
+    // lane, lane + 32, lane + 64 of every row.
+    const int lane = threadIdx.x - 256;
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % M::kStages;
+      mbar_wait(sh.empty + s, ((i / M::kStages) & 1) ^ 1);
+      int keys[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int slot = lane + 32 * u;
+        const int64_t j = int64_t{i} * M::kKeys + slot;
+        const int key = j < a.topk ? sel[j] : -1;
+        keys[u] = key >= 0 && key < a.Tk ? key : -1;
+        sh.valid[s][slot] = keys[u] >= 0;
+      }
+      uint8_t* tile = sK + s * M::kTileBytes;
+      for (int r = 0; r < M::kKeys; ++r) {
+        const int key = __shfl_sync(0xffffffffu, r < 32 ? keys[0] : keys[1], r % 32);
+        for (int p = lane; p < kPieces; p += 32) {
+          cp_async_16_or_zero(tile + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
+                              key >= 0 ? kv + int64_t{key} * M::kDqk + p * 8 : nullptr);
+        }
+      }
+      cp_async_wait_all();
+      fence_proxy_async();  // the rows (and zeros) are read by wgmma
+      mbar_arrive(sh.full + s);
+    }
+    return;
+  }
+
+  const int group = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, c = lane % 4, r0 = 16 * warp + g;
+  const float sl2 = a.scale * kLog2e;
+  const uint32_t q_base = smem_addr(sQ), p_base = smem_addr(sP);
+  float o[128];
+#pragma unroll
+  for (int x = 0; x < 128; ++x) o[x] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
+  float sc[16];
+  for (int i = 0; i < tiles; ++i) {
+    const int s = i % M::kStages;
+    mbar_wait(sh.full + s, (i / M::kStages) & 1);
+    const uint32_t k_base = smem_addr(sK + s * M::kTileBytes);
+#pragma unroll
+    for (int x = 0; x < 16; ++x) sc[x] = 0.f;
+    fence_accumulators(sc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < M::kDqk / 16; ++kk) {  // S = Q K^T over this group's 32 keys
+      const uint32_t off = (kk / 4) * M::kChunkBytes + (kk % 4) * 32;
+      wgmma_m64n32k16<T, 0, 0>(sc, sw128_descriptor(q_base + off, 16),
+                               sw128_descriptor(k_base + off + group * 32 * 128, 16));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // this group's S and its previous P V are done
+    fence_accumulators(sc);
+    fence_accumulators(o);
+    if (i > 0 && lane == 0) mbar_arrive(sh.empty + (i - 1) % M::kStages);
+
+    // Logits in log2 units (no key: -inf); thread columns 32 group + 8 j + 2c (+1), rows r0, r0 + 8.
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool valid = sh.valid[s][32 * group + 8 * j + 2 * c + (e & 1)];
+        sc[4 * j + e] = valid ? sc[4 * j + e] * sl2 : -INFINITY;
+        mx[e / 2] = fmaxf(mx[e / 2], sc[4 * j + e]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if (c == 0) sh.row_max[group][r0 + 8 * h] = mx[h];
+    }
+    named_barrier_sync(1, 256);  // both groups' maxima; both groups' previous P V are done
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      const float m_new = fmaxf(m_run[h], fmaxf(sh.row_max[0][r], sh.row_max[1][r]));
+      alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+      m_run[h] = m_new;
+      l_run[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float pr[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pr[e] = m_run[e / 2] == -INFINITY ? 0.f : exp2f(sc[4 * j + e] - m_run[e / 2]);
+        l_run[e / 2] += pr[e];
+      }
+      const int col = 32 * group + 8 * j + 2 * c;
+      *reinterpret_cast<uint32_t*>(sP + sw128_offset(r0, col / 8) + (col % 8) * 2) = pack2<T>(pr[0], pr[1]);
+      *reinterpret_cast<uint32_t*>(sP + sw128_offset(r0 + 8, col / 8) + (col % 8) * 2) = pack2<T>(pr[2], pr[3]);
+    }
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[4 * n] *= alpha[0];
+      o[4 * n + 1] *= alpha[0];
+      o[4 * n + 2] *= alpha[1];
+      o[4 * n + 3] *= alpha[1];
+    }
+    fence_proxy_async();
+    named_barrier_sync(1, 256);  // P complete
+    fence_accumulators(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < M::kKeys / 16; ++kk) {  // O += P V over this group's 256 value columns
+      wgmma_m64n256k16<T, 0, 1>(o, sw128_descriptor(p_base + kk * 32, 16),
+                                sw128_descriptor(k_base + 4 * group * M::kChunkBytes + kk * 2048, M::kChunkBytes));
+    }
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+  fence_accumulators(o);
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+    if (c == 0) sh.row_sum[group][r0 + 8 * h] = l_run[h];
+  }
+  named_barrier_sync(1, 256);
+  T* out = static_cast<T*>(a.o);
+  const T* gate = static_cast<const T*>(a.gate);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (r >= rows) continue;
+    const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int64_t row = t * a.H + head0 + r;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      const int col = 256 * group + 8 * n + 2 * c;
+      float v0 = o[4 * n + 2 * h] * inv, v1 = o[4 * n + 2 * h + 1] * inv;
+      if (gate != nullptr) {
+        v0 *= sigmoidf(to_float(gate[row * M::kDv + col]));
+        v1 *= sigmoidf(to_float(gate[row * M::kDv + col + 1]));
+      }
+      *reinterpret_cast<uint32_t*>(out + row * M::kDv + col) = pack2<T>(v0, v1);
+    }
+    if (group == 0 && c == 0) a.lse[row] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
+  }
+#endif
+}
+
 template <int kDqk, int kDv, int kRows>
 struct BwdShape : AttnShape<kDqk, kRows, 32> {
   using Base = AttnShape<kDqk, kRows, 32>;
@@ -1296,7 +1515,19 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
                    const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
   const c10::cuda::CUDAGuard guard(q.device());
+  const bool mla_hopper = p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && !probs.defined() &&
+                          is_sm90(q);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
+    if (mla_hopper) {
+      AttnArgs a = attn_args(p, q, kv, indices, gate, MlaFwd::kRows);
+      a.o = o.data_ptr();
+      a.lse = lse.data_ptr<float>();
+      const auto kernel = mla_fwd_kernel<scalar_t>;
+      set_smem(kernel, kMlaFwdSmem);
+      kernel<<<dim3(p.T, 1, a.head_blocks), MlaFwd::kThreads, kMlaFwdSmem, c10::cuda::getCurrentCUDAStream()>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
     with_attn_kernel<scalar_t, true>(p, [&](auto kernel, int rows, int threads, size_t smem) {
       AttnArgs a = attn_args(p, q, kv, indices, gate, rows);
       a.o = o.data_ptr();
