@@ -31,8 +31,8 @@ def main():
         kv = torch.randn(Tk, Hkv, D, device=dev, dtype=bf16, requires_grad=True)
         gate = torch.randn(T, H, dv, device=dev, dtype=bf16, requires_grad=True)
         idx = torch.randint(-1, Tk, (T, Hkv, topk), device=dev, dtype=torch.int32)
-        for det in (False, True):
-            o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, return_p=True, deterministic=det)
+        for det, want_p in ((False, True), (True, False)):  # without p, MLA takes the Hopper forward
+            o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, return_p=want_p, deterministic=det)
             torch.autograd.grad(o.float().sum(), (q, kv, gate))
     torch.cuda.synchronize()
     print("sanitize_dsa: done")
