@@ -1000,8 +1000,8 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 // ---- sparse attention forward, MLA layout on Hopper -----------------------------------------
 
 // One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512), when
-// no probabilities are asked for. A producer warp gathers the selected rows, 64 keys a tile, into
-// a 2-stage ring of 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer
+// no probabilities are asked for. A producer warpgroup gathers the selected rows, 64 keys a tile,
+// into a 2-stage ring of 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer
 // warpgroups each take 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the 576 columns)
 // and half of the value columns for O += P V (wgmma m64n256k16: P from shared memory, V the
 // tile's first 512 columns read N-major). The row maxima cross between the groups every tile;
@@ -1013,7 +1013,10 @@ struct MlaFwd {
   static constexpr int kTileBytes = kChunks * kChunkBytes;  // Q, or a key tile: 72 KB
   static constexpr int kStages = 2;
   static constexpr int kPBytes = kRows * kKeys * 2;
-  static constexpr int kThreads = 256 + 32;                 // two consumer warpgroups + the producer warp
+  // Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
+  // alone would cost as much; setmaxnreg moves the producer's to the consumers.
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static constexpr int kAlign = 1024;
 };
 
@@ -1028,10 +1031,8 @@ constexpr size_t kMlaFwdSmem = MlaFwd::kAlign + (1 + MlaFwd::kStages) * MlaFwd::
                                sizeof(MlaFwdShared);
 static_assert(kMlaFwdSmem <= kMaxSmem);
 
-// __maxnreg__ instead of __launch_bounds__: the 288 threads could have 224 registers each, but
-// with launch bounds ptxas caps them at 168 (and spills the 128 accumulators of O plus S).
 template <typename T>
-__global__ void __maxnreg__(224) mla_fwd_kernel(const __grid_constant__ AttnArgs a) {
+__global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __grid_constant__ AttnArgs a) {
 #ifdef KDA_SM90A_ENABLED
   using M = MlaFwd;
   using namespace sm90;
@@ -1056,7 +1057,7 @@ __global__ void __maxnreg__(224) mla_fwd_kernel(const __grid_constant__ AttnArgs
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < M::kStages; ++s) {
-      mbar_init(sh.full + s, 32);  // every producer lane
+      mbar_init(sh.full + s, 128);  // every producer thread
       mbar_init(sh.empty + s, 8);  // every consumer warp
     }
     mbar_init_fence();
@@ -1066,28 +1067,21 @@ __global__ void __maxnreg__(224) mla_fwd_kernel(const __grid_constant__ AttnArgs
   const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
 
   if (threadIdx.x >= 256) {
-    // Producer warp: slot u of a tile is in lane u % 32 (keys[u / 32]); each lane copies pieces
-    // lane, lane + 32, lane + 64 of every row.
-    const int lane = threadIdx.x - 256;
+    // Producer warpgroup: threads 2r and 2r + 1 copy row r of a tile, the even and the odd pieces.
+    warpgroup_reg_dealloc<M::kProducerRegs>();
+    const int r = (threadIdx.x - 256) / 2, half = threadIdx.x % 2;
     for (int i = 0; i < tiles; ++i) {
       const int s = i % M::kStages;
       mbar_wait(sh.empty + s, ((i / M::kStages) & 1) ^ 1);
-      int keys[2];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int slot = lane + 32 * u;
-        const int64_t j = int64_t{i} * M::kKeys + slot;
-        const int key = j < a.topk ? sel[j] : -1;
-        keys[u] = key >= 0 && key < a.Tk ? key : -1;
-        sh.valid[s][slot] = keys[u] >= 0;
-      }
+      const int64_t j = int64_t{i} * M::kKeys + r;
+      int key = j < a.topk ? sel[j] : -1;
+      if (key >= a.Tk) key = -1;
+      if (half == 0) sh.valid[s][r] = key >= 0;
       uint8_t* tile = sK + s * M::kTileBytes;
-      for (int r = 0; r < M::kKeys; ++r) {
-        const int key = __shfl_sync(0xffffffffu, r < 32 ? keys[0] : keys[1], r % 32);
-        for (int p = lane; p < kPieces; p += 32) {
-          cp_async_16_or_zero(tile + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
-                              key >= 0 ? kv + int64_t{key} * M::kDqk + p * 8 : nullptr);
-        }
+#pragma unroll 4
+      for (int p = half; p < kPieces; p += 2) {
+        cp_async_16_or_zero(tile + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
+                            key >= 0 ? kv + int64_t{key} * M::kDqk + p * 8 : nullptr);
       }
       cp_async_wait_all();
       fence_proxy_async();  // the rows (and zeros) are read by wgmma
@@ -1095,7 +1089,7 @@ __global__ void __maxnreg__(224) mla_fwd_kernel(const __grid_constant__ AttnArgs
     }
     return;
   }
-
+  warpgroup_reg_alloc<M::kConsumerRegs>();
   const int group = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4, r0 = 16 * warp + g;
   const float sl2 = a.scale * kLog2e;
