@@ -1012,6 +1012,7 @@ struct MlaFwd {
   static constexpr int kChunkBytes = 64 * 128;              // 64 rows x 64 columns
   static constexpr int kTileBytes = kChunks * kChunkBytes;  // Q, or a key tile: 72 KB
   static constexpr int kStages = 2;
+  static constexpr int kSplit = 5;  // S starts on a tile's first chunks while the rest arrive
   static constexpr int kPBytes = kRows * kKeys * 2;
   // Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
   // alone would cost as much; setmaxnreg moves the producer's to the consumers.
@@ -1021,7 +1022,7 @@ struct MlaFwd {
 };
 
 struct MlaFwdShared {
-  uint64_t full[MlaFwd::kStages], empty[MlaFwd::kStages];
+  uint64_t full[MlaFwd::kStages][2], empty[MlaFwd::kStages];  // full: a tile's first kSplit chunks, the rest
   int valid[MlaFwd::kStages][MlaFwd::kKeys];  // the slot has a key
   float row_max[2][MlaFwd::kRows];            // per consumer group, this tile
   float row_sum[2][MlaFwd::kRows];            // per consumer group, at the end
@@ -1057,7 +1058,8 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < M::kStages; ++s) {
-      mbar_init(sh.full + s, 128);  // every producer thread
+      mbar_init(&sh.full[s][0], 128);  // every producer thread
+      mbar_init(&sh.full[s][1], 128);
       mbar_init(sh.empty + s, 8);  // every consumer warp
     }
     mbar_init_fence();
@@ -1078,14 +1080,22 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       if (key >= a.Tk) key = -1;
       if (half == 0) sh.valid[s][r] = key >= 0;
       uint8_t* tile = sK + s * M::kTileBytes;
+      auto copy = [&](int from, int to) {
 #pragma unroll 4
-      for (int p = half; p < kPieces; p += 2) {
-        cp_async_16_or_zero(tile + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
-                            key >= 0 ? kv + int64_t{key} * M::kDqk + p * 8 : nullptr);
-      }
-      cp_async_wait_all();
+        for (int p = from + half; p < to; p += 2) {
+          cp_async_16_or_zero(tile + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
+                              key >= 0 ? kv + int64_t{key} * M::kDqk + p * 8 : nullptr);
+        }
+        cp_async_commit();
+      };
+      copy(0, 8 * M::kSplit);
+      copy(8 * M::kSplit, kPieces);
+      cp_async_wait<1>();
       fence_proxy_async();  // the rows (and zeros) are read by wgmma
-      mbar_arrive(sh.full + s);
+      mbar_arrive(&sh.full[s][0]);
+      cp_async_wait<0>();
+      fence_proxy_async();
+      mbar_arrive(&sh.full[s][1]);
     }
     return;
   }
@@ -1101,23 +1111,27 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   float sc[16];
   for (int i = 0; i < tiles; ++i) {
     const int s = i % M::kStages;
-    mbar_wait(sh.full + s, (i / M::kStages) & 1);
     const uint32_t k_base = smem_addr(sK + s * M::kTileBytes);
+    if (i > 0) {  // the previous P V is done: its tile can be refilled while S runs
+      wgmma_wait<0>();
+      fence_accumulators(o);
+      if (lane == 0) mbar_arrive(sh.empty + (i - 1) % M::kStages);
+    }
 #pragma unroll
     for (int x = 0; x < 16; ++x) sc[x] = 0.f;
     fence_accumulators(sc);
+    mbar_wait(&sh.full[s][0], (i / M::kStages) & 1);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < M::kDqk / 16; ++kk) {  // S = Q K^T over this group's 32 keys
+      if (kk == 4 * M::kSplit) mbar_wait(&sh.full[s][1], (i / M::kStages) & 1);
       const uint32_t off = (kk / 4) * M::kChunkBytes + (kk % 4) * 32;
       wgmma_m64n32k16<T, 0, 0>(sc, sw128_descriptor(q_base + off, 16),
                                sw128_descriptor(k_base + off + group * 32 * 128, 16));
     }
     wgmma_commit();
-    wgmma_wait<0>();  // this group's S and its previous P V are done
+    wgmma_wait<0>();
     fence_accumulators(sc);
-    fence_accumulators(o);
-    if (i > 0 && lane == 0) mbar_arrive(sh.empty + (i - 1) % M::kStages);
 
     // Logits in log2 units (no key: -inf); thread columns 32 group + 8 j + 2c (+1), rows r0, r0 + 8.
     float mx[2] = {-INFINITY, -INFINITY};
