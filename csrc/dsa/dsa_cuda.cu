@@ -1017,7 +1017,7 @@ struct MlaFwd {
   // Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
   // alone would cost as much; setmaxnreg moves the producer's to the consumers.
   static constexpr int kThreads = 384;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 64, kConsumerRegs = 224;
   static constexpr int kAlign = 1024;
 };
 
@@ -1069,27 +1069,35 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
 
   if (threadIdx.x >= 256) {
-    // Producer warpgroup: threads 2r and 2r + 1 copy row r of a tile, the even and the odd pieces.
+    // Producer warpgroup: eight threads copy a row's 128-byte chunks (rows g, g + 16, .. of a tile
+    // for the threads 8g .. 8g + 7), so that each request covers whole cache lines.
     warpgroup_reg_dealloc<M::kProducerRegs>();
-    const int r = (threadIdx.x - 256) / 2, half = threadIdx.x % 2;
+    const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
     for (int i = 0; i < tiles; ++i) {
       const int s = i % M::kStages;
       mbar_wait(sh.empty + s, ((i / M::kStages) & 1) ^ 1);
-      const int64_t j = int64_t{i} * M::kKeys + r;
-      int key = j < a.topk ? sel[j] : -1;
-      if (key >= a.Tk) key = -1;
-      if (half == 0) sh.valid[s][r] = key >= 0;
+      const T* src[M::kKeys / 16];
+#pragma unroll
+      for (int m = 0; m < M::kKeys / 16; ++m) {
+        const int64_t j = int64_t{i} * M::kKeys + g + 16 * m;
+        const int key = j < a.topk ? sel[j] : -1;
+        const bool valid = key >= 0 && key < a.Tk;
+        if (piece == 0) sh.valid[s][g + 16 * m] = valid;
+        src[m] = valid ? kv + int64_t{key} * M::kDqk + piece * 8 : nullptr;
+      }
       uint8_t* tile = sK + s * M::kTileBytes;
-      auto copy = [&](int from, int to) {
-#pragma unroll 4
-        for (int p = from + half; p < to; p += 2) {
-          cp_async_16_or_zero(tile + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
-                              key >= 0 ? kv + int64_t{key} * M::kDqk + p * 8 : nullptr);
+      auto copy = [&](int from, int to) {  // chunks [from, to)
+        for (int ch = from; ch < to; ++ch) {
+#pragma unroll
+          for (int m = 0; m < M::kKeys / 16; ++m) {
+            cp_async_16_or_zero(tile + ch * M::kChunkBytes + sw128_offset(g + 16 * m, piece),
+                                src[m] != nullptr ? src[m] + ch * 64 : nullptr);
+          }
         }
         cp_async_commit();
       };
-      copy(0, 8 * M::kSplit);
-      copy(8 * M::kSplit, kPieces);
+      copy(0, M::kSplit);
+      copy(M::kSplit, M::kChunks);
       cp_async_wait<1>();
       fence_proxy_async();  // the rows (and zeros) are read by wgmma
       mbar_arrive(&sh.full[s][0]);
