@@ -181,6 +181,8 @@ struct IdxFwd {
   static constexpr int kAlign = 1024;                                       // swizzle atoms
   static int capacity(int topk) { return topk + kSlack; }
 };
+// setmaxnreg.inc waits for registers the CTA's pool (168 a thread at 384 threads) does not have.
+static_assert(IdxFwd::kProducerRegs + IdxFwd::kConsumers * IdxFwd::kConsumerRegs <= 3 * 168);
 
 // A forward block's shared state besides the tiles and the candidate buffers.
 struct IdxFwdShared {
@@ -1017,9 +1019,11 @@ struct MlaFwd {
   // Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
   // alone would cost as much; setmaxnreg moves the producer's to the consumers.
   static constexpr int kThreads = 384;
-  static constexpr int kProducerRegs = 64, kConsumerRegs = 224;
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   static constexpr int kAlign = 1024;
 };
+// The same register pool bound as for IdxFwd.
+static_assert(MlaFwd::kProducerRegs + 2 * MlaFwd::kConsumerRegs <= 3 * 168);
 
 struct MlaFwdShared {
   uint64_t full[MlaFwd::kStages][2], empty[MlaFwd::kStages];  // full: a tile's first kSplit chunks, the rest
@@ -1076,14 +1080,13 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     for (int i = 0; i < tiles; ++i) {
       const int s = i % M::kStages;
       mbar_wait(sh.empty + s, ((i / M::kStages) & 1) ^ 1);
-      const T* src[M::kKeys / 16];
+      int keys[M::kKeys / 16];
 #pragma unroll
       for (int m = 0; m < M::kKeys / 16; ++m) {
         const int64_t j = int64_t{i} * M::kKeys + g + 16 * m;
-        const int key = j < a.topk ? sel[j] : -1;
-        const bool valid = key >= 0 && key < a.Tk;
-        if (piece == 0) sh.valid[s][g + 16 * m] = valid;
-        src[m] = valid ? kv + int64_t{key} * M::kDqk + piece * 8 : nullptr;
+        keys[m] = j < a.topk ? sel[j] : -1;
+        if (keys[m] >= a.Tk) keys[m] = -1;
+        if (piece == 0) sh.valid[s][g + 16 * m] = keys[m] >= 0;
       }
       uint8_t* tile = sK + s * M::kTileBytes;
       auto copy = [&](int from, int to) {  // chunks [from, to)
@@ -1091,7 +1094,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
 #pragma unroll
           for (int m = 0; m < M::kKeys / 16; ++m) {
             cp_async_16_or_zero(tile + ch * M::kChunkBytes + sw128_offset(g + 16 * m, piece),
-                                src[m] != nullptr ? src[m] + ch * 64 : nullptr);
+                                keys[m] >= 0 ? kv + int64_t{keys[m]} * M::kDqk + ch * 64 + piece * 8 : nullptr);
           }
         }
         cp_async_commit();
