@@ -479,21 +479,16 @@ __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
     }
   };
 
-  // Two tiles in flight: tile i + 1's wgmmas run while tile i's scores are reduced.
+  // Tiles in pairs: tile i + 1's wgmmas run while tile i's scores are reduced. Nothing is left in
+  // flight across the loop's back edge: ptxas serialises every wgmma of a loop that does (C7514).
   using One = std::integral_constant<int, 1>;
   using None = std::integral_constant<int, 0>;
   float acc0[64], acc1[64];
-  if (tiles > 0) {
-    issue(acc0, 0);
-    for (int i = 0; i < tiles - 2; i += 2) {
-      issue(acc1, i + 1);
-      finish(acc0, i, One{});
-      issue(acc0, i + 2);
-      finish(acc1, i + 1, One{});
-    }
-    issue(acc1, tiles - 1);
-    finish(acc0, tiles - 2, One{});
-    finish(acc1, tiles - 1, None{});
+  for (int i = 0; i < tiles; i += 2) {
+    issue(acc0, i);
+    issue(acc1, i + 1);
+    finish(acc0, i, One{});
+    finish(acc1, i + 1, None{});
   }
 
 #pragma unroll 1
@@ -1183,12 +1178,14 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       *reinterpret_cast<uint32_t*>(sP + sw128_offset(r0, col / 8) + (col % 8) * 2) = pack2<T>(pr[0], pr[1]);
       *reinterpret_cast<uint32_t*>(sP + sw128_offset(r0 + 8, col / 8) + (col % 8) * 2) = pack2<T>(pr[2], pr[3]);
     }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the maxima rose (rarer by the tile)
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      o[4 * n] *= alpha[0];
-      o[4 * n + 1] *= alpha[0];
-      o[4 * n + 2] *= alpha[1];
-      o[4 * n + 3] *= alpha[1];
+      for (int n = 0; n < 32; ++n) {
+        o[4 * n] *= alpha[0];
+        o[4 * n + 1] *= alpha[0];
+        o[4 * n + 2] *= alpha[1];
+        o[4 * n + 3] *= alpha[1];
+      }
     }
     fence_proxy_async();
     named_barrier_sync(1, 256);  // P complete
