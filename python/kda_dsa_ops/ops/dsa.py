@@ -48,7 +48,8 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     head (for the indexer's KL loss). o is differentiable w.r.t. q, kv and gate; lse and p are
     not. deterministic: bitwise-reproducible dkv (the CPU kernel always is; the CUDA kernel
     otherwise adds dkv with atomics, and with it stores each (query, key) term and sums them
-    in index order: slower, more memory traffic).
+    in index order: slower, more memory traffic). On an sm_90 GPU the MLA layout's forward takes
+    a Hopper kernel (wgmma) unless return_p is set; with it, the generic one (about half the speed).
     """
     Dqk = q.shape[-1]
     if scale is None:
