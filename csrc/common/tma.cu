@@ -25,10 +25,6 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled_fn() {
   return fn;
 }
 
-}  // namespace
-
-namespace {
-
 // The compute capability of t's device as 10 major + minor.
 int device_sm(const at::Tensor& t) {
   int major = 0, minor = 0;

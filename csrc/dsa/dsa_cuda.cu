@@ -159,7 +159,8 @@ constexpr int kIdxThreads = 256;  // backward
 // Forward (sm_90a). A block scores 4 consecutive queries against the keys any of them sees, in
 // tiles of 64 keys that a producer thread streams by TMA into a 3-stage ring (128B-swizzled,
 // 64 keys x 128 dims of 16-bit values). Two consumer warpgroups own two queries each: wgmma
-// m64n128k16 gives keys x (2 queries x 64 heads), two tiles in flight (two accumulator sets).
+// m64n128k16 gives keys x (2 queries x 64 heads), tiles in pairs (two accumulator sets: one
+// tile's wgmmas run while the other's scores are reduced).
 // ReLU, the weights and the sum over heads stay in registers (16 heads per thread, then across
 // the 4 lanes of a quad); a key whose candidate beats its query's threshold enters the query's
 // buffer. A buffer within one tile of full is cut back to its top-k by a radix select, which
