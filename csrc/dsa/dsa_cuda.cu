@@ -996,13 +996,14 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 
 // ---- sparse attention forward, MLA layout on Hopper -----------------------------------------
 
-// One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512), when
-// no probabilities are asked for. A producer warpgroup gathers the selected rows, 64 keys a tile,
+// One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512). A
+// producer warpgroup gathers the selected rows, 64 keys a tile,
 // into a 2-stage ring of 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer
 // warpgroups each take 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the 576 columns)
 // and half of the value columns for O += P V (wgmma m64n256k16: P from shared memory, V the
 // tile's first 512 columns read N-major). The row maxima cross between the groups every tile;
-// each group keeps its own row sums, added at the end.
+// each group keeps its own row sums, added at the end. Where probabilities are asked for, a
+// second pass over the tiles recomputes S and sums the final probabilities over the heads.
 struct MlaFwd {
   static constexpr int kDqk = 576, kDv = 512, kRows = 64, kKeys = 64;
   static constexpr int kChunks = kDqk / 64;                 // 64-column swizzled chunks of a row
@@ -1072,13 +1073,14 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     // for the threads 8g .. 8g + 7), so that each request covers whole cache lines.
     warpgroup_reg_dealloc<M::kProducerRegs>();
     const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
-    for (int i = 0; i < tiles; ++i) {
+    const int loads = a.probs != nullptr ? 2 * tiles : tiles;  // the second pass reads the tiles again
+    for (int i = 0; i < loads; ++i) {
       const int s = i % M::kStages;
       mbar_wait(sh.empty + s, ((i / M::kStages) & 1) ^ 1);
       int keys[M::kKeys / 16];
 #pragma unroll
       for (int m = 0; m < M::kKeys / 16; ++m) {
-        const int64_t j = int64_t{i} * M::kKeys + g + 16 * m;
+        const int64_t j = int64_t{i % tiles} * M::kKeys + g + 16 * m;
         keys[m] = j < a.topk ? sel[j] : -1;
         if (keys[m] >= a.Tk) keys[m] = -1;
         if (piece == 0) sh.valid[s][g + 16 * m] = keys[m] >= 0;
@@ -1115,21 +1117,17 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   for (int x = 0; x < 128; ++x) o[x] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
   float sc[16];
-  for (int i = 0; i < tiles; ++i) {
+  // S = Q K^T over this group's 32 keys of the tile loaded i-th, once its chunks arrive.
+  auto logits = [&](int i) {
     const int s = i % M::kStages;
     const uint32_t k_base = smem_addr(sK + s * M::kTileBytes);
-    if (i > 0) {  // the previous P V is done: its tile can be refilled while S runs
-      wgmma_wait<0>();
-      fence_accumulators(o);
-      if (lane == 0) mbar_arrive(sh.empty + (i - 1) % M::kStages);
-    }
 #pragma unroll
     for (int x = 0; x < 16; ++x) sc[x] = 0.f;
     fence_accumulators(sc);
     mbar_wait(&sh.full[s][0], (i / M::kStages) & 1);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < M::kDqk / 16; ++kk) {  // S = Q K^T over this group's 32 keys
+    for (int kk = 0; kk < M::kDqk / 16; ++kk) {
       if (kk == 4 * M::kSplit) mbar_wait(&sh.full[s][1], (i / M::kStages) & 1);
       const uint32_t off = (kk / 4) * M::kChunkBytes + (kk % 4) * 32;
       wgmma_m64n32k16<T, 0, 0>(sc, sw128_descriptor(q_base + off, 16),
@@ -1138,6 +1136,16 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     wgmma_commit();
     wgmma_wait<0>();
     fence_accumulators(sc);
+  };
+  for (int i = 0; i < tiles; ++i) {
+    const int s = i % M::kStages;
+    const uint32_t k_base = smem_addr(sK + s * M::kTileBytes);
+    if (i > 0) {  // the previous P V is done: its tile can be refilled while S runs
+      wgmma_wait<0>();
+      fence_accumulators(o);
+      if (lane == 0) mbar_arrive(sh.empty + (i - 1) % M::kStages);
+    }
+    logits(i);
 
     // Logits in log2 units (no key: -inf); thread columns 32 group + 8 j + 2c (+1), rows r0, r0 + 8.
     float mx[2] = {-INFINITY, -INFINITY};
@@ -1200,6 +1208,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   }
   wgmma_wait<0>();
   fence_accumulators(o);
+  if (a.probs != nullptr && tiles > 0 && lane == 0) mbar_arrive(sh.empty + (tiles - 1) % M::kStages);
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -1228,6 +1237,52 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       *reinterpret_cast<uint32_t*>(out + row * M::kDv + col) = pack2<T>(v0, v1);
     }
     if (group == 0 && c == 0) a.lse[row] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
+  }
+  if (a.probs == nullptr) return;
+
+  // Second pass: exp(S - lse) summed over the block's heads, per key (rows without a key, and the
+  // padding rows past `rows`, add nothing).
+  float lse2[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
+    lse2[h] = r < rows && l > 0.f ? m_run[h] + log2f(l) : INFINITY;
+  }
+  float* colsum = reinterpret_cast<float*>(sP);  // [group][warp][32 keys]; P is done with
+  for (int i = tiles; i < 2 * tiles; ++i) {
+    const int s = i % M::kStages;
+    logits(i);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * c + e;
+        float v = sh.valid[s][32 * group + col]
+                      ? exp2f(sc[4 * j + e] * sl2 - lse2[0]) + exp2f(sc[4 * j + 2 + e] * sl2 - lse2[1])
+                      : 0.f;
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) colsum[(4 * group + warp) * 32 + col] = v;
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sh.empty + s);  // after the reads of valid
+    named_barrier_sync(2 + group, 128);
+    if (warp == 0) {
+      const int64_t k = int64_t{i - tiles} * M::kKeys + 32 * group + lane;
+      const float* cs = colsum + 4 * group * 32 + lane;
+      const float v = cs[0] + cs[32] + cs[64] + cs[96];
+      if (k < a.topk) {
+        if (a.head_blocks == 1) {
+          a.probs[t * a.topk + k] = v;
+        } else {
+          atomicAdd(a.probs + t * a.topk + k, v);
+        }
+      }
+    }
+    named_barrier_sync(2 + group, 128);  // the sums are read before the next tile's
   }
 #endif
 }
@@ -1531,13 +1586,13 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
                    const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
   const c10::cuda::CUDAGuard guard(q.device());
-  const bool mla_hopper = p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && !probs.defined() &&
-                          is_sm90(q);
+  const bool mla_hopper = p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && is_sm90(q);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
     if (mla_hopper) {
       AttnArgs a = attn_args(p, q, kv, indices, gate, MlaFwd::kRows);
       a.o = o.data_ptr();
       a.lse = lse.data_ptr<float>();
+      a.probs = probs.defined() ? probs.data_ptr<float>() : nullptr;  // zeros (atomics over head blocks)
       const auto kernel = mla_fwd_kernel<scalar_t>;
       set_smem(kernel, kMlaFwdSmem);
       kernel<<<dim3(p.T, 1, a.head_blocks), MlaFwd::kThreads, kMlaFwdSmem, c10::cuda::getCurrentCUDAStream()>>>(a);
