@@ -948,14 +948,26 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
     if (rr >= rows) continue;
     const int64_t row = t * a.H + head0 + rr;
     const float inv = l_run[h] > 0.f ? 1.f / l_run[h] : 0.f;
+    // The gate eight value tiles at a time, loaded before their stores (which could alias it, as
+    // far as the compiler knows; sigmoid(inf) = 1 where there is no gate).
+    constexpr int kBatch = S::kVTiles < 8 ? S::kVTiles : 8;
 #pragma unroll
-    for (int n = 0; n < S::kVTiles; ++n) {
-      const int col = wc * (kDv / 2) + n * 8 + 2 * c;
-      float v[2] = {o_acc[n][2 * h] * inv, o_acc[n][2 * h + 1] * inv};
-      for (int e = 0; e < 2; ++e) {
-        if (gate != nullptr && col + e < a.dv) v[e] *= sigmoidf(to_float(gate[row * a.dv + col + e]));
+    for (int n0 = 0; n0 < S::kVTiles; n0 += kBatch) {
+      float gv[kBatch][2];
+#pragma unroll
+      for (int n = 0; n < kBatch; ++n) {
+        const int col = wc * (kDv / 2) + (n0 + n) * 8 + 2 * c;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          gv[n][e] = gate != nullptr && col + e < a.dv ? to_float(gate[row * a.dv + col + e]) : INFINITY;
+        }
       }
-      store_pair(out + row * a.dv, col, a.dv, v[0], v[1]);
+#pragma unroll
+      for (int n = 0; n < kBatch; ++n) {
+        const int col = wc * (kDv / 2) + (n0 + n) * 8 + 2 * c;
+        store_pair(out + row * a.dv, col, a.dv, o_acc[n0 + n][2 * h] * inv * sigmoidf(gv[n][0]),
+                   o_acc[n0 + n][2 * h + 1] * inv * sigmoidf(gv[n][1]));
+      }
     }
     if (wc == 0 && c == 0) a.lse[row] = l_run[h] > 0.f ? lse2[h] * kLn2 : -INFINITY;
   }
@@ -1049,12 +1061,14 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   const int32_t* sel = a.indices + t * a.topk;
   const T* q = static_cast<const T*>(a.q);
   const T* kv = static_cast<const T*>(a.kv);
-  constexpr int kPieces = M::kDqk / 8;  // 16-byte pieces per row
-  for (int i = threadIdx.x; i < M::kRows * kPieces; i += blockDim.x) {
-    const int r = i / kPieces, p = i % kPieces;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows) v = *reinterpret_cast<const uint4*>(q + (t * a.H + head0 + r) * M::kDqk + p * 8);
-    *reinterpret_cast<uint4*>(sQ + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8)) = v;
+  if (threadIdx.x < 256) {  // the consumers bring Q (cp.async, all in flight at once) while the producer starts
+    constexpr int kPieces = M::kDqk / 8;  // 16-byte pieces per row
+    for (int i = threadIdx.x; i < M::kRows * kPieces; i += 256) {
+      const int r = i / kPieces, p = i % kPieces;
+      cp_async_16_or_zero(sQ + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
+                          r < rows ? q + (t * a.H + head0 + r) * M::kDqk + p * 8 : nullptr);
+    }
+    cp_async_commit();
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < M::kStages; ++s) {
@@ -1064,7 +1078,6 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     }
     mbar_init_fence();
   }
-  fence_proxy_async();
   __syncthreads();
   const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
 
@@ -1104,6 +1117,9 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       cp_async_wait<0>();
       fence_proxy_async();
       mbar_arrive(&sh.full[s][1]);
+      if (i == tiles - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
+        bulk_prefetch_l2(static_cast<const T*>(a.gate) + (t * a.H + head0) * M::kDv, rows * M::kDv * sizeof(T));
+      }
     }
     return;
   }
@@ -1117,6 +1133,9 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   for (int x = 0; x < 128; ++x) o[x] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
   float sc[16];
+  cp_async_wait<0>();
+  fence_proxy_async();  // Q is read by wgmma
+  named_barrier_sync(1, 256);
   // S = Q K^T over this group's 32 keys of the tile loaded i-th, once its chunks arrive.
   auto logits = [&](int i) {
     const int s = i % M::kStages;
@@ -1226,13 +1245,20 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t row = t * a.H + head0 + r;
+    uint32_t gv[32];  // the row's gate pairs, all loads issued before the first store
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      gv[n] = gate != nullptr ? __ldg(reinterpret_cast<const unsigned int*>(gate + row * M::kDv + 256 * group + 8 * n + 2 * c))
+                              : 0u;
+    }
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
       const int col = 256 * group + 8 * n + 2 * c;
       float v0 = o[4 * n + 2 * h] * inv, v1 = o[4 * n + 2 * h + 1] * inv;
       if (gate != nullptr) {
-        v0 *= sigmoidf(to_float(gate[row * M::kDv + col]));
-        v1 *= sigmoidf(to_float(gate[row * M::kDv + col + 1]));
+        const float2 gf = unpack2<T>(gv[n]);
+        v0 *= sigmoidf(gf.x);
+        v1 *= sigmoidf(gf.y);
       }
       *reinterpret_cast<uint32_t*>(out + row * M::kDv + col) = pack2<T>(v0, v1);
     }
@@ -1325,18 +1351,28 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     const bool valid = r < rows;
     const int64_t row = t * a.H + head0 + r;
     float dsum = 0.f;
-    for (int d = lane; d < kDv; d += 32) {
-      float dd = 0.f, od = 0.f, sg = 1.f;
-      if (valid && d < a.dv) {
-        dd = to_float(grad_o[row * a.dv + d]);
-        od = to_float(o[row * a.dv + d]);
-        if (gate != nullptr) {
-          sg = sigmoidf(to_float(gate[row * a.dv + d]));
-          static_cast<T*>(a.dgate)[row * a.dv + d] = from_float<T>(dd * od * (1.f - sg));
-        }
+    // Every load of the row before the first store (dgate could alias them as far as the compiler
+    // knows: loads after a store would each wait for the previous round trip).
+    constexpr int kPer = kDv / 32;
+    float dd[kPer], od[kPer], sg[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int d = lane + 32 * k;
+      const bool in = valid && d < a.dv;
+      dd[k] = in ? to_float(grad_o[row * a.dv + d]) : 0.f;
+      od[k] = in ? to_float(o[row * a.dv + d]) : 0.f;
+      sg[k] = in && gate != nullptr ? to_float(gate[row * a.dv + d]) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int d = lane + 32 * k;
+      float s = 1.f;
+      if (gate != nullptr) {
+        s = sigmoidf(sg[k]);
+        if (valid && d < a.dv) static_cast<T*>(a.dgate)[row * a.dv + d] = from_float<T>(dd[k] * od[k] * (1.f - s));
       }
-      dsum += dd * od;
-      sO[r * S::kLdO + d] = from_float<T>(dd * sg);
+      dsum += dd[k] * od[k];
+      sO[r * S::kLdO + d] = from_float<T>(dd[k] * s);
     }
     dsum = warp_reduce(dsum, SumOp{});
     if (lane == 0) {
