@@ -1035,7 +1035,9 @@ static_assert(MlaFwd::kProducerRegs + 2 * MlaFwd::kConsumerRegs <= 3 * 168);
 
 struct MlaFwdShared {
   uint64_t full[MlaFwd::kStages][2], empty[MlaFwd::kStages];  // full: a tile's first kSplit chunks, the rest
-  int valid[MlaFwd::kStages][MlaFwd::kKeys];  // the slot has a key
+  // Bit k of word w: slot 32 w + k of the selection has a key. Written once, in the first pass,
+  // before the tile's first barrier arrival: the second pass reads it again, nothing rewrites it.
+  uint32_t valid[kMaxTopk / 32];
   float row_max[2][MlaFwd::kRows];            // per consumer group, this tile
   float row_sum[2][MlaFwd::kRows];            // per consumer group, at the end
 };
@@ -1070,6 +1072,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     }
     cp_async_commit();
   }
+  for (int w = threadIdx.x; w < kMaxTopk / 32; w += blockDim.x) sh.valid[w] = 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < M::kStages; ++s) {
       mbar_init(&sh.full[s][0], 128);  // every producer thread
@@ -1096,7 +1099,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
         const int64_t j = int64_t{i % tiles} * M::kKeys + g + 16 * m;
         keys[m] = j < a.topk ? sel[j] : -1;
         if (keys[m] >= a.Tk) keys[m] = -1;
-        if (piece == 0) sh.valid[s][g + 16 * m] = keys[m] >= 0;
+        if (piece == 0 && i < tiles && keys[m] >= 0) atomicOr(sh.valid + j / 32, 1u << (j % 32));
       }
       uint8_t* tile = sK + s * M::kTileBytes;
       auto copy = [&](int from, int to) {  // chunks [from, to)
@@ -1165,6 +1168,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       if (lane == 0) mbar_arrive(sh.empty + (i - 1) % M::kStages);
     }
     logits(i);
+    const uint32_t valid_bits = sh.valid[i % tiles * 2 + group];  // this group's 32 slots
 
     // Logits in log2 units (no key: -inf); thread columns 32 group + 8 j + 2c (+1), rows r0, r0 + 8.
     float mx[2] = {-INFINITY, -INFINITY};
@@ -1172,7 +1176,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const bool valid = sh.valid[s][32 * group + 8 * j + 2 * c + (e & 1)];
+        const bool valid = (valid_bits >> (8 * j + 2 * c + (e & 1))) & 1;
         sc[4 * j + e] = valid ? sc[4 * j + e] * sl2 : -INFINITY;
         mx[e / 2] = fmaxf(mx[e / 2], sc[4 * j + e]);
       }
@@ -1279,12 +1283,13 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   for (int i = tiles; i < 2 * tiles; ++i) {
     const int s = i % M::kStages;
     logits(i);
+    const uint32_t valid_bits = sh.valid[i % tiles * 2 + group];  // this group's 32 slots
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = 8 * j + 2 * c + e;
-        float v = sh.valid[s][32 * group + col]
+        float v = (valid_bits >> col) & 1
                       ? exp2f(sc[4 * j + e] * sl2 - lse2[0]) + exp2f(sc[4 * j + 2 + e] * sl2 - lse2[1])
                       : 0.f;
         v += __shfl_xor_sync(0xffffffffu, v, 4);
@@ -1294,7 +1299,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       }
     }
     __syncwarp();
-    if (lane == 0) mbar_arrive(sh.empty + s);  // after the reads of valid
+    if (lane == 0) mbar_arrive(sh.empty + s);
     named_barrier_sync(2 + group, 128);
     if (warp == 0) {
       const int64_t k = int64_t{i - tiles} * M::kKeys + 32 * group + lane;
