@@ -301,7 +301,7 @@ MLA = (1, 576, 512)
        topk=st.sampled_from([1, 37, 64, 2048]), gated=st.booleans(), return_p=st.booleans(),
        dtype=st.sampled_from(HALF))
 def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, gated, return_p, dtype):
-    """Without return_p the MLA layout takes the Hopper forward kernel, with it the generic one."""
+    """On sm_90 the MLA layout takes the Hopper forward kernel, p from its second pass."""
     torch.manual_seed(seed)
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated)

@@ -31,7 +31,7 @@ def main():
         kv = torch.randn(Tk, Hkv, D, device=dev, dtype=bf16, requires_grad=True)
         gate = torch.randn(T, H, dv, device=dev, dtype=bf16, requires_grad=True)
         idx = torch.randint(-1, Tk, (T, Hkv, topk), device=dev, dtype=torch.int32)
-        for det, want_p in ((False, True), (True, False)):  # without p, MLA takes the Hopper forward
+        for det, want_p in ((False, True), (True, False)):  # MLA: the Hopper forward with and without p
             o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, return_p=want_p, deterministic=det)
             torch.autograd.grad(o.float().sum(), (q, kv, gate))
     torch.cuda.synchronize()

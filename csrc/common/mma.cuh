@@ -97,6 +97,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// The two 16-bit values packed by pack2, as floats.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  }
+}
+
 // A fragment (16 x 16 over k) from two accumulator tiles (cols k0.. and k0 + 8..): the
 // probabilities of one key block feed the next product without a trip through shared memory.
 template <typename T>

@@ -949,14 +949,26 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
     if (rr >= rows) continue;
     const int64_t row = t * a.H + head0 + rr;
     const float inv = l_run[h] > 0.f ? 1.f / l_run[h] : 0.f;
+    // The gate eight value tiles at a time, loaded before their stores (which could alias it, as
+    // far as the compiler knows; sigmoid(inf) = 1 where there is no gate).
+    constexpr int kBatch = S::kVTiles < 8 ? S::kVTiles : 8;
 #pragma unroll
-    for (int n = 0; n < S::kVTiles; ++n) {
-      const int col = wc * (kDv / 2) + n * 8 + 2 * c;
-      float v[2] = {o_acc[n][2 * h] * inv, o_acc[n][2 * h + 1] * inv};
-      for (int e = 0; e < 2; ++e) {
-        if (gate != nullptr && col + e < a.dv) v[e] *= sigmoidf(to_float(gate[row * a.dv + col + e]));
+    for (int n0 = 0; n0 < S::kVTiles; n0 += kBatch) {
+      float gv[kBatch][2];
+#pragma unroll
+      for (int n = 0; n < kBatch; ++n) {
+        const int col = wc * (kDv / 2) + (n0 + n) * 8 + 2 * c;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          gv[n][e] = gate != nullptr && col + e < a.dv ? to_float(gate[row * a.dv + col + e]) : INFINITY;
+        }
       }
-      store_pair(out + row * a.dv, col, a.dv, v[0], v[1]);
+#pragma unroll
+      for (int n = 0; n < kBatch; ++n) {
+        const int col = wc * (kDv / 2) + (n0 + n) * 8 + 2 * c;
+        store_pair(out + row * a.dv, col, a.dv, o_acc[n0 + n][2 * h] * inv * sigmoidf(gv[n][0]),
+                   o_acc[n0 + n][2 * h + 1] * inv * sigmoidf(gv[n][1]));
+      }
     }
     if (wc == 0 && c == 0) a.lse[row] = l_run[h] > 0.f ? lse2[h] * kLn2 : -INFINITY;
   }
@@ -997,13 +1009,14 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 
 // ---- sparse attention forward, MLA layout on Hopper -----------------------------------------
 
-// One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512), when
-// no probabilities are asked for. A producer warpgroup gathers the selected rows, 64 keys a tile,
+// One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512). A
+// producer warpgroup gathers the selected rows, 64 keys a tile,
 // into a 2-stage ring of 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer
 // warpgroups each take 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the 576 columns)
 // and half of the value columns for O += P V (wgmma m64n256k16: P from shared memory, V the
 // tile's first 512 columns read N-major). The row maxima cross between the groups every tile;
-// each group keeps its own row sums, added at the end.
+// each group keeps its own row sums, added at the end. Where probabilities are asked for, a
+// second pass over the tiles recomputes S and sums the final probabilities over the heads.
 struct MlaFwd {
   static constexpr int kDqk = 576, kDv = 512, kRows = 64, kKeys = 64;
   static constexpr int kChunks = kDqk / 64;                 // 64-column swizzled chunks of a row
@@ -1023,7 +1036,9 @@ static_assert(MlaFwd::kProducerRegs + 2 * MlaFwd::kConsumerRegs <= 3 * 168);
 
 struct MlaFwdShared {
   uint64_t full[MlaFwd::kStages][2], empty[MlaFwd::kStages];  // full: a tile's first kSplit chunks, the rest
-  int valid[MlaFwd::kStages][MlaFwd::kKeys];  // the slot has a key
+  // Bit k of word w: slot 32 w + k of the selection has a key. Written once, in the first pass,
+  // before the tile's first barrier arrival: the second pass reads it again, nothing rewrites it.
+  uint32_t valid[kMaxTopk / 32];
   float row_max[2][MlaFwd::kRows];            // per consumer group, this tile
   float row_sum[2][MlaFwd::kRows];            // per consumer group, at the end
 };
@@ -1049,13 +1064,16 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   const int32_t* sel = a.indices + t * a.topk;
   const T* q = static_cast<const T*>(a.q);
   const T* kv = static_cast<const T*>(a.kv);
-  constexpr int kPieces = M::kDqk / 8;  // 16-byte pieces per row
-  for (int i = threadIdx.x; i < M::kRows * kPieces; i += blockDim.x) {
-    const int r = i / kPieces, p = i % kPieces;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows) v = *reinterpret_cast<const uint4*>(q + (t * a.H + head0 + r) * M::kDqk + p * 8);
-    *reinterpret_cast<uint4*>(sQ + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8)) = v;
+  if (threadIdx.x < 256) {  // the consumers bring Q (cp.async, all in flight at once) while the producer starts
+    constexpr int kPieces = M::kDqk / 8;  // 16-byte pieces per row
+    for (int i = threadIdx.x; i < M::kRows * kPieces; i += 256) {
+      const int r = i / kPieces, p = i % kPieces;
+      cp_async_16_or_zero(sQ + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
+                          r < rows ? q + (t * a.H + head0 + r) * M::kDqk + p * 8 : nullptr);
+    }
+    cp_async_commit();
   }
+  for (int w = threadIdx.x; w < kMaxTopk / 32; w += blockDim.x) sh.valid[w] = 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < M::kStages; ++s) {
       mbar_init(&sh.full[s][0], 128);  // every producer thread
@@ -1064,7 +1082,6 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     }
     mbar_init_fence();
   }
-  fence_proxy_async();
   __syncthreads();
   const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
 
@@ -1073,16 +1090,17 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     // for the threads 8g .. 8g + 7), so that each request covers whole cache lines.
     warpgroup_reg_dealloc<M::kProducerRegs>();
     const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
-    for (int i = 0; i < tiles; ++i) {
+    const int loads = a.probs != nullptr ? 2 * tiles : tiles;  // the second pass reads the tiles again
+    for (int i = 0; i < loads; ++i) {
       const int s = i % M::kStages;
       mbar_wait(sh.empty + s, ((i / M::kStages) & 1) ^ 1);
       int keys[M::kKeys / 16];
 #pragma unroll
       for (int m = 0; m < M::kKeys / 16; ++m) {
-        const int64_t j = int64_t{i} * M::kKeys + g + 16 * m;
+        const int64_t j = int64_t{i % tiles} * M::kKeys + g + 16 * m;
         keys[m] = j < a.topk ? sel[j] : -1;
         if (keys[m] >= a.Tk) keys[m] = -1;
-        if (piece == 0) sh.valid[s][g + 16 * m] = keys[m] >= 0;
+        if (piece == 0 && i < tiles && keys[m] >= 0) atomicOr(sh.valid + j / 32, 1u << (j % 32));
       }
       uint8_t* tile = sK + s * M::kTileBytes;
       auto copy = [&](int from, int to) {  // chunks [from, to)
@@ -1103,6 +1121,9 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       cp_async_wait<0>();
       fence_proxy_async();
       mbar_arrive(&sh.full[s][1]);
+      if (i == tiles - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
+        bulk_prefetch_l2(static_cast<const T*>(a.gate) + (t * a.H + head0) * M::kDv, rows * M::kDv * sizeof(T));
+      }
     }
     return;
   }
@@ -1116,21 +1137,20 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   for (int x = 0; x < 128; ++x) o[x] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
   float sc[16];
-  for (int i = 0; i < tiles; ++i) {
+  cp_async_wait<0>();
+  fence_proxy_async();  // Q is read by wgmma
+  named_barrier_sync(1, 256);
+  // S = Q K^T over this group's 32 keys of the tile loaded i-th, once its chunks arrive.
+  auto logits = [&](int i) {
     const int s = i % M::kStages;
     const uint32_t k_base = smem_addr(sK + s * M::kTileBytes);
-    if (i > 0) {  // the previous P V is done: its tile can be refilled while S runs
-      wgmma_wait<0>();
-      fence_accumulators(o);
-      if (lane == 0) mbar_arrive(sh.empty + (i - 1) % M::kStages);
-    }
 #pragma unroll
     for (int x = 0; x < 16; ++x) sc[x] = 0.f;
     fence_accumulators(sc);
     mbar_wait(&sh.full[s][0], (i / M::kStages) & 1);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < M::kDqk / 16; ++kk) {  // S = Q K^T over this group's 32 keys
+    for (int kk = 0; kk < M::kDqk / 16; ++kk) {
       if (kk == 4 * M::kSplit) mbar_wait(&sh.full[s][1], (i / M::kStages) & 1);
       const uint32_t off = (kk / 4) * M::kChunkBytes + (kk % 4) * 32;
       wgmma_m64n32k16<T, 0, 0>(sc, sw128_descriptor(q_base + off, 16),
@@ -1139,6 +1159,17 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     wgmma_commit();
     wgmma_wait<0>();
     fence_accumulators(sc);
+  };
+  for (int i = 0; i < tiles; ++i) {
+    const int s = i % M::kStages;
+    const uint32_t k_base = smem_addr(sK + s * M::kTileBytes);
+    if (i > 0) {  // the previous P V is done: its tile can be refilled while S runs
+      wgmma_wait<0>();
+      fence_accumulators(o);
+      if (lane == 0) mbar_arrive(sh.empty + (i - 1) % M::kStages);
+    }
+    logits(i);
+    const uint32_t valid_bits = sh.valid[i % tiles * 2 + group];  // this group's 32 slots
 
     // Logits in log2 units (no key: -inf); thread columns 32 group + 8 j + 2c (+1), rows r0, r0 + 8.
     float mx[2] = {-INFINITY, -INFINITY};
@@ -1146,7 +1177,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const bool valid = sh.valid[s][32 * group + 8 * j + 2 * c + (e & 1)];
+        const bool valid = (valid_bits >> (8 * j + 2 * c + (e & 1))) & 1;
         sc[4 * j + e] = valid ? sc[4 * j + e] * sl2 : -INFINITY;
         mx[e / 2] = fmaxf(mx[e / 2], sc[4 * j + e]);
       }
@@ -1201,6 +1232,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   }
   wgmma_wait<0>();
   fence_accumulators(o);
+  if (a.probs != nullptr && tiles > 0 && lane == 0) mbar_arrive(sh.empty + (tiles - 1) % M::kStages);
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -1218,17 +1250,71 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t row = t * a.H + head0 + r;
+    uint32_t gv[32];  // the row's gate pairs, all loads issued before the first store
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      gv[n] = gate != nullptr ? __ldg(reinterpret_cast<const unsigned int*>(gate + row * M::kDv + 256 * group + 8 * n + 2 * c))
+                              : 0u;
+    }
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
       const int col = 256 * group + 8 * n + 2 * c;
       float v0 = o[4 * n + 2 * h] * inv, v1 = o[4 * n + 2 * h + 1] * inv;
       if (gate != nullptr) {
-        v0 *= sigmoidf(to_float(gate[row * M::kDv + col]));
-        v1 *= sigmoidf(to_float(gate[row * M::kDv + col + 1]));
+        const float2 gf = unpack2<T>(gv[n]);
+        v0 *= sigmoidf(gf.x);
+        v1 *= sigmoidf(gf.y);
       }
       *reinterpret_cast<uint32_t*>(out + row * M::kDv + col) = pack2<T>(v0, v1);
     }
     if (group == 0 && c == 0) a.lse[row] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
+  }
+  if (a.probs == nullptr) return;
+
+  // Second pass: exp(S - lse) summed over the block's heads, per key (rows without a key, and the
+  // padding rows past `rows`, add nothing).
+  float lse2[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
+    lse2[h] = r < rows && l > 0.f ? m_run[h] + log2f(l) : INFINITY;
+  }
+  float* colsum = reinterpret_cast<float*>(sP);  // [group][warp][32 keys]; P is done with
+  for (int i = tiles; i < 2 * tiles; ++i) {
+    const int s = i % M::kStages;
+    logits(i);
+    const uint32_t valid_bits = sh.valid[i % tiles * 2 + group];  // this group's 32 slots
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * c + e;
+        float v = (valid_bits >> col) & 1
+                      ? exp2f(sc[4 * j + e] * sl2 - lse2[0]) + exp2f(sc[4 * j + 2 + e] * sl2 - lse2[1])
+                      : 0.f;
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) colsum[(4 * group + warp) * 32 + col] = v;
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sh.empty + s);
+    named_barrier_sync(2 + group, 128);
+    if (warp == 0) {
+      const int64_t k = int64_t{i - tiles} * M::kKeys + 32 * group + lane;
+      const float* cs = colsum + 4 * group * 32 + lane;
+      const float v = cs[0] + cs[32] + cs[64] + cs[96];
+      if (k < a.topk) {
+        if (a.head_blocks == 1) {
+          a.probs[t * a.topk + k] = v;
+        } else {
+          atomicAdd(a.probs + t * a.topk + k, v);
+        }
+      }
+    }
+    named_barrier_sync(2 + group, 128);  // the sums are read before the next tile's
   }
 #endif
 }
@@ -1271,18 +1357,28 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     const bool valid = r < rows;
     const int64_t row = t * a.H + head0 + r;
     float dsum = 0.f;
-    for (int d = lane; d < kDv; d += 32) {
-      float dd = 0.f, od = 0.f, sg = 1.f;
-      if (valid && d < a.dv) {
-        dd = to_float(grad_o[row * a.dv + d]);
-        od = to_float(o[row * a.dv + d]);
-        if (gate != nullptr) {
-          sg = sigmoidf(to_float(gate[row * a.dv + d]));
-          static_cast<T*>(a.dgate)[row * a.dv + d] = from_float<T>(dd * od * (1.f - sg));
-        }
+    // Every load of the row before the first store (dgate could alias them as far as the compiler
+    // knows: loads after a store would each wait for the previous round trip).
+    constexpr int kPer = kDv / 32;
+    float dd[kPer], od[kPer], sg[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int d = lane + 32 * k;
+      const bool in = valid && d < a.dv;
+      dd[k] = in ? to_float(grad_o[row * a.dv + d]) : 0.f;
+      od[k] = in ? to_float(o[row * a.dv + d]) : 0.f;
+      sg[k] = in && gate != nullptr ? to_float(gate[row * a.dv + d]) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int d = lane + 32 * k;
+      float s = 1.f;
+      if (gate != nullptr) {
+        s = sigmoidf(sg[k]);
+        if (valid && d < a.dv) static_cast<T*>(a.dgate)[row * a.dv + d] = from_float<T>(dd[k] * od[k] * (1.f - s));
       }
-      dsum += dd * od;
-      sO[r * S::kLdO + d] = from_float<T>(dd * sg);
+      dsum += dd[k] * od[k];
+      sO[r * S::kLdO + d] = from_float<T>(dd[k] * s);
     }
     dsum = warp_reduce(dsum, SumOp{});
     if (lane == 0) {
@@ -1532,13 +1628,13 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
                    const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
   const c10::cuda::CUDAGuard guard(q.device());
-  const bool mla_hopper = p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && !probs.defined() &&
-                          is_sm90(q);
+  const bool mla_hopper = p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && is_sm90(q);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
     if (mla_hopper) {
       AttnArgs a = attn_args(p, q, kv, indices, gate, MlaFwd::kRows);
       a.o = o.data_ptr();
       a.lse = lse.data_ptr<float>();
+      a.probs = probs.defined() ? probs.data_ptr<float>() : nullptr;  // zeros (atomics over head blocks)
       const auto kernel = mla_fwd_kernel<scalar_t>;
       set_smem(kernel, kMlaFwdSmem);
       kernel<<<dim3(p.T, 1, a.head_blocks), MlaFwd::kThreads, kMlaFwdSmem, c10::cuda::getCurrentCUDAStream()>>>(a);

@@ -49,7 +49,7 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     not. deterministic: bitwise-reproducible dkv (the CPU kernel always is; the CUDA kernel
     otherwise adds dkv with atomics, and with it stores each (query, key) term and sums them
     in index order: slower, more memory traffic). On an sm_90 GPU the MLA layout's forward takes
-    a Hopper kernel (wgmma) unless return_p is set; with it, the generic one (about half the speed).
+    a Hopper kernel (wgmma); return_p adds a second pass over the selected keys.
     """
     Dqk = q.shape[-1]
     if scale is None:
