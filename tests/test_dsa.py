@@ -5,6 +5,7 @@ and bad inputs; the CUDA kernels (bf16/fp16) against the same reference, their d
 and their limits."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -299,16 +300,22 @@ MLA = (1, 576, 512)
 @given(seed=SEEDS, T=st.integers(1, 20), Tk=st.integers(1, 300),
        layout=st.sampled_from([MLA, (2, 128, 128), (4, 64, 48), (1, 32, 32)]), G=st.sampled_from([1, 5, 16, 64, 128]),
        topk=st.sampled_from([1, 37, 64, 2048]), gated=st.booleans(), return_p=st.booleans(),
-       dtype=st.sampled_from(HALF))
-def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, gated, return_p, dtype):
-    """On sm_90 the MLA layout takes the Hopper forward kernel, p from its second pass."""
+       portable=st.booleans(), dtype=st.sampled_from(HALF))
+def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, gated, return_p, portable,
+                                                 dtype):
+    """On sm_90 the MLA layout takes the Hopper forward kernel (p from its second pass) unless
+    KDA_DSA_OPS_PORTABLE_SFA=1 keeps it on the portable one, which other GPUs take."""
     torch.manual_seed(seed)
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated)
     ins = [t.cuda().requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
     poison("cuda")
-    o, lse, p = K.sparse_attention(ins[0], ins[1], idx.cuda(), 0.1, dv, ins[2] if gated else None,
-                                   return_p=return_p)
+    os.environ["KDA_DSA_OPS_PORTABLE_SFA"] = "1" if portable else "0"
+    try:
+        o, lse, p = K.sparse_attention(ins[0], ins[1], idx.cuda(), 0.1, dv, ins[2] if gated else None,
+                                       return_p=return_p)
+    finally:
+        del os.environ["KDA_DSA_OPS_PORTABLE_SFA"]
     ref_ins = [t.to(F64).requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
     o_ref, lse_ref, p_ref = R.sparse_attn_fwd(ref_ins[0], ref_ins[1], idx, 0.1, dv, ref_ins[2] if gated else None,
                                               return_p=True)

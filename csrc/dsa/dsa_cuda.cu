@@ -19,6 +19,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "common/device.cuh"
@@ -1628,7 +1630,11 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
                    const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
   const c10::cuda::CUDAGuard guard(q.device());
-  const bool mla_hopper = p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && is_sm90(q);
+  // KDA_DSA_OPS_PORTABLE_SFA=1 keeps the MLA layout on the portable kernel, the one other GPUs
+  // take (read at each call: the tests compare both on Hopper).
+  const char* portable = std::getenv("KDA_DSA_OPS_PORTABLE_SFA");
+  const bool mla_hopper = p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && is_sm90(q) &&
+                          !(portable != nullptr && std::string_view(portable) == "1");
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
     if (mla_hopper) {
       AttnArgs a = attn_args(p, q, kv, indices, gate, MlaFwd::kRows);

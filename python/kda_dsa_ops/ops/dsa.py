@@ -50,6 +50,8 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     otherwise adds dkv with atomics, and with it stores each (query, key) term and sums them
     in index order: slower, more memory traffic). On an sm_90 GPU the MLA layout's forward takes
     a Hopper kernel (wgmma); return_p adds a second pass over the selected keys.
+    KDA_DSA_OPS_PORTABLE_SFA=1 in the environment keeps it on the portable kernel that other
+    GPUs take (for comparison and testing).
     """
     Dqk = q.shape[-1]
     if scale is None:
