@@ -97,11 +97,11 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// The two 16-bit values packed by pack2, as floats.
+// The two 16-bit values packed by pack2 (or loaded as a pair, the lower address first) as floats.
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t v) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
   } else {
     return __half22float2(*reinterpret_cast<const __half2*>(&v));
   }

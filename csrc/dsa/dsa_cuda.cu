@@ -1012,13 +1012,13 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 // ---- sparse attention forward, MLA layout on Hopper -----------------------------------------
 
 // One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512). A
-// producer warpgroup gathers the selected rows, 64 keys a tile,
-// into a 2-stage ring of 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer
-// warpgroups each take 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the 576 columns)
-// and half of the value columns for O += P V (wgmma m64n256k16: P from shared memory, V the
-// tile's first 512 columns read N-major). The row maxima cross between the groups every tile;
-// each group keeps its own row sums, added at the end. Where probabilities are asked for, a
-// second pass over the tiles recomputes S and sums the final probabilities over the heads.
+// producer warpgroup gathers the selected rows, 64 keys a tile, into a 2-stage ring of
+// 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer warpgroups each take
+// 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the 576 columns) and half of the value
+// columns for O += P V (wgmma m64n256k16: P from shared memory, V the tile's first 512 columns read
+// N-major). The row maxima cross between the groups every tile; each group keeps its own row sums,
+// added at the end. Where probabilities are asked for, a second pass over the tiles recomputes S
+// and sums the final probabilities over the heads.
 struct MlaFwd {
   static constexpr int kDqk = 576, kDv = 512, kRows = 64, kKeys = 64;
   static constexpr int kChunks = kDqk / 64;                 // 64-column swizzled chunks of a row

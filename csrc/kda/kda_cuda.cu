@@ -296,15 +296,6 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&x)[8]) {
                                             mma::pack2<bf16>(x[4], x[5]), mma::pack2<bf16>(x[6], x[7]));
 }
 
-// Two 16-bit values packed in a register as floats (the lower address first).
-__device__ __forceinline__ float2 unpack2(uint32_t u, __nv_bfloat16) {
-  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-}
-__device__ __forceinline__ float2 unpack2(uint32_t u, __half) {
-  __half2 h;
-  *reinterpret_cast<uint32_t*>(&h) = u;
-  return __half22float2(h);
-}
 // N (2, 4 or 8) consecutive elements at p, aligned to their size, as floats: one vector load.
 template <int N, typename T>
 __device__ __forceinline__ void load_floats(const T* p, float (&x)[N]) {
@@ -329,7 +320,7 @@ __device__ __forceinline__ void load_floats(const T* p, float (&x)[N]) {
     }
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
-      const float2 f = unpack2(u[i], T{});
+      const float2 f = mma::unpack2<T>(u[i]);
       x[2 * i] = f.x;
       x[2 * i + 1] = f.y;
     }
