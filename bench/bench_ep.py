@@ -164,7 +164,7 @@ def all_to_all_gbps(cfg, args, device, world) -> dict:
     mesh = build_mesh(world, world, cfg.experts, DEV)
     group = mesh["ep"].get_group()
     rows = args.tokens * cfg.moe_topk
-    x = torch.randn(rows, cfg.latent, device=device, dtype=torch.bfloat16)
+    x = torch.randn(rows, cfg.moe_width, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
     for _ in range(5):
         dist.all_to_all_single(y, x, group=group)
@@ -204,7 +204,7 @@ def main():
     result["all_to_all"] = a2a
     say(f"all-to-all ({a2a['bytes_per_gpu'] / 2**20:.1f} MiB per GPU): {a2a['seconds'] * 1e3:.3f} ms, "
         f"{a2a['gbps_per_gpu']:.0f} GB/s sent per GPU", flush=True)
-    moe_layers = cfg.layers  # every block ends in a LatentMoE
+    moe_layers = cfg.ffn_kinds().count("M")
     scaling = []
     for ep in [e for e in range(1, world + 1) if world % e == 0 and cfg.experts % e == 0]:
         row = {"ep": ep}

@@ -50,8 +50,9 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   // (dq, dkv, dgate); dgate is [0] without a gate.
   m.def("sparse_attn_bwd(Tensor grad_o, Tensor q, Tensor kv, Tensor indices, Tensor o, Tensor lse, float scale, "
         "int dv, Tensor? gate, bool deterministic) -> (Tensor, Tensor, Tensor)");
-  // MoE routing: weights [T,k] fp32, ids [T,k] int32.
-  m.def("moe_route(Tensor logits, Tensor? bias, int k, str score_fn, bool renorm, float scale) -> (Tensor, Tensor)");
+  // MoE routing: weights [T,k] fp32, ids [T,k] int32; n_group > 1: group-limited (topk_group of n_group groups).
+  m.def("moe_route(Tensor logits, Tensor? bias, int k, str score_fn, bool renorm, float scale, int n_group=1, "
+        "int topk_group=1) -> (Tensor, Tensor)");
   m.def("moe_route_bwd(Tensor grad_weights, Tensor logits, Tensor ids, str score_fn, bool renorm, float scale) -> Tensor");
   // MoE permutation: x_sorted [M,D], row_map [M] int32, offs [E] int32.
   m.def("moe_permute(Tensor x, Tensor ids, Tensor? weights, int num_experts, int capacity, str policy, "

@@ -133,7 +133,7 @@ def test_router_bias_moves_toward_balance():
     model = HybridModel(cfg)
     tokens, cu, labels = packed_batch(cfg, [100])
     model(tokens, cu, labels)
-    moe = model.blocks[0].moe
+    moe = model.blocks[0].mlp
     load = moe.expert_load.clone()
     model.update_router_biases()
     over, under = load > load.mean(), load < load.mean()
@@ -145,6 +145,10 @@ def test_router_bias_moves_toward_balance():
     ({"moe_topk": 9}, r"moe_topk must be in \[1, experts = 8\]"),
     ({"pattern": "KKX"}, "pattern must be made of"),
     ({"kda_value_heads": 3}, "must be a multiple of kda_heads"),
+    ({"ffn_pattern": "FM"}, r"dense layers \('F' in ffn_pattern\) need dense_ffn > 0"),
+    ({"moe_groups": 3}, r"moe_groups \(3\) must divide experts \(8\)"),
+    ({"rope_style": "spiral"}, "rope_style must be"),
+    ({"index_style": "deepseek", "dsa_q_rank": 0}, "the deepseek indexer reads the q latent"),
 ])
 def test_bad_config_fails_with_a_clear_message(overrides, message):
     with pytest.raises(ValueError, match=message):

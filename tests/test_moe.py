@@ -83,6 +83,51 @@ def test_route_many_tokens(device, dtype, E, offset, score_fn):
     assert_close(w, w_ref, torch.float32, "weights")
 
 
+def brute_force_group_routing(key: torch.Tensor, k: int, n_group: int, topk_group: int) -> list[set]:
+    """Group-limited routing written out token by token: rank the groups by the sum of their two
+    best keys, keep the best topk_group, take the k best keys among their experts."""
+    E = key.shape[1]
+    size = E // n_group
+    chosen = []
+    for row in key.tolist():
+        group_score = [sum(sorted(row[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        open_experts = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        chosen.append(set(sorted(open_experts, key=lambda e: (-row[e], e))[:k]))
+    return chosen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(seed=SEEDS, T=st.integers(1, 40), groups=st.sampled_from([(2, 1), (4, 2), (8, 3), (8, 8), (64, 5)]),
+       per_group=st.sampled_from([2, 3, 32]), k=st.integers(1, 8), score_fn=st.sampled_from(["sigmoid", "softmax"]),
+       data=st.data())
+def test_group_limited_route(seed, device, T, groups, per_group, k, score_fn, data):
+    """n_group > 1 (DeepSeek-V3's routing): the chosen experts are the k best of the topk_group
+    groups with the largest top-2 sums, as written out token by token, on CPU and CUDA alike; the
+    weights and their gradient are the reference's."""
+    torch.manual_seed(seed)
+    n_group, topk_group = groups
+    E = n_group * min(per_group, 256 // n_group)  # spaced logits stay apart in fp32 up to ~300 experts
+    per_group = E // n_group
+    k = min(k, topk_group * per_group)
+    dtype = data.draw(st.sampled_from([torch.float32] + HALF_TYPES))
+    logits = spaced_logits(T, E, dtype, device).requires_grad_()
+    bias = integer_bias(E, device)
+    w, ids = K.moe_route(logits, k, bias, score_fn, True, 2.5, n_group, topk_group)
+    ref_logits = logits.detach().cpu().to(F64).requires_grad_()
+    w_ref, ids_ref = R.moe_route(ref_logits, bias.cpu(), k, score_fn, True, 2.5, n_group, topk_group)
+    assert torch.equal(ids.cpu(), ids_ref)
+    key = R.route_scores(ref_logits.detach(), score_fn) + bias.cpu().to(F64)
+    assert [set(r) for r in ids_ref.tolist()] == brute_force_group_routing(key, k, n_group, topk_group)
+    assert_close(w, w_ref, torch.float32, "weights")
+    g = torch.randn(T, k, dtype=torch.float32)
+    (grad,) = torch.autograd.grad(w, logits, g.to(device))
+    (grad_ref,) = torch.autograd.grad(w_ref, ref_logits, g.to(F64))
+    (unnormalised,) = torch.autograd.grad(R.moe_route(ref_logits, None, k, score_fn, False, 2.5)[0], ref_logits,
+                                          g.to(F64))
+    assert_close(grad, grad_ref, dtype, "grad_logits", scale=unnormalised)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [5, 40])
 def test_route_bwd_repeated_and_many_choices(device, k):
@@ -417,6 +462,15 @@ def test_bad_inputs_raise(device, value_checks):
         K.moe_route(logits, 2, score_fn="relu")
     with pytest.raises(RuntimeError, match="bias must have E = 5"):
         K.moe_route(logits, 2, torch.zeros(4, device=device))
+    grouped = torch.randn(4, 8, device=device)
+    with pytest.raises(RuntimeError, match=r"n_group must divide E = 8"):
+        K.moe_route(grouped, 2, n_group=3)
+    with pytest.raises(RuntimeError, match=r"groups need >= 2 experts"):
+        K.moe_route(grouped, 2, n_group=8)
+    with pytest.raises(RuntimeError, match=r"topk_group must be in \[1, n_group = 4\]"):
+        K.moe_route(grouped, 2, n_group=4, topk_group=5)
+    with pytest.raises(RuntimeError, match=r"k = 5 exceeds the 4 experts of topk_group = 2 groups"):
+        K.moe_route(grouped, 5, n_group=4, topk_group=2)
 
     x = torch.randn(4, 8, device=device, dtype=dt)
     ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4]], device=device, dtype=torch.int32)

@@ -1,8 +1,9 @@
-"""Onboarding: checkpoints the tests write in the kimi-hybrid layout (config.json + sharded
-safetensors) map onto HybridModel (round trip: identical outputs), a rank under expert
-parallelism reads only its experts (counted in bytes), and bad checkpoints fail with a clear
-message and leave the model untouched."""
+"""Onboarding in our own checkpoint format (config.json + sharded safetensors, model_type
+kda_dsa_ops): a round trip gives identical outputs, a rank under expert parallelism reads only
+its experts (counted in bytes), and bad checkpoints fail with a clear message and leave the model
+untouched. The real families (kimi_linear, deepseek_v32) are in test_real_models.py."""
 
+import json
 import os
 import tempfile
 from types import SimpleNamespace
@@ -43,7 +44,7 @@ def test_round_trip_gives_identical_outputs(checkpoint):
     assert cfg == model.cfg
     other = fresh(cfg)
     report = onboard.load(other, d)
-    assert report.ok and not report.unmapped and not report.conversions
+    assert report.ok and not report.unknown and not report.conversions
     tokens, cu, labels = packed_batch(cfg, [20, 33])
     assert torch.equal(other(tokens, cu, labels)["loss"], model(tokens, cu, labels)["loss"])
 
@@ -64,7 +65,7 @@ def test_an_expert_parallel_rank_reads_only_its_experts(checkpoint, rank):
     local = cfg.experts // ep
     shard = fresh(cfg)
     for block in shard.blocks:  # this rank's slice of the experts, as parallel.shard_experts leaves it
-        moe = block.moe
+        moe = block.mlp
         moe.w_gate_up = torch.nn.Parameter(moe.w_gate_up.detach()[:local].clone())
         moe.w_down = torch.nn.Parameter(moe.w_down.detach()[:local].clone())
         moe.expert_group = SimpleNamespace(rank=rank)
@@ -72,17 +73,19 @@ def test_an_expert_parallel_rank_reads_only_its_experts(checkpoint, rank):
     entries = Reader(d).entries
     mine = [n for n in entries if ".experts." not in n or rank * local <= int(n.split(".experts.")[1].split(".")[0])
             < (rank + 1) * local]
+    assert len(mine) < len(entries)
     assert report.bytes_read == sum(entries[n].end - entries[n].begin for n in mine)
     assert report.bytes_read < sum(e.end - e.begin for e in entries.values())
     for full, part in zip(model.blocks, shard.blocks):
-        assert torch.equal(part.moe.w_gate_up, full.moe.w_gate_up[rank * local:(rank + 1) * local])
-        assert torch.equal(part.moe.w_down, full.moe.w_down[rank * local:(rank + 1) * local])
+        assert torch.equal(part.mlp.w_gate_up, full.mlp.w_gate_up[rank * local:(rank + 1) * local])
+        assert torch.equal(part.mlp.w_down, full.mlp.w_down[rank * local:(rank + 1) * local])
 
 
 def rewrite(directory, name, tensor=None):
-    """Rewrite the shard holding `name` with that tensor replaced (or dropped when tensor is None)."""
+    """Rewrite the shard holding `name` (or the first shard, for a new name) with that tensor
+    replaced or added (or dropped when tensor is None)."""
     reader = Reader(directory)
-    file = reader.entries[name].file
+    file = (reader.entries[name] if name in reader.entries else next(iter(reader.entries.values()))).file
     tensors = {n: reader.read(n) for n, e in reader.entries.items() if e.file == file and n != name}
     if tensor is not None:
         tensors[name] = tensor
@@ -91,8 +94,10 @@ def rewrite(directory, name, tensor=None):
 
 @pytest.mark.parametrize("damage, message", [
     ("truncate", "truncated"),
-    ("shape", r"shape mismatch \(1\): model.layers.0.self_attn.q_proj.weight: \[3, 3\], expected \[32, 64\]"),
-    ("missing", r"missing \(1\): model.layers.3.self_attn.indexer.wk.weight"),
+    ("shape", r"shape mismatch \(1\): blocks.0.attn.q_proj.base.weight: \[3, 3\], expected \[32, 64\]"),
+    ("missing", r"missing \(1\): blocks.3.attn.indexer.k.weight"),
+    ("unknown", r"unknown \(1\): blocks.1.attn.stray"),
+    ("model_type", r"model_type 'llama' is not one of"),
 ])
 def test_bad_checkpoints_fail_and_leave_nothing_half_loaded(checkpoint, damage, message):
     model, d = checkpoint
@@ -102,9 +107,17 @@ def test_bad_checkpoints_fail_and_leave_nothing_half_loaded(checkpoint, damage, 
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) - 100)
     elif damage == "shape":
-        rewrite(d, "model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))
+        rewrite(d, "blocks.0.attn.q_proj.base.weight", torch.zeros(3, 3))
+    elif damage == "missing":
+        rewrite(d, "blocks.3.attn.indexer.k.weight")
+    elif damage == "unknown":
+        rewrite(d, "blocks.1.attn.stray", torch.zeros(2))
     else:
-        rewrite(d, "model.layers.3.self_attn.indexer.wk.weight")
+        config = os.path.join(d, "config.json")
+        with open(config) as f:
+            raw = json.load(f)
+        with open(config, "w") as f:
+            json.dump(dict(raw, model_type="llama"), f)
     target = fresh(model.cfg)
     before = snapshot(target)
     with pytest.raises(CheckpointError, match=message):

@@ -14,12 +14,15 @@ enum class Policy { kDropProbs, kDropPosition, kReroute };
 
 // Denominator guard of the renormalised routing weights: w / (sum(w) + kRenormEps).
 constexpr double kRenormEps = 1e-20;
+// Group-limited routing: groups are tracked as bits of a 64-bit mask.
+constexpr int64_t kMaxGroups = 64;
 
 ScoreFn parse_score_fn(c10::string_view name);
 Policy parse_policy(c10::string_view name);
 
 // Shape/dtype/device checks (free) and value checks (index ranges: see run_value_checks).
-void check_route(const at::Tensor& logits, const std::optional<at::Tensor>& bias, int64_t k);
+void check_route(const at::Tensor& logits, const std::optional<at::Tensor>& bias, int64_t k, int64_t n_group = 1,
+                 int64_t topk_group = 1);
 void check_route_bwd(const at::Tensor& grad_weights, const at::Tensor& logits, const at::Tensor& ids);
 void check_permute(const at::Tensor& x, const at::Tensor& ids, const std::optional<at::Tensor>& weights,
                    int64_t num_experts, int64_t capacity, Policy policy,
@@ -35,7 +38,8 @@ void check_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy, const at:
 int64_t permute_rows(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t capacity);
 
 std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits, const std::optional<at::Tensor>& bias,
-                                             int64_t k, c10::string_view score_fn, bool renorm, double scale);
+                                             int64_t k, c10::string_view score_fn, bool renorm, double scale,
+                                             int64_t n_group, int64_t topk_group);
 at::Tensor route_bwd_cpu(const at::Tensor& grad_weights, const at::Tensor& logits, const at::Tensor& ids,
                          c10::string_view score_fn, bool renorm, double scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_cpu(const at::Tensor& x, const at::Tensor& ids,
@@ -52,7 +56,8 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a, const at::Tensor& dy, const
 
 #ifdef KDA_DSA_OPS_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits, const std::optional<at::Tensor>& bias,
-                                              int64_t k, c10::string_view score_fn, bool renorm, double scale);
+                                              int64_t k, c10::string_view score_fn, bool renorm, double scale,
+                                              int64_t n_group, int64_t topk_group);
 at::Tensor route_bwd_cuda(const at::Tensor& grad_weights, const at::Tensor& logits, const at::Tensor& ids,
                           c10::string_view score_fn, bool renorm, double scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_cuda(const at::Tensor& x, const at::Tensor& ids,

@@ -52,12 +52,23 @@ int64_t permute_rows(int64_t num_tokens, int64_t topk, int64_t num_experts, int6
   return capacity < 0 ? copies : std::min(copies, num_experts * capacity);
 }
 
-void check_route(const at::Tensor& logits, const std::optional<at::Tensor>& bias, int64_t k) {
+void check_route(const at::Tensor& logits, const std::optional<at::Tensor>& bias, int64_t k, int64_t n_group,
+                 int64_t topk_group) {
   check_dim(logits, 2, "logits", "[T, E]");
   check_dtype(logits, kFloatingTypes, "logits");
   const int64_t E = logits.size(1);
   TORCH_CHECK(E > 0, "moe_route: logits needs at least one expert column");
   TORCH_CHECK(k >= 1 && k <= E, "moe_route: k must be in [1, E] with E = ", E, " experts, got k = ", k);
+  TORCH_CHECK(n_group >= 1 && n_group <= kMaxGroups && E % n_group == 0,
+              "moe_route: n_group must divide E = ", E, " and be in [1, ", kMaxGroups, "], got ", n_group);
+  if (n_group > 1) {
+    TORCH_CHECK(E / n_group >= 2, "moe_route: group-limited routing scores a group by its two best experts: "
+                "groups need >= 2 experts, got E / n_group = ", E / n_group);
+    TORCH_CHECK(topk_group >= 1 && topk_group <= n_group, "moe_route: topk_group must be in [1, n_group = ", n_group,
+                "], got ", topk_group);
+    TORCH_CHECK(k <= topk_group * (E / n_group), "moe_route: k = ", k, " exceeds the ", topk_group * (E / n_group),
+                " experts of topk_group = ", topk_group, " groups");
+  }
   if (bias) {
     check_dim(*bias, 1, "bias", "[E]");
     check_dtype(*bias, {at::kFloat, at::kDouble}, "bias");

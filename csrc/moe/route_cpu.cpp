@@ -1,11 +1,14 @@
 // moe_route on the CPU: per token, scores = sigmoid/softmax(logits) in fp32 (fp64 for fp64
 // logits), top-k of scores + bias (ties: lower expert index; NaN ranks last), weights = the
-// chosen scores, renormalised and scaled. The backward recomputes the scores.
+// chosen scores, renormalised and scaled. Group-limited (n_group > 1): only the experts of the
+// topk_group groups with the largest sums of their two best keys compete (ties: lower group).
+// The backward recomputes the scores.
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -33,6 +36,35 @@ void token_scores(const scalar_t* logits, int64_t E, ScoreFn fn, acc_t* scores) 
   for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
 }
 
+// Closes (key = -inf) every expert outside the topk_group best groups of n_group.
+template <typename acc_t>
+void limit_to_groups(acc_t* key, int64_t E, int64_t n_group, int64_t topk_group, std::vector<acc_t>& group_score,
+                     std::vector<int32_t>& group_order) {
+  const int64_t size = E / n_group;
+  for (int64_t g = 0; g < n_group; ++g) {
+    acc_t first = -std::numeric_limits<acc_t>::infinity(), second = first;
+    for (int64_t e = g * size; e < (g + 1) * size; ++e) {
+      if (key[e] > first) {
+        second = first;
+        first = key[e];
+      } else if (key[e] > second) {
+        second = key[e];
+      }
+    }
+    group_score[g] = first + second;
+  }
+  std::iota(group_order.begin(), group_order.end(), 0);
+  std::partial_sort(group_order.begin(), group_order.begin() + topk_group, group_order.end(),
+                    [&](int32_t x, int32_t y) {
+                      return group_score[x] > group_score[y] || (group_score[x] == group_score[y] && x < y);
+                    });
+  uint64_t open = 0;
+  for (int64_t j = 0; j < topk_group; ++j) open |= uint64_t{1} << group_order[j];
+  for (int64_t e = 0; e < E; ++e) {
+    if (!((open >> (e / size)) & 1)) key[e] = -std::numeric_limits<acc_t>::infinity();
+  }
+}
+
 at::ScalarType weight_dtype(const at::Tensor& logits) {
   return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -40,8 +72,9 @@ at::ScalarType weight_dtype(const at::Tensor& logits) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, const std::optional<at::Tensor>& bias_in,
-                                             int64_t k, c10::string_view score_fn, bool renorm, double scale) {
-  check_route(logits_in, bias_in, k);
+                                             int64_t k, c10::string_view score_fn, bool renorm, double scale,
+                                             int64_t n_group, int64_t topk_group) {
+  check_route(logits_in, bias_in, k, n_group, topk_group);
   const ScoreFn fn = parse_score_fn(score_fn);
   const at::Tensor logits = logits_in.contiguous();
   const int64_t T = logits.size(0), E = logits.size(1);
@@ -56,13 +89,15 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, const 
     int32_t* ip = ids.data_ptr<int32_t>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> scores(E), key(E);
-      std::vector<int32_t> order(E);
+      std::vector<int32_t> order(E), group_order(n_group);
+      std::vector<acc_t> group_score(n_group);
       for (int64_t t = begin; t < end; ++t) {
         token_scores(lp + t * E, E, fn, scores.data());
         for (int64_t e = 0; e < E; ++e) {
           const acc_t v = bias_p ? scores[e] + bias_p[e] : scores[e];
           key[e] = std::isnan(v) ? -std::numeric_limits<acc_t>::infinity() : v;
         }
+        if (n_group > 1) limit_to_groups(key.data(), E, n_group, topk_group, group_score, group_order);
         std::iota(order.begin(), order.end(), 0);
         std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t x, int32_t y) {
           return key[x] > key[y] || (key[x] == key[y] && x < y);

@@ -6,7 +6,10 @@
 // bound, k rounds of a warp arg-max select instead. The chosen scores are recomputed from their
 // logits, renormalised and scaled. The backward recomputes the scores the same way: for softmax
 // scores every expert's, for sigmoid scores (each depending on its own logit alone) only the
-// chosen ones, written with the zeros of the rest in one pass.
+// chosen ones, written with the zeros of the rest in one pass. Group-limited routing (n_group
+// > 1): lane l scores groups l and l + 32 by their two best keys (read back from the staged
+// row), topk_group rounds of a warp arg-max open the best groups, and the keys of every other
+// expert become -inf before the selection.
 #include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
@@ -125,8 +128,64 @@ __device__ __forceinline__ void warp_sort64_ascending(uint64_t& lo, uint64_t& hi
 // k rounds of a warp arg-max over the token's keys (score + bias, NaN ranking last), computed
 // here so that the rare path keeps its registers out of the common one; ids[j] receives the
 // j-th pick (any k <= E). The row may be in shared or global memory.
+// Groups of `size` consecutive experts; bit g of `open` set: group g may be chosen from.
+struct Groups {
+  int size = 0;  // 0: no group limit
+  uint64_t open = ~0ull;
+  __device__ bool closed(int e) const { return size != 0 && !((open >> (e / size)) & 1); }
+};
+
+// The groups whose two best keys (score + bias, NaN as -inf) sum highest, ties to the lower group.
+template <typename T, ScoreFn kFn>
+__device__ __forceinline__ Groups open_groups(const T* row, const float* bias_s, int E, int n_group, int topk_group,
+                                              SoftmaxStats st) {
+  const int lane = threadIdx.x % kWarpSize, size = E / n_group;
+  float group_score[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int g = h * kWarpSize + lane;
+    float first = -INFINITY, second = -INFINITY;
+    for (int e = g * size; g < n_group && e < (g + 1) * size; ++e) {
+      const float v = key_of<kFn>(to_float(row[e]), bias_s[e], st);
+      if (v > first) {
+        second = first;
+        first = v;
+      } else if (v > second) {
+        second = v;
+      }
+    }
+    group_score[h] = g < n_group ? first + second : NAN;  // NaN: no such group
+  }
+  Groups groups{size, 0};
+  for (int j = 0; j < topk_group; ++j) {
+    float best = NAN;
+    int best_g = INT_MAX;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int g = h * kWarpSize + lane;
+      const bool candidate = g < n_group && !((groups.open >> g) & 1);
+      if (candidate && (best_g == INT_MAX || group_score[h] > best)) {
+        best = group_score[h];
+        best_g = g;
+      }
+    }
+#pragma unroll
+    for (int d = kWarpSize / 2; d > 0; d /= 2) {
+      const float o_score = __shfl_xor_sync(0xffffffffu, best, d);
+      const int o_g = __shfl_xor_sync(0xffffffffu, best_g, d);
+      if (o_g != INT_MAX && (best_g == INT_MAX || o_score > best || (o_score == best && o_g < best_g))) {
+        best = o_score;
+        best_g = o_g;
+      }
+    }
+    groups.open |= 1ull << best_g;
+  }
+  return groups;
+}
+
 template <typename T, int kPerLane, ScoreFn kFn>
-__device__ __noinline__ void select_by_rounds(const T* row, const float* bias, int E, int k, int* __restrict__ ids) {
+__device__ __noinline__ void select_by_rounds(const T* row, const float* bias, int E, int k, Groups groups,
+                                              int* __restrict__ ids) {
   const int lane = threadIdx.x % kWarpSize;
   float key[kPerLane];
   warp_scores<T, kPerLane, kFn>(row, E, key);
@@ -135,7 +194,7 @@ __device__ __noinline__ void select_by_rounds(const T* row, const float* bias, i
   for (int i = 0; i < kPerLane; ++i) {
     const int e = i * kWarpSize + lane;
     if (e < E) {
-      key[i] = fmaxf(__fadd_rn(key[i], bias != nullptr ? bias[e] : 0.f), -INFINITY);  // NaN -> -inf
+      key[i] = groups.closed(e) ? -INFINITY : fmaxf(__fadd_rn(key[i], bias != nullptr ? bias[e] : 0.f), -INFINITY);
     } else {
       taken |= 1ull << i;
     }
@@ -200,7 +259,8 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
 // One token, its row staged in shared memory; writes the token's k weights and ids.
 template <typename T, int kPerLane, ScoreFn kFn>
 __device__ __forceinline__ void route_token(const T* row, const float* bias_s, const float* bias, int E, int k,
-                                            bool renorm, float scale, int2* cand, float* w_out, int* id_out) {
+                                            int n_group, int topk_group, bool renorm, float scale, int2* cand,
+                                            float* w_out, int* id_out) {
   using Row = StagedRow<T, kPerLane>;
   constexpr int kVec = Row::kVec;
   using Mask = std::conditional_t<(kPerLane > 32), uint64_t, uint32_t>;
@@ -225,6 +285,7 @@ __device__ __forceinline__ void route_token(const T* row, const float* bias_s, c
     }
     st.inv_sum = __frcp_rn(warp_reduce(sum, SumOp{}));
   }
+  const Groups open = n_group > 1 ? open_groups<T, kFn>(row, bias_s, E, n_group, topk_group, st) : Groups{};
   float key[kPerLane];  // slots of groups past `groups` are never read
   float lane_max = -INFINITY;  // fmaxf passes over NaN keys: they never reach the candidates
 #pragma unroll
@@ -234,7 +295,8 @@ __device__ __forceinline__ void route_token(const T* row, const float* bias_s, c
     const auto b = load_pack<float, kVec>(bias_s + (g * kWarpSize + lane) * kVec);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      key[g * kVec + j] = key_of<kFn>(to_float(x.v[j]), b.v[j], st);
+      const bool closed = open.closed(Row::expert(g * kVec + j, lane));
+      key[g * kVec + j] = closed ? -INFINITY : key_of<kFn>(to_float(x.v[j]), b.v[j], st);
       lane_max = fmaxf(lane_max, key[g * kVec + j]);
     }
   }
@@ -285,7 +347,7 @@ __device__ __forceinline__ void route_token(const T* row, const float* bias_s, c
       return;
     }
   }
-  select_by_rounds<T, kPerLane, kFn>(row, bias, E, k, id_out);
+  select_by_rounds<T, kPerLane, kFn>(row, bias, E, k, open, id_out);
   __syncwarp();
   float sum = 0.f;
   for (int j = lane; j < k; j += kWarpSize) {
@@ -303,8 +365,8 @@ __device__ __forceinline__ void route_token(const T* row, const float* bias_s, c
 // 80 the keys spilled); more keys per lane keep their registers.
 template <typename T, int kPerLane, ScoreFn kFn>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 5 : 1) route_kernel(
-    const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, bool renorm, float scale,
-    bool bulk, float* __restrict__ weights, int* __restrict__ ids) {
+    const T* __restrict__ logits, const float* __restrict__ bias, int T_, int E, int k, int n_group, int topk_group,
+    bool renorm, float scale, bool bulk, float* __restrict__ weights, int* __restrict__ ids) {
   using Row = StagedRow<T, kPerLane>;
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -353,8 +415,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, kPerLane <= 32 ? 5
       for (int i = lane; i < E; i += kWarpSize) row[i] = src[i];
       __syncwarp();
     }
-    route_token<T, kPerLane, kFn>(row, bias_s, bias, E, k, renorm, scale, cand, weights + static_cast<int64_t>(t) * k,
-                                  ids + static_cast<int64_t>(t) * k);
+    route_token<T, kPerLane, kFn>(row, bias_s, bias, E, k, n_group, topk_group, renorm, scale, cand,
+                                  weights + static_cast<int64_t>(t) * k, ids + static_cast<int64_t>(t) * k);
     __syncwarp();  // every lane is done with the row and the candidates before they are rewritten
   }
 }
@@ -486,8 +548,9 @@ void check_cuda_route(const at::Tensor& logits) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits_in, const std::optional<at::Tensor>& bias_in,
-                                              int64_t k, c10::string_view score_fn, bool renorm, double scale) {
-  check_route(logits_in, bias_in, k);
+                                              int64_t k, c10::string_view score_fn, bool renorm, double scale,
+                                              int64_t n_group, int64_t topk_group) {
+  check_route(logits_in, bias_in, k, n_group, topk_group);
   check_cuda_route(logits_in);
   const ScoreFn fn = parse_score_fn(score_fn);
   const c10::cuda::CUDAGuard guard(logits_in.device());
@@ -511,7 +574,8 @@ std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits_in, const
         const int64_t fill = static_cast<int64_t>(std::max(blocks_per_sm, 1)) * num_sms(logits.get_device());
         kernel<<<std::min(ceil_div(T, kWarpsPerBlock), fill), kWarpsPerBlock * kWarpSize, smem, stream>>>(
             static_cast<const scalar_t*>(logits.data_ptr()), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
-            k, renorm, static_cast<float>(scale), bulk, weights.data_ptr<float>(), ids.data_ptr<int>());
+            k, static_cast<int>(n_group), static_cast<int>(topk_group), renorm, static_cast<float>(scale), bulk,
+            weights.data_ptr<float>(), ids.data_ptr<int>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (fn == ScoreFn::kSigmoid) {

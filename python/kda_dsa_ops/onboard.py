@@ -1,124 +1,357 @@
-"""Model onboarding: read a Hugging-Face-style checkpoint (config.json + safetensors, single or
-sharded) of this model family, map its tensors onto HybridModel with a declarative table per
-family, report what did not map, and say which fused op each block will run on.
+"""Real checkpoints: read a Hugging-Face-style checkpoint (config.json + safetensors, single or
+sharded) of the family — `kimi_linear`, `deepseek_v32`, or this package's own `kda_dsa_ops`
+format — into HybridModel, write one back, and say which op each block runs on.
 
-    python -m kda_dsa_ops.onboard CHECKPOINT_DIR [--family kimi-hybrid] [--device cuda]
+    python -m kda_dsa_ops.onboard CHECKPOINT_DIR [--device cuda]
 
-Loading reads tensor by tensor (never the whole checkpoint into memory); under expert
-parallelism a rank reads only the experts it owns. Everything is read and checked first; the
-model is written only when every tensor is present with the right shape, so a bad checkpoint
-leaves nothing half-loaded.
+`from_pretrained(path)` reads config.json by its `model_type` into a HybridConfig and maps every
+tensor through the family's declarative table (FAMILIES). Loading reads tensor by tensor (never
+the whole checkpoint into memory); under expert parallelism a rank reads only the experts it
+owns. FP8 weights (e4m3 with a `weight_scale_inv` per 128 x 128 block, as DeepSeek-V3.2 ships)
+are dequantised on load. Everything is read and checked first: the model is written only when
+every tensor is present, known and of the right shape, so a bad checkpoint leaves it untouched.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Callable
 
 import torch
 
 from .models import HybridConfig, HybridModel
 from .models.hybrid import PRESETS
+from .nn import LoRALinear
 from .safetensors_io import CheckpointError, Reader, write_sharded
 
-# A family: config.json keys -> HybridConfig fields, and tensor names -> our parameter names.
-# Templates: {i} a layer, {e} an expert. Kinds: "all" layers, "K" (KDA) or "D" (DSA) layers.
-# Transforms: "identity"; "t" (transpose: the checkpoint stores [out, in] where we hold [in, out]);
-# "conv" (depthwise conv1d [C, 1, W] with the current token last -> our [C, W], current first).
+FP8_BLOCK = 128
+OWN_FORMAT = "kda_dsa_ops"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Checkpoint tensor(s) -> one of our tensors. where: the layers it applies to ("all", an
+    attention kind K/D/A, "MLA" (D or A), "MLAq"/"MLA0" (MLA with / without a q latent), an ffn
+    kind M/F). {i} is a layer, {e} an expert (target "<param>.{e}": that expert's slice).
+    how: "identity"; "t" (the checkpoint is [out, in] where we hold [in, out]); "conv" (depthwise
+    conv1d [C, 1, W], current token last -> our [C, W], current first); "reshape:1,1,-1,1" (the
+    checkpoint's shape, -1 for the rest: the same elements);
+    "cat" (several sources stacked along dim 0); "cat_t" (stacked, then transposed)."""
+    where: str
+    source: str | tuple[str, ...]
+    target: str
+    how: str = "identity"
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else self.source
+
+
+@dataclass(frozen=True)
+class Family:
+    read_config: Callable[[dict], HybridConfig]
+    rules: Callable[[HybridConfig], list[Rule]]
+    aliases: tuple[tuple[str, str], ...] = ()  # (canonical, alternative) spellings of a name fragment
+
+
+def _get(raw: dict, *names, default=None, required: list | None = None):
+    """The first of `names` present in raw; else default (a missing required key is noted)."""
+    for n in names:
+        if raw.get(n) is not None:
+            return raw[n]
+    if required is not None and default is None:
+        required.append(names[0])
+    return default
+
+
+def _check_missing(missing: list, model_type: str) -> None:
+    if missing:
+        raise CheckpointError(f"config.json ({model_type}) lacks {missing}")
+
+
+def _moe_fields(raw: dict, missing: list) -> dict:
+    L = _get(raw, "num_hidden_layers", required=missing) or 0
+    mlp_types = raw.get("mlp_layer_types") or [
+        "dense" if i < _get(raw, "first_k_dense_replace", default=1) else "sparse" for i in range(L)]
+    ffn = _get(raw, "moe_intermediate_size", required=missing) or 0
+    return dict(
+        ffn_pattern="".join("F" if t == "dense" else "M" for t in mlp_types),
+        dense_ffn=_get(raw, "intermediate_size", required=missing),
+        experts=_get(raw, "n_routed_experts", "num_experts", "num_local_experts", required=missing),
+        moe_topk=_get(raw, "num_experts_per_tok", "num_experts_per_token", required=missing),
+        latent=0, expert_ffn=ffn,
+        shared_ffn=ffn * _get(raw, "n_shared_experts", "num_shared_experts", default=1),
+        routed_scale=float(_get(raw, "routed_scaling_factor", default=1.0)),
+        moe_groups=_get(raw, "n_group", "num_expert_group", default=1),
+        moe_topk_groups=_get(raw, "topk_group", default=1),
+        moe_renorm=bool(_get(raw, "norm_topk_prob", "moe_renormalize", default=True)),
+        capacity_factor=None)
+
+
+def _mla_fields(raw: dict, missing: list) -> dict:
+    return dict(
+        dsa_heads=_get(raw, "num_attention_heads", required=missing),
+        dsa_q_rank=_get(raw, "q_lora_rank", default=0),
+        dsa_kv_rank=_get(raw, "kv_lora_rank", required=missing),
+        dsa_nope_dim=_get(raw, "qk_nope_head_dim", required=missing),
+        dsa_rope_dim=_get(raw, "qk_rope_head_dim", required=missing),
+        dsa_v_dim=_get(raw, "v_head_dim", required=missing),
+        dsa_gate=False, latent_norm_eps=1e-6)
+
+
+def _common_fields(raw: dict, missing: list) -> dict:
+    if raw.get("tie_word_embeddings"):
+        raise CheckpointError("tied input and output embeddings (tie_word_embeddings) are not supported")
+    return dict(vocab=_get(raw, "vocab_size", required=missing), hidden=_get(raw, "hidden_size", required=missing),
+                layers=_get(raw, "num_hidden_layers", required=missing),
+                rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)))
+
+
+def _rope_fields(raw: dict) -> dict:
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    out = dict(rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))))
+    if kind == "default":
+        return out
+    if kind != "yarn" or params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+        raise CheckpointError(f"rope {params} is not supported (default and YaRN with truncate are)")
+    return out | dict(rope_factor=float(params["factor"]),
+                      rope_original_max=int(params["original_max_position_embeddings"]),
+                      rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+                      rope_mscale=float(params.get("mscale") or 0), rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+
+
+def kimi_linear_config(raw: dict) -> HybridConfig:
+    missing: list = []
+    la = raw.get("linear_attn_config") or {}
+    L = _get(raw, "num_hidden_layers", required=missing) or 0
+    types = raw.get("layer_types")
+    if types is None and "full_attn_layers" in la:  # 1-indexed in the released checkpoints
+        types = ["full_attention" if i + 1 in la["full_attn_layers"] else "linear_attention" for i in range(L)]
+    types = types or ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(L)]
+    heads = la.get("num_heads", _get(raw, "linear_num_heads", default=32))
+    head_dim = la.get("head_dim", _get(raw, "linear_head_dim", default=128))
+    values = _common_fields(raw, missing) | _mla_fields(raw, missing) | _moe_fields(raw, missing) | dict(
+        pattern="".join("A" if t == "full_attention" else "K" for t in types),
+        kda_heads=heads, kda_value_heads=heads, kda_head_dim=head_dim, kda_gate_rank=head_dim,
+        kda_conv_size=la.get("short_conv_kernel_size", _get(raw, "linear_conv_kernel_dim", default=4)),
+        rope_style="none")
+    _check_missing(missing, "kimi_linear")
+    return HybridConfig(**values)
+
+
+def deepseek_v32_config(raw: dict) -> HybridConfig:
+    missing: list = []
+    values = _common_fields(raw, missing) | _mla_fields(raw, missing) | _moe_fields(raw, missing) | _rope_fields(raw)
+    values |= dict(pattern="D", rope_style="interleave", index_style="deepseek",
+                   index_heads=_get(raw, "index_n_heads", required=missing),
+                   index_dim=_get(raw, "index_head_dim", required=missing),
+                   dsa_topk=_get(raw, "index_topk", required=missing))
+    if raw.get("first_k_dense_replace") is None and raw.get("mlp_layer_types") is None:
+        values["ffn_pattern"] = "".join("F" if i < 3 else "M" for i in range(values["layers"] or 0))
+    _check_missing(missing, "deepseek_v32")
+    return HybridConfig(**values)
+
+
+def own_config(raw: dict) -> HybridConfig:
+    known = {f.name for f in fields(HybridConfig)}
+    unknown = sorted(set(raw) - known - {"model_type"})
+    if unknown:
+        raise CheckpointError(f"config.json ({OWN_FORMAT}) has unknown fields {unknown}")
+    return HybridConfig(**{k: v for k, v in raw.items() if k in known})
+
+
+def _block_rules(prefix: str, names: dict) -> list[Rule]:
+    return [Rule(where, f"model.layers.{{i}}.{prefix}.{src}", f"blocks.{{i}}.{dst}", how)
+            for where, src, dst, how in names]
+
+
+def _hf_rules(moe: str, expert: tuple[str, str, str]) -> list[Rule]:
+    """The layout shared by the families: llama-style names, MLA as DeepSeek names it, SwiGLU MLPs
+    with separate gate/up/down, experts one by one (expert = its gate, up and down names)."""
+    gate, up, down = expert
+    rules = [Rule("all", "model.embed_tokens.weight", "embed.weight"), Rule("all", "lm_head.weight", "lm_head"),
+             Rule("all", "model.norm.weight", "norm.weight"),
+             Rule("all", "model.layers.{i}.input_layernorm.weight", "blocks.{i}.attn_norm.weight"),
+             Rule("all", "model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.mlp_norm.weight")]
+    rules += _block_rules("self_attn", [
+        ("MLA0", "q_proj.weight", "attn.q_proj.base.weight", "identity"),
+        ("MLAq", "q_a_proj.weight", "attn.q_down.base.weight", "identity"),
+        ("MLAq", "q_a_layernorm.weight", "attn.q_norm.weight", "identity"),
+        ("MLAq", "q_b_proj.weight", "attn.q_up.base.weight", "identity"),
+        ("MLA", "kv_a_proj_with_mqa.weight", "attn.kv_down.base.weight", "identity"),
+        ("MLA", "kv_a_layernorm.weight", "attn.kv_norm.weight", "identity"),
+        ("MLA", "kv_b_proj.weight", "attn.kv_up.base.weight", "identity"),
+        ("MLA", "o_proj.weight", "attn.o_proj.base.weight", "identity")])
+    rules += [
+        Rule("F", ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+             "blocks.{i}.mlp.gate_up.base.weight", "cat"),
+        Rule("F", "model.layers.{i}.mlp.down_proj.weight", "blocks.{i}.mlp.down.base.weight"),
+        Rule("M", f"model.layers.{{i}}.{moe}.gate.weight", "blocks.{i}.mlp.router", "t"),
+        Rule("M", f"model.layers.{{i}}.{moe}.gate.e_score_correction_bias", "blocks.{i}.mlp.router_bias"),
+        Rule("M", (f"model.layers.{{i}}.{moe}.shared_experts.gate_proj.weight",
+                   f"model.layers.{{i}}.{moe}.shared_experts.up_proj.weight"),
+             "blocks.{i}.mlp.shared.gate_up.base.weight", "cat"),
+        Rule("M", f"model.layers.{{i}}.{moe}.shared_experts.down_proj.weight", "blocks.{i}.mlp.shared.down.base.weight"),
+        Rule("M", (f"model.layers.{{i}}.{moe}.experts.{{e}}.{gate}.weight", f"model.layers.{{i}}.{moe}.experts.{{e}}.{up}.weight"),
+             "blocks.{i}.mlp.w_gate_up.{e}", "cat_t"),
+        Rule("M", f"model.layers.{{i}}.{moe}.experts.{{e}}.{down}.weight", "blocks.{i}.mlp.w_down.{e}", "t")]
+    return rules
+
+
+def kimi_linear_rules(cfg: HybridConfig) -> list[Rule]:
+    return _hf_rules("mlp", ("w1", "w3", "w2")) + _block_rules("self_attn", [
+        ("K", f"{p}_proj.weight", f"attn.{p}_proj.base.weight", "identity") for p in "qkv"] + [
+        ("K", f"{p}_conv1d.weight", f"attn.{p}_conv.weight", "conv") for p in "qkv"] + [
+        ("K", "f_a_proj.weight", "attn.g_down.weight", "identity"), ("K", "f_b_proj.weight", "attn.g_up.weight", "identity"),
+        ("K", "A_log", "attn.A_log", "reshape:1,1,-1,1"), ("K", "dt_bias", "attn.dt_bias", "identity"),
+        ("K", "b_proj.weight", "attn.b_proj.weight", "identity"),
+        ("K", "g_a_proj.weight", "attn.o_gate_down.base.weight", "identity"),
+        ("K", "g_b_proj.weight", "attn.o_gate_up.base.weight", "identity"),
+        ("K", "o_norm.weight", "attn.o_norm.weight", "identity"), ("K", "o_proj.weight", "attn.o_proj.base.weight", "identity")])
+
+
+def deepseek_v32_rules(cfg: HybridConfig) -> list[Rule]:
+    return _hf_rules("mlp", ("gate_proj", "up_proj", "down_proj")) + _block_rules("self_attn.indexer", [
+        ("D", "wq_b.weight", "attn.indexer.q.weight", "identity"), ("D", "wk.weight", "attn.indexer.k.weight", "identity"),
+        ("D", "k_norm.weight", "attn.indexer.k_norm.weight", "identity"),
+        ("D", "k_norm.bias", "attn.indexer.k_norm.bias", "identity"),
+        ("D", "weights_proj.weight", "attn.indexer.w.weight", "identity")])
+
+
+def own_rules(cfg: HybridConfig) -> list[Rule]:
+    """Our own format: every parameter and buffer under its own name, experts one tensor each."""
+    with torch.device("meta"):
+        names = [n for n, _ in HybridModel(cfg).state_dict().items()]
+    rules = []
+    for n in names:
+        if n.endswith(("mlp.w_gate_up", "mlp.w_down")):
+            rules.append(Rule("all", n.replace("mlp.", "mlp.experts.{e}."), n + ".{e}"))
+        else:
+            rules.append(Rule("all", n, n))
+    return rules
+
+
 FAMILIES = {
-    "kimi-hybrid": {
-        "config": {
-            "vocab_size": "vocab", "hidden_size": "hidden", "num_hidden_layers": "layers", "layer_pattern": "pattern",
-            "linear_attn_num_heads": "kda_heads", "linear_attn_num_value_heads": "kda_value_heads",
-            "linear_attn_head_dim": "kda_head_dim", "linear_attn_gate_rank": "kda_gate_rank",
-            "num_attention_heads": "dsa_heads", "q_lora_rank": "dsa_q_rank", "kv_lora_rank": "dsa_kv_rank",
-            "qk_rope_head_dim": "dsa_rope_dim", "index_n_heads": "index_heads", "index_head_dim": "index_dim",
-            "index_topk": "dsa_topk", "n_routed_experts": "experts", "num_experts_per_tok": "moe_topk",
-            "moe_latent_size": "latent", "moe_intermediate_size": "expert_ffn",
-            "shared_expert_intermediate_size": "shared_ffn",
-        },
-        "tensors": [
-            ("all", "model.embed_tokens.weight", "embed.weight", "identity"),
-            ("all", "lm_head.weight", "lm_head", "identity"),
-            ("all", "model.norm.weight", "norm.weight", "identity"),
-            ("all", "model.layers.{i}.input_layernorm.weight", "blocks.{i}.attn_norm.weight", "identity"),
-            ("all", "model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.moe_norm.weight", "identity"),
-            *[("K", f"model.layers.{{i}}.self_attn.{src}", f"blocks.{{i}}.attn.{dst}", tf) for src, dst, tf in [
-                ("q_proj.weight", "q_proj.base.weight", "identity"), ("k_proj.weight", "k_proj.base.weight", "identity"),
-                ("v_proj.weight", "v_proj.base.weight", "identity"), ("q_conv1d.weight", "q_conv.weight", "conv"),
-                ("k_conv1d.weight", "k_conv.weight", "conv"), ("v_conv1d.weight", "v_conv.weight", "conv"),
-                ("f_a_proj.weight", "g_down.weight", "identity"), ("f_b_proj.weight", "g_up.weight", "identity"),
-                ("A_log", "A_log", "identity"), ("dt_bias", "dt_bias", "identity"),
-                ("b_proj.weight", "b_proj.weight", "identity"), ("o_norm.weight", "o_norm.weight", "identity"),
-                ("g_proj.weight", "o_gate.base.weight", "identity"), ("o_proj.weight", "o_proj.base.weight", "identity"),
-            ]],
-            *[("D", f"model.layers.{{i}}.self_attn.{src}", f"blocks.{{i}}.attn.{dst}", tf) for src, dst, tf in [
-                ("q_a_proj.weight", "q_down.base.weight", "identity"), ("q_a_layernorm.weight", "q_norm.weight", "identity"),
-                ("q_b_proj.weight", "q_up.base.weight", "identity"),
-                ("kv_a_proj_with_mqa.weight", "kv_down.base.weight", "identity"),
-                ("kv_a_layernorm.weight", "kv_norm.weight", "identity"), ("g_proj.weight", "gate.base.weight", "identity"),
-                ("o_proj.weight", "o_proj.base.weight", "identity"), ("indexer.wq_b.weight", "index_q.weight", "identity"),
-                ("indexer.wk.weight", "index_k.weight", "identity"),
-                ("indexer.weights_proj.weight", "index_w.weight", "identity"),
-            ]],
-            *[("all", f"model.layers.{{i}}.mlp.{src}", f"blocks.{{i}}.moe.{dst}", tf) for src, dst, tf in [
-                ("gate.weight", "router", "t"), ("gate.e_score_correction_bias", "router_bias", "identity"),
-                ("latent_down_proj.weight", "down.base.weight", "identity"), ("latent_norm.weight", "norm.weight", "identity"),
-                ("latent_up_proj.weight", "up.base.weight", "identity"),
-                ("shared_experts.gate_up_proj.weight", "shared.gate_up.base.weight", "identity"),
-                ("shared_experts.down_proj.weight", "shared.down.base.weight", "identity"),
-                ("experts.{e}.gate_up_proj.weight", "w_gate_up.{e}", "t"), ("experts.{e}.down_proj.weight", "w_down.{e}", "t"),
-            ]],
-        ],
-    },
+    "kimi_linear": Family(kimi_linear_config, kimi_linear_rules, aliases=(("mlp.", "block_sparse_moe."),)),
+    "deepseek_v32": Family(deepseek_v32_config, deepseek_v32_rules),
+    OWN_FORMAT: Family(own_config, own_rules),
 }
 
 
-def _transform(t: torch.Tensor, how: str, inverse: bool = False) -> torch.Tensor:
+def _applies(where: str, cfg: HybridConfig, i: int | None) -> bool:
+    if where == "all" or i is None:
+        return True
+    kind, ffn = cfg.kinds()[i], cfg.ffn_kinds()[i]
+    return {"MLA": kind in "DA", "MLAq": kind in "DA" and cfg.dsa_q_rank > 0,
+            "MLA0": kind in "DA" and cfg.dsa_q_rank == 0}.get(where, where in (kind, ffn))
+
+
+def _expand(cfg: HybridConfig, family: Family, experts: range):
+    """(checkpoint names, our name, expert slot or None, how) for every tensor the model holds."""
+    for rule in family.rules(cfg):
+        layers = range(cfg.layers) if "{i}" in rule.target else [None]
+        for i in layers:
+            if not _applies(rule.where, cfg, i):
+                continue
+            for e in experts if "{e}" in rule.target else [None]:
+                names = tuple(s.format(i=i, e=e) for s in rule.sources)
+                target = rule.target.format(i=i, e=e)
+                if e is not None:
+                    yield names, target.rsplit(".", 1)[0], e - experts.start, rule.how
+                else:
+                    yield names, target, None, rule.how
+
+
+def _to_ours(parts: list[torch.Tensor], how: str, shape: torch.Size) -> torch.Tensor:
     if how == "t":
-        return t.t()
+        return parts[0].t()
     if how == "conv":
-        return t.flip(-1).unsqueeze(1) if inverse else t.squeeze(1).flip(-1)
-    return t
+        return parts[0].squeeze(1).flip(-1)
+    if how.startswith("reshape"):
+        return parts[0].reshape(shape)
+    if how == "cat":
+        return torch.cat(parts, 0)
+    if how == "cat_t":
+        return torch.cat(parts, 0).t()
+    return parts[0]
+
+
+def _to_checkpoint(t: torch.Tensor, how: str, count: int) -> list[torch.Tensor]:
+    """The inverse of _to_ours: our tensor as the checkpoint's tensor(s)."""
+    if how == "t":
+        return [t.t()]
+    if how == "conv":
+        return [t.flip(-1).unsqueeze(1)]
+    if how.startswith("reshape:"):
+        return [t.reshape([int(n) for n in how.split(":")[1].split(",")])]
+    if how == "cat":
+        return list(t.chunk(count, 0))
+    if how == "cat_t":
+        return list(t.t().chunk(count, 0))
+    return [t]
+
+
+def _dequantise(weight: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
+    """FP8 block-scaled weight [out, in] with scale_inv [ceil(out/128), ceil(in/128)] -> fp32."""
+    rows, cols = weight.shape
+    blocks = (math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK))
+    if tuple(scale_inv.shape) != blocks:
+        raise CheckpointError(f"{name}_scale_inv: shape {list(scale_inv.shape)}, expected {list(blocks)} "
+                              f"(one scale per {FP8_BLOCK} x {FP8_BLOCK} block of {list(weight.shape)})")
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return weight.float() * scale
 
 
 @dataclass
 class Report:
+    family: str = ""
     mapped: int = 0
-    missing: list = field(default_factory=list)        # our tensors the checkpoint lacks
-    unmapped: list = field(default_factory=list)       # checkpoint tensors no rule takes
+    missing: list = field(default_factory=list)        # tensors the checkpoint lacks
+    unknown: list = field(default_factory=list)        # checkpoint tensors no rule takes
     shape_errors: list = field(default_factory=list)
     conversions: dict = field(default_factory=dict)    # "bf16 -> fp32": count
+    dequantised: int = 0                               # FP8 weights dequantised
     ops: list = field(default_factory=list)            # the op each block runs on
     bytes_read: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.shape_errors)
+        return not (self.missing or self.unknown or self.shape_errors)
 
     def text(self) -> str:
-        lines = [f"mapped {self.mapped} tensors, read {self.bytes_read / 2**20:,.1f} MiB"]
+        lines = [f"{self.family}: mapped {self.mapped} tensors, read {self.bytes_read / 2**20:,.1f} MiB"]
         for title, items in (("missing", self.missing), ("shape mismatch", self.shape_errors),
-                             ("unmapped (ignored)", self.unmapped)):
+                             ("unknown", self.unknown)):
             if items:
                 lines.append(f"{title} ({len(items)}): " + "; ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
         lines += [f"dtype conversion {k}: {v} tensors" for k, v in self.conversions.items()]
+        if self.dequantised:
+            lines.append(f"FP8 block-scaled weights dequantised: {self.dequantised}")
         return "\n".join(lines + self.ops)
 
 
-def read_config(directory: str, family: str = "kimi-hybrid") -> HybridConfig:
-    with open(os.path.join(directory, "config.json")) as f:
-        raw = json.load(f)
-    names = FAMILIES[family]["config"]
-    known = {f.name for f in fields(HybridConfig)}
-    values = {names[k]: v for k, v in raw.items() if k in names and names[k] in known}
-    missing = [k for k, v in names.items() if v not in values]
-    if missing:
-        raise CheckpointError(f"{directory}/config.json lacks {missing}")
-    cfg = HybridConfig(**values)
+def read_raw_config(directory: str) -> dict:
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot read ({err})") from None
+    if raw.get("model_type") not in FAMILIES:
+        raise CheckpointError(f"{path}: model_type {raw.get('model_type')!r} is not one of {sorted(FAMILIES)}")
+    return raw
+
+
+def read_config(directory: str, **overrides) -> HybridConfig:
+    """The HybridConfig of a checkpoint directory (by config.json's model_type), with overrides."""
+    raw = read_raw_config(directory)
+    cfg = replace(FAMILIES[raw["model_type"]].read_config(raw), **overrides)
     cfg.validate()
     return cfg
 
@@ -135,75 +368,106 @@ def dsa_cuda_limits(cfg: HybridConfig) -> str | None:
 
 
 def fused_ops(cfg: HybridConfig, device: str) -> list[str]:
-    """Which op each block will run on, or why it falls back to reference/."""
+    """Which op each block will run on, or why it falls back to reference/ or to torch."""
     cuda = device == "cuda"
     lines = []
-    for i, kind in enumerate(cfg.kinds()):
+    for i, (kind, ffn) in enumerate(zip(cfg.kinds(), cfg.ffn_kinds())):
         if kind == "K":
             attn = "KDA: kda_fwd / kda_bwd (native)"
+        elif kind == "A":
+            attn = "dense MLA: torch scaled_dot_product_attention (no kernel of ours: dense causal attention)"
         else:
             attn = "LI + SFA: lightning_indexer + sparse_attn (native)"
             why = dsa_cuda_limits(cfg) if cuda else None
             if why:
                 attn = f"LI + SFA: reference ({why})"
-        aligned = cfg.latent % 8 == 0 and cfg.expert_ffn % 8 == 0
-        moe = ("grouped GEMM: grouped_mm (native)" if aligned or not cuda
-               else "grouped GEMM: needs latent and expert_ffn multiples of 8 on CUDA")
-        lines.append(f"layer {i:>3}: {attn}; {moe}")
+        if ffn == "F":
+            mlp = "dense SwiGLU: torch matmuls"
+        else:
+            aligned = cfg.moe_width % 8 == 0 and cfg.expert_ffn % 8 == 0
+            mlp = ("MoE: moe_route + moe_permute + grouped_mm (native)" if aligned or not cuda
+                   else "MoE: grouped_mm needs the expert width and expert_ffn multiples of 8 on CUDA")
+        lines.append(f"layer {i:>3}: {attn}; {mlp}")
     return lines
 
 
-def _rules(cfg: HybridConfig, family: str, experts: range):
-    """(checkpoint name, our name, expert slot or None, transform) for every tensor we need."""
-    kinds = cfg.kinds()
-    for kind, src, dst, how in FAMILIES[family]["tensors"]:
-        layers = range(cfg.layers) if "{i}" in src else [None]
-        for i in layers:
-            if i is not None and kind != "all" and kinds[i] != kind:
-                continue
-            for e in (experts if "{e}" in src else [None]):
-                name = src.format(i=i, e=e)
-                target = dst.format(i=i, e=e)
-                if e is not None:
-                    yield name, target.rsplit(".", 1)[0], e - experts.start, how
-                else:
-                    yield name, target, None, how
+def _expert_range(model: HybridModel) -> range:
+    moe = next((b.mlp for b in model.blocks if b.ffn_kind == "M"), None)
+    if moe is None:
+        return range(0)
+    local = moe.w_gate_up.shape[0]
+    first = moe.expert_group.rank * local if moe.expert_group is not None else 0
+    return range(first, first + local)
 
 
-def load(model: HybridModel, directory: str, family: str = "kimi-hybrid", device: str = "cpu") -> Report:
-    """Loads the checkpoint into model (whose experts may be this rank's slice under EP). Raises
-    CheckpointError, with the report, before writing anything if a tensor is missing or misshapen."""
+def _find(reader: Reader, name: str, family: Family) -> str | None:
+    if name in reader:
+        return name
+    for canonical, alternative in family.aliases:
+        if canonical in name and name.replace(canonical, alternative) in reader:
+            return name.replace(canonical, alternative)
+    return None
+
+
+def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
+    """Loads the checkpoint in `directory` into model (whose experts may be this rank's slice
+    under EP). Raises CheckpointError, with the report, before writing anything if a tensor is
+    missing, unknown, misshapen or an FP8 weight lacks its scales."""
+    raw = read_raw_config(directory)
+    family = FAMILIES[raw["model_type"]]
     reader = Reader(directory)
     cfg = model.cfg
     params = dict(model.named_parameters()) | dict(model.named_buffers())
-    local = next(p for n, p in params.items() if n.endswith("moe.w_gate_up")).shape[0]
-    first = (model.blocks[0].moe.expert_group.rank * local) if model.blocks[0].moe.expert_group else 0
-    experts = range(first, first + local)
-    report, staged, used = Report(ops=fused_ops(cfg, device)), [], set()
-    for name, target, slot, how in _rules(cfg, family, experts):
+    experts = _expert_range(model)
+    report, staged, used = Report(family=raw["model_type"], ops=fused_ops(cfg, device)), [], set()
+    for names, target, slot, how in _expand(cfg, family, experts):
         if target not in params:
-            raise CheckpointError(f"family {family!r} maps {name} to {target}, which the model does not have")
-        used.add(name)
-        if name not in reader:
-            report.missing.append(name)
+            raise CheckpointError(f"family {raw['model_type']!r} maps {names} to {target}, which the model lacks")
+        found = [_find(reader, n, family) for n in names]
+        report.missing += [n for n, f in zip(names, found) if f is None]
+        if None in found:
             continue
+        used.update(found)
         dest = params[target] if slot is None else params[target][slot]
-        shape = reader.entries[name].shape
-        expected = tuple(_transform(torch.empty(dest.shape, device="meta"), how, inverse=True).shape)
-        if shape != expected:
-            report.shape_errors.append(f"{name}: {list(shape)}, expected {list(expected)}")
+        shapes = [reader.entries[f].shape for f in found]
+        probe = _to_checkpoint(torch.empty(dest.shape, device="meta"), how, len(names))
+        expected = [tuple(p.shape) for p in probe]
+        if how.startswith("reshape") and math.prod(shapes[0]) == dest.numel():
+            expected = [tuple(shapes[0])]  # any layout of the same elements (e.g. [H] or [1, 1, H, 1])
+        bad = [f"{f}: {list(s)}, expected {list(e)}" for f, s, e in zip(found, shapes, expected) if tuple(s) != e]
+        scales = []
+        for f in found:
+            if reader.entries[f].dtype == torch.float8_e4m3fn:
+                scale = f + "_scale_inv"
+                if scale not in reader:
+                    bad.append(f"{f}: FP8 weight without {scale}")
+                scales.append(scale)
+            else:
+                scales.append(None)
+        used.update(s for s in scales if s is not None)
+        if bad:
+            report.shape_errors += bad
             continue
-        staged.append((name, dest, how))
-    owned_elsewhere = re.compile(r"\.experts\.(\d+)\.")
+        staged.append((found, scales, dest, how))
+    expert_of, layer_of = re.compile(r"\.experts\.(\d+)\."), re.compile(r"^model\.layers\.(\d+)\.")
     for name in reader.entries:
-        m = owned_elsewhere.search(name)
-        if name not in used and not (m and int(m.group(1)) not in experts and int(m.group(1)) < cfg.experts):
-            report.unmapped.append(name)
+        m, layer = expert_of.search(name), layer_of.search(name)
+        owned_elsewhere = m is not None and int(m.group(1)) not in experts and int(m.group(1)) < cfg.experts
+        beyond = layer is not None and int(layer.group(1)) >= cfg.layers  # e.g. DeepSeek's multi-token-prediction layer
+        if name not in used and not owned_elsewhere and not beyond:
+            report.unknown.append(name)
     if not report.ok:
         raise CheckpointError(f"{directory}: cannot load\n{report.text()}")
     values = []
-    for name, dest, how in staged:  # every read happens before the first write
-        t = _transform(reader.read(name), how)
+    for found, scales, dest, how in staged:  # every read happens before the first write
+        parts = []
+        for f, s in zip(found, scales):
+            t = reader.read(f)
+            if s is not None:
+                t = _dequantise(t, reader.read(s), f)
+                report.dequantised += 1
+            parts.append(t)
+        t = _to_ours(parts, how, dest.shape)
         key = f"{str(t.dtype).removeprefix('torch.')} -> {str(dest.dtype).removeprefix('torch.')}"
         if t.dtype != dest.dtype:
             report.conversions[key] = report.conversions.get(key, 0) + 1
@@ -215,34 +479,79 @@ def load(model: HybridModel, directory: str, family: str = "kimi-hybrid", device
     return report
 
 
-def export(model: HybridModel, directory: str, family: str = "kimi-hybrid", shard_bytes: int = 1 << 30,
+def from_pretrained(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                    backend: str = "native", lora_rank: int = 0, **overrides) -> HybridModel:
+    """A HybridModel with a checkpoint's weights: config.json's model_type picks the family
+    (kimi_linear, deepseek_v32, kda_dsa_ops); overrides replace HybridConfig fields (e.g.
+    capacity_factor). dtype: the model's (default: the checkpoint's, float32 if unstated).
+    lora_rank > 0 adds fresh adapters (the base frozen), ready to fine-tune."""
+    raw = read_raw_config(path)
+    cfg = read_config(path, **overrides)
+    if dtype is None:
+        dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))
+    device = torch.device(device or "cpu")
+    with torch.device(device):
+        model = HybridModel(cfg, lora_rank=lora_rank, backend=backend).to(dtype)
+    if lora_rank > 0:  # adapters train in fp32 whatever the base's dtype
+        for module in model.modules():
+            if isinstance(module, LoRALinear) and module.rank > 0:
+                module.lora_a.data, module.lora_b.data = module.lora_a.data.float(), module.lora_b.data.float()
+    load(model, path, device.type)
+    model.source_config = raw
+    return model
+
+
+def _our_tensor(model: HybridModel, params: dict, target: str, slot: int | None) -> torch.Tensor:
+    """Our tensor for export: LoRA adapters merged into their base weight."""
+    if target.endswith(".base.weight"):
+        module = model.get_submodule(target.removesuffix(".base.weight"))
+        if isinstance(module, LoRALinear):
+            return module.effective_weight().detach()
+    t = params[target]
+    return (t if slot is None else t[slot]).detach()
+
+
+def export(model: HybridModel, directory: str, family: str | None = None, shard_bytes: int = 1 << 30,
            dtype: torch.dtype | None = None) -> None:
-    """Writes model (unsharded) as a checkpoint of `family`: config.json and sharded safetensors."""
+    """Writes model (unsharded; LoRA merged into the base weights) as a checkpoint of `family`
+    (default: the one it was loaded from, else our own format): config.json (the source's,
+    when the model came from that family) and sharded safetensors."""
+    source = getattr(model, "source_config", None)
+    family = family or (source or {}).get("model_type", OWN_FORMAT)
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     cfg = model.cfg
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     tensors = {}
-    for name, target, slot, how in _rules(cfg, family, range(cfg.experts)):
-        t = params[target] if slot is None else params[target][slot]
-        t = _transform(t.detach(), how, inverse=True).contiguous()
-        tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    for names, target, slot, how in _expand(cfg, FAMILIES[family], range(cfg.experts)):
+        ours = _our_tensor(model, params, target, slot)
+        for name, t in zip(names, _to_checkpoint(ours, how, len(names))):
+            t = t.contiguous()
+            tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     write_sharded(directory, tensors, shard_bytes)
-    names = {v: k for k, v in FAMILIES[family]["config"].items()}
+    if source is not None and source.get("model_type") == family:
+        config = dict(source)
+        if dtype is not None:
+            config["dtype"] = str(dtype).removeprefix("torch.")
+    elif family == OWN_FORMAT:
+        config = {"model_type": OWN_FORMAT, **asdict(cfg)}
+    else:
+        raise ValueError(f"export to {family!r} needs a model loaded from a {family} checkpoint (its config.json)")
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump({names[k]: v for k, v in vars(cfg).items() if k in names}, f, indent=1)
+        json.dump(config, f, indent=1)
 
 
 def main(argv=None) -> Report:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="directory with config.json and the safetensors files")
-    p.add_argument("--family", choices=sorted(FAMILIES), default="kimi-hybrid")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    cfg = read_config(args.checkpoint, args.family)
+    cfg = read_config(args.checkpoint)
     preset = next((n for n, c in PRESETS.items() if c == cfg), None)
     print(f"config: {cfg}" + (f" (preset {preset})" if preset else ""))
     with torch.device("cpu"):
         model = HybridModel(cfg)
-    report = load(model, args.checkpoint, args.family, args.device)
+    report = load(model, args.checkpoint, args.device)
     print(report.text())
     return report
 

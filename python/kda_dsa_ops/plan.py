@@ -55,7 +55,7 @@ def parameter_counts(cfg: HybridConfig, lora_rank: int) -> Counts:
     experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     units = [sum(p.numel() for n, p in b.named_parameters() if not is_expert_param(n)) for b in model.blocks]
-    return Counts(params, experts, trainable, max(units), experts // cfg.layers)
+    return Counts(params, experts, trainable, max(units), experts // max(cfg.ffn_kinds().count("M"), 1))
 
 
 def saved_bytes(fn, params) -> int:
@@ -130,10 +130,10 @@ def evaluate(cfg: HybridConfig, cluster: Cluster, ep: int, tokens: int, recomput
         "gathered FSDP unit + local experts": (2 * c.largest_unit + c.expert_params_per_layer / ep) * BF16,
         "trainable state": c.trainable * ADAM_STATE_BYTES / n,
         "activations": activations,
-        "all-to-all buffers": 4 * copies * cfg.latent * BF16,  # dispatch + combine, send + receive
+        "all-to-all buffers": 4 * copies * cfg.moe_width * BF16,  # dispatch + combine, send + receive
     }
-    moe_layers = cfg.layers
-    plan.a2a_bytes = moe_layers * 2 * 2 * copies * cfg.latent * BF16 * (ep - 1) / ep  # fwd + bwd, there and back
+    moe_layers = cfg.ffn_kinds().count("M")
+    plan.a2a_bytes = moe_layers * 2 * 2 * copies * cfg.moe_width * BF16 * (ep - 1) / ep  # fwd + bwd, there and back
     active = c.params - c.expert_params + c.expert_params * cfg.moe_topk / cfg.experts
     flops = 6 * active * tokens * (4 / 3 if recompute == "block" else 1.0)
     compute_s = flops / (cluster.tflops * 1e12 * cluster.efficiency)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+          "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool,
+          "F8_E4M3": torch.float8_e4m3fn}
 NAMES = {v: k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 

@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
         if world > 1:
             dist.all_reduce(stats)
             stats /= world
-        load = model.blocks[0].moe.expert_load
+        load = next(b.mlp for b in model.blocks if b.ffn_kind == "M").expert_load
         record = {"step": step + 1, "loss": stats[0].item(), "recall": stats[1].item(), "grad_norm": grad_norm}
         history.append(record)
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):

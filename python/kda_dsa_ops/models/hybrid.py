@@ -1,5 +1,7 @@
-"""The hybrid model: KDA and gated-DSA attention blocks interleaved 3:1, each followed by a
-LatentMoE feed-forward; packed varlen batches; chunked cross-entropy over the vocabulary."""
+"""The hybrid model: per layer, KDA or MLA attention (sparse, with the DSA indexer, or dense
+causal), then a (Latent)MoE or a dense SwiGLU feed-forward; packed varlen batches; chunked
+cross-entropy over the vocabulary. One configuration expresses the project's presets and the
+real checkpoints of the family (Kimi Linear, DeepSeek-V3.2)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..nn import GatedSparseAttention, KDAAttention, LatentMoE, chunked_linear_cross_entropy, get_backend
-from ..nn import positions_in_sequence
+from .._dtypes import accumulation_dtype
+from ..nn import (KDAAttention, LatentMoE, LightningIndexer, MLAttention, Rope, SwiGLU, chunked_linear_cross_entropy,
+                  get_backend, positions_in_sequence)
 from ..nn.offload import ActivationOffload
 from ..nn.vision import PatchEmbed
 from ..reference.dsa import MAX_TOPK
@@ -19,27 +22,51 @@ from ..reference.dsa import MAX_TOPK
 
 @dataclass(frozen=True)
 class HybridConfig:
+    """One model for the whole family: the project's presets and the real checkpoints
+    (kimi_linear, deepseek_v32, ...; onboard.from_pretrained reads their config.json into this)."""
     vocab: int
     hidden: int
     layers: int
-    pattern: str = "KKKD"  # attention per layer, repeated: K = KDA, D = gated DSA
+    pattern: str = "KKKD"  # attention per layer, repeated: K = KDA, D = MLA + DSA (sparse), A = dense causal MLA
+    ffn_pattern: str = "M"  # feed-forward per layer, repeated: M = MoE, F = dense SwiGLU (dense_ffn wide)
+    dense_ffn: int = 0
+    rms_norm_eps: float = 1e-6  # every RMS norm but the MLA latents'
     kda_heads: int = 2
     kda_value_heads: int = 2
     kda_head_dim: int = 16
-    kda_gate_rank: int = 8
+    kda_gate_rank: int = 8  # rank of the decay gate and of the output gate
+    kda_conv_size: int = 4
+    kda_lower_bound: float | None = None  # GLM-5.3's decay: lower_bound * sigmoid(exp(A_log) * (x + dt_bias))
     dsa_heads: int = 2
-    dsa_q_rank: int = 32
+    dsa_q_rank: int = 32  # 0: one q projection, no q latent
     dsa_kv_rank: int = 32
+    dsa_nope_dim: int = 16
     dsa_rope_dim: int = 8
+    dsa_v_dim: int = 16
+    dsa_gate: bool = True  # sigmoid gate on the sparse attention's latent output (D layers)
+    latent_norm_eps: float = 1e-6  # the MLA q and kv latent norms
+    rope_style: str = "half"  # "half", "interleave" (DeepSeek), "none" (NoPE)
+    rope_theta: float = 10000.0
+    rope_factor: float = 1.0  # > 1: YaRN with the fields below
+    rope_original_max: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
     index_heads: int = 2
     index_dim: int = 16
     dsa_topk: int = 64
+    index_style: str = "plain"  # "plain" (q, k, w from the input) or "deepseek" (see nn.LightningIndexer)
     experts: int = 8
     moe_topk: int = 2
-    latent: int = 32
+    latent: int = 32  # 0: experts on the full width
     expert_ffn: int = 32
-    shared_ffn: int = 64
-    capacity_factor: float | None = 1.25
+    shared_ffn: int = 64  # 0: no shared expert
+    routed_scale: float = 1.0
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_renorm: bool = True
+    capacity_factor: float | None = None
     drop_policy: str = "drop_probs"
     indexer_loss_weight: float = 0.1
     image_size: int = 0  # > 0: an image front end; the last vocabulary id marks where an image's patches go
@@ -50,15 +77,33 @@ class HybridConfig:
     def image_token(self) -> int:
         return self.vocab - 1
 
+    @property
+    def moe_width(self) -> int:
+        """The width tokens have when they travel to the experts."""
+        return self.latent or self.hidden
+
+    def rope(self) -> Rope:
+        return Rope(self.rope_style, self.rope_theta, self.rope_factor, self.rope_original_max, self.rope_beta_fast,
+                    self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim)
+
     def validate(self) -> None:
         """Raises ValueError on a configuration no kernel or layer could run."""
         problems = []
-        if not self.pattern or set(self.pattern) - {"K", "D"}:
-            problems.append(f"pattern must be made of 'K' (KDA) and 'D' (DSA), got {self.pattern!r}")
+        if not self.pattern or set(self.pattern) - {"K", "D", "A"}:
+            problems.append(f"pattern must be made of 'K' (KDA), 'D' (sparse MLA) and 'A' (dense MLA), "
+                            f"got {self.pattern!r}")
+        if not self.ffn_pattern or set(self.ffn_pattern) - {"M", "F"}:
+            problems.append(f"ffn_pattern must be made of 'M' (MoE) and 'F' (dense), got {self.ffn_pattern!r}")
+        elif "F" in self.ffn_pattern and self.dense_ffn <= 0:
+            problems.append(f"dense layers ('F' in ffn_pattern) need dense_ffn > 0, got {self.dense_ffn}")
         if not 0 < self.dsa_topk <= MAX_TOPK:
             problems.append(f"dsa_topk must be in [1, {MAX_TOPK}], got {self.dsa_topk}")
         if not 0 < self.moe_topk <= self.experts:
             problems.append(f"moe_topk must be in [1, experts = {self.experts}], got {self.moe_topk}")
+        if self.moe_groups > 1 and (self.experts % self.moe_groups or self.experts // self.moe_groups < 2
+                                    or not 0 < self.moe_topk_groups <= self.moe_groups):
+            problems.append(f"moe_groups ({self.moe_groups}) must divide experts ({self.experts}) into groups of "
+                            f">= 2, with moe_topk_groups in [1, moe_groups], got {self.moe_topk_groups}")
         if self.kda_value_heads % self.kda_heads:
             problems.append(f"kda_value_heads ({self.kda_value_heads}) must be a multiple of kda_heads "
                             f"({self.kda_heads})")
@@ -66,6 +111,13 @@ class HybridConfig:
             problems.append(f"kda_head_dim must be <= 128, got {self.kda_head_dim}")
         if self.dsa_rope_dim % 2:
             problems.append(f"dsa_rope_dim must be even (rotary pairs), got {self.dsa_rope_dim}")
+        if self.rope_style not in ("half", "interleave", "none"):
+            problems.append(f"rope_style must be 'half', 'interleave' or 'none', got {self.rope_style!r}")
+        if self.index_style not in LightningIndexer.STYLES:
+            problems.append(f"index_style must be one of {LightningIndexer.STYLES}, got {self.index_style!r}")
+        elif self.index_style == "deepseek" and (self.dsa_q_rank <= 0 or self.index_dim < self.dsa_rope_dim):
+            problems.append("the deepseek indexer reads the q latent (dsa_q_rank > 0) and rotates dsa_rope_dim of "
+                            f"its index_dim dims, got q rank {self.dsa_q_rank}, index_dim {self.index_dim}")
         if self.image_size and self.image_size % self.patch:
             problems.append(f"image_size ({self.image_size}) must be a multiple of patch ({self.patch})")
         if problems:
@@ -74,20 +126,23 @@ class HybridConfig:
     def kinds(self) -> list[str]:
         return [self.pattern[i % len(self.pattern)] for i in range(self.layers)]
 
+    def ffn_kinds(self) -> list[str]:
+        return [self.ffn_pattern[i % len(self.ffn_pattern)] for i in range(self.layers)]
+
 
 PRESETS = {
     # Runs on a laptop CPU in seconds.
     "tiny": HybridConfig(vocab=256, hidden=64, layers=4),
     # One GPU.
     "small": HybridConfig(vocab=32000, hidden=1024, layers=8, kda_heads=8, kda_value_heads=8, kda_head_dim=128,
-                          kda_gate_rank=64, dsa_heads=8, dsa_q_rank=384, dsa_kv_rank=512, dsa_rope_dim=64,
-                          index_heads=8, index_dim=64, dsa_topk=2048, experts=64, moe_topk=8, latent=256,
-                          expert_ffn=256, shared_ffn=1024),
+                          kda_gate_rank=64, dsa_heads=8, dsa_q_rank=384, dsa_kv_rank=512, dsa_nope_dim=128,
+                          dsa_rope_dim=64, dsa_v_dim=128, index_heads=8, index_dim=64, dsa_topk=2048, experts=64,
+                          moe_topk=8, latent=256, expert_ffn=256, shared_ffn=1024),
     # The full-size shapes (896 experts, top-16, 3:1 KDA:DSA, topk 2048): for the planner only.
     "k3-2.8t": HybridConfig(vocab=163840, hidden=7168, layers=80, kda_heads=64, kda_value_heads=64,
                             kda_head_dim=128, kda_gate_rank=128, dsa_heads=128, dsa_q_rank=1536, dsa_kv_rank=512,
-                            dsa_rope_dim=64, index_heads=64, index_dim=128, dsa_topk=2048, experts=896, moe_topk=16,
-                            latent=3072, expert_ffn=4096, shared_ffn=18432),
+                            dsa_nope_dim=128, dsa_rope_dim=64, dsa_v_dim=128, index_heads=64, index_dim=128,
+                            dsa_topk=2048, experts=896, moe_topk=16, latent=3072, expert_ffn=4096, shared_ffn=18432),
 }
 
 
@@ -100,23 +155,38 @@ def get_config(name: str, **overrides) -> HybridConfig:
 
 
 class HybridBlock(nn.Module):
-    def __init__(self, cfg: HybridConfig, kind: str, lora_rank: int):
+    def __init__(self, cfg: HybridConfig, kind: str, ffn_kind: str, lora_rank: int):
         super().__init__()
-        self.kind = kind
-        self.attn_norm, self.moe_norm = nn.RMSNorm(cfg.hidden), nn.RMSNorm(cfg.hidden)
+        self.kind, self.ffn_kind = kind, ffn_kind
+        eps = cfg.rms_norm_eps
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=eps), nn.RMSNorm(cfg.hidden, eps=eps)
         if kind == "K":
             self.attn = KDAAttention(cfg.hidden, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_value_heads,
-                                     cfg.kda_gate_rank, lora_rank=lora_rank)
+                                     cfg.kda_gate_rank, cfg.kda_conv_size, lora_rank, eps, cfg.kda_lower_bound)
         else:
-            self.attn = GatedSparseAttention(cfg.hidden, cfg.dsa_heads, cfg.dsa_q_rank, cfg.dsa_kv_rank,
-                                             cfg.dsa_rope_dim, cfg.index_heads, cfg.index_dim, cfg.dsa_topk,
-                                             lora_rank=lora_rank)
-        self.moe = LatentMoE(cfg.hidden, cfg.latent, cfg.experts, cfg.moe_topk, cfg.expert_ffn, cfg.shared_ffn,
-                             cfg.capacity_factor, cfg.drop_policy, lora_rank=lora_rank)
+            rope = cfg.rope()
+            indexer = None
+            if kind == "D":
+                q_in = cfg.dsa_q_rank if cfg.index_style == "deepseek" else cfg.hidden
+                indexer = LightningIndexer(cfg.hidden, q_in, cfg.index_heads, cfg.index_dim, cfg.dsa_topk,
+                                           cfg.index_style, rope, cfg.dsa_rope_dim)
+            self.attn = MLAttention(cfg.hidden, cfg.dsa_heads, cfg.dsa_q_rank, cfg.dsa_kv_rank, cfg.dsa_nope_dim,
+                                    cfg.dsa_rope_dim, cfg.dsa_v_dim, rope, indexer, cfg.dsa_gate and kind == "D",
+                                    cfg.latent_norm_eps, lora_rank)
+        if ffn_kind == "M":
+            self.mlp = LatentMoE(cfg.hidden, cfg.latent, cfg.experts, cfg.moe_topk, cfg.expert_ffn, cfg.shared_ffn,
+                                 cfg.capacity_factor, cfg.drop_policy, lora_rank=lora_rank,
+                                 routed_scale=cfg.routed_scale, n_group=cfg.moe_groups,
+                                 topk_group=cfg.moe_topk_groups, renorm=cfg.moe_renorm, norm_eps=eps)
+        else:
+            self.mlp = SwiGLU(cfg.hidden, cfg.dense_ffn, lora_rank)
+
+    def feed_forward(self, x: Tensor, backend) -> Tensor:
+        return self.mlp(x, backend) if self.ffn_kind == "M" else self.mlp(x)
 
     def attention(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend) -> tuple[Tensor, Tensor]:
         out = self.attn(self.attn_norm(x), cu_seqlens, pos, backend)
-        return out if isinstance(out, tuple) else (out, x.new_zeros((), dtype=torch.float32))
+        return out if isinstance(out, tuple) else (out, x.new_zeros((), dtype=accumulation_dtype(x)))
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute: str = "none"):
         """recompute: "attention" keeps only the block's input for the attention half and runs it again
@@ -131,7 +201,7 @@ class HybridBlock(nn.Module):
         else:
             attn, aux = self.attention(x, cu_seqlens, pos, backend)
         x = x + attn
-        return x + self.moe(self.moe_norm(x), backend), aux
+        return x + self.feed_forward(self.mlp_norm(x), backend), aux
 
 
 class HybridModel(nn.Module):
@@ -155,8 +225,9 @@ class HybridModel(nn.Module):
         self.cfg, self.backend, self.recompute, self.offload = cfg, get_backend(backend), recompute, offload
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.vision = PatchEmbed(cfg.image_size, cfg.patch, cfg.channels, cfg.hidden) if cfg.image_size else None
-        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, lora_rank) for kind in cfg.kinds())
-        self.norm = nn.RMSNorm(cfg.hidden)
+        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank)
+                                    for kind, ffn_kind in zip(cfg.kinds(), cfg.ffn_kinds()))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) / cfg.hidden ** 0.5)
         if lora_rank > 0:
             self.embed.requires_grad_(False)
@@ -186,12 +257,17 @@ class HybridModel(nn.Module):
         pos = positions_in_sequence(cu_seqlens, tokens.shape[0])
         x = self.embed_inputs(tokens, images)
         offload = ActivationOffload(x.device) if self.offload else None
-        aux = x.new_zeros((), dtype=torch.float32)
+        aux = x.new_zeros((), dtype=accumulation_dtype(x))
         for i, block in enumerate(self.blocks):
             with offload.block(i) if offload else contextlib.nullcontext():
                 x, block_aux = block(x, cu_seqlens, pos, self.backend, self.recompute)
             aux = aux + block_aux.to(aux.dtype)
         return self.norm(x), aux
+
+    def logits(self, tokens: Tensor, cu_seqlens: Tensor, images: Tensor | None = None) -> Tensor:
+        """[T, vocab] next-token logits (inference and checks; training uses the chunked loss)."""
+        h, _ = self.hidden_states(tokens, cu_seqlens, images)
+        return h @ self.lm_head.to(h.dtype).t()
 
     def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor, images: Tensor | None = None) -> dict:
         """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss", "accuracy"};
@@ -210,7 +286,8 @@ class HybridModel(nn.Module):
     def update_router_biases(self) -> None:
         """After an optimizer step: nudge each MoE router's selection bias toward balanced loads."""
         for block in self.blocks:
-            block.moe.update_bias()
+            if block.ffn_kind == "M":
+                block.mlp.update_bias()
 
     def config_dict(self) -> dict:
         return asdict(self.cfg)

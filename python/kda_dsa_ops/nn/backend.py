@@ -21,7 +21,7 @@ class Backend:
     indexer: Callable
     # (o [T,H,dv], p [T,Hkv,topk]) = sparse_attn(q, kv, indices, scale, dv, gate)
     sparse_attn: Callable
-    # (weights [T,k], ids [T,k]) = route(logits, k, bias)
+    # (weights [T,k], ids [T,k]) = route(logits, k, bias, renorm, scale, n_group, topk_group), sigmoid scores
     route: Callable
     # (x_sorted, row_map, offs) = permute(x, ids, num_experts, weights, capacity, policy)
     permute: Callable
@@ -62,13 +62,15 @@ def _native_sparse_attn(q, kv, indices, scale, dv, gate):
 
 NATIVE = Backend(
     name="native", kda=_native_kda, indexer=_native_indexer, sparse_attn=_native_sparse_attn,
-    route=lambda logits, k, bias: ops.moe_route(logits, k, bias),
+    route=lambda logits, k, bias, renorm, scale, n_group, topk_group: ops.moe_route(
+        logits, k, bias, "sigmoid", renorm, scale, n_group, topk_group),
     permute=lambda x, ids, E, w, cap, policy: ops.moe_permute(x, ids, E, w, cap, policy=policy),
     grouped_mm=ops.grouped_mm, unpermute=ops.moe_unpermute)
 
 REFERENCE = Backend(
     name="reference", kda=_reference_kda, indexer=R.lightning_indexer, sparse_attn=_reference_sparse_attn,
-    route=lambda logits, k, bias: R.moe_route(logits, bias, k),
+    route=lambda logits, k, bias, renorm, scale, n_group, topk_group: R.moe_route(
+        logits, bias, k, "sigmoid", renorm, scale, n_group, topk_group),
     permute=lambda x, ids, E, w, cap, policy: R.moe_permute(x, ids, E, w, cap, policy),
     grouped_mm=R.grouped_mm, unpermute=R.moe_unpermute)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,13 @@ class LoRALinear(nn.Module):
 
     def _delta(self) -> Tensor:
         return (self.lora_b @ self.lora_a) * self.scaling
+
+    def effective_weight(self) -> Tensor:
+        """W plus the adapter's delta (differentiable w.r.t. the adapter): for layers that use the
+        weight itself rather than x W^T (MLA folds kv_up into its queries and outputs)."""
+        if self.rank > 0 and not self.merged:
+            return self.base.weight + self._delta().to(self.base.weight.dtype)
+        return self.base.weight
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -82,93 +90,232 @@ class ShortConv(nn.Module):
 
 
 class KDAAttention(nn.Module):
-    """Kimi Delta Attention block: q/k/v projections with a short conv + SiLU, the per-channel
-    decay g = -exp(A_log) * softplus(low-rank(x) + dt_bias), beta = sigmoid(b(x)), the KDA op
-    (q/k L2-normalised), an RMS norm with a sigmoid output gate, and the output projection."""
+    """Kimi Delta Attention block: q/k/v projections with a short conv + SiLU, a low-rank
+    per-channel decay g = -exp(A_log) * softplus(up(down(x)) + dt_bias) (or, with lower_bound,
+    GLM-5.3's g = lower_bound * sigmoid(exp(A_log) * (up(down(x)) + dt_bias))), beta = sigmoid(b(x)),
+    the KDA op (q/k L2-normalised), an RMS norm times a low-rank sigmoid output gate, and the
+    output projection."""
 
     def __init__(self, hidden: int, heads: int, head_dim: int, value_heads: int | None = None, gate_rank: int = 16,
-                 conv_size: int = 4, lora_rank: int = 0):
+                 conv_size: int = 4, lora_rank: int = 0, norm_eps: float = 1e-6, lower_bound: float | None = None):
         super().__init__()
         self.H, self.HV, self.D = heads, value_heads or heads, head_dim
+        self.lower_bound = lower_bound
         lin = lambda i, o: LoRALinear(i, o, lora_rank)  # noqa: E731
         self.q_proj, self.k_proj = lin(hidden, heads * head_dim), lin(hidden, heads * head_dim)
         self.v_proj = lin(hidden, self.HV * head_dim)
         self.q_conv, self.k_conv = ShortConv(heads * head_dim, conv_size), ShortConv(heads * head_dim, conv_size)
         self.v_conv = ShortConv(self.HV * head_dim, conv_size)
-        self.g_down, self.g_up = nn.Linear(hidden, gate_rank, bias=False), nn.Linear(gate_rank, self.HV * head_dim,
-                                                                                        bias=False)
+        self.g_down = nn.Linear(hidden, gate_rank, bias=False)
+        self.g_up = nn.Linear(gate_rank, self.HV * head_dim, bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(self.HV).uniform_(1.0, 16.0)))
         # softplus(dt_bias) log-uniform in [1e-3, 1e-1]: decays of exp(-A dt) that keep a state for
         # tens to thousands of steps at the start (dt_bias = 0 would forget within a step or two).
         dt = torch.exp(torch.empty(self.HV * head_dim).uniform_(math.log(1e-3), math.log(1e-1)))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
         self.b_proj = nn.Linear(hidden, self.HV, bias=False)
-        self.o_norm = nn.RMSNorm(head_dim)
-        self.o_gate = lin(hidden, self.HV * head_dim)
+        self.o_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+        self.o_gate_down, self.o_gate_up = lin(hidden, gate_rank), lin(gate_rank, self.HV * head_dim)
         self.o_proj = lin(self.HV * head_dim, hidden)
+
+    def decay(self, x: Tensor) -> Tensor:
+        """The log-decay g [T, HV * D] in the accumulation dtype (fp32, fp64 for fp64 models)."""
+        acc = accumulation_dtype(x)
+        a = self.g_up(self.g_down(x)).to(acc) + self.dt_bias.to(acc)
+        rate = self.A_log.to(acc).exp().repeat_interleave(self.D)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * a)
+        return -rate * F.softplus(a)
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend) -> Tensor:
         T = x.shape[0]
         q = self.q_conv(self.q_proj(x), pos).view(1, T, self.H, self.D)
         k = self.k_conv(self.k_proj(x), pos).view(1, T, self.H, self.D)
         v = self.v_conv(self.v_proj(x), pos).view(1, T, self.HV, self.D)
-        acc = accumulation_dtype(x)  # gates in fp32 (fp64 for fp64 models)
-        a = self.g_up(self.g_down(x)).to(acc) + self.dt_bias.to(acc)
-        g = (-self.A_log.to(acc).exp().repeat_interleave(self.D) * F.softplus(a)).view(1, T, self.HV, self.D)
-        beta = torch.sigmoid(self.b_proj(x).to(acc)).view(1, T, self.HV)
+        g = self.decay(x).view(1, T, self.HV, self.D)
+        beta = torch.sigmoid(self.b_proj(x).to(accumulation_dtype(x))).view(1, T, self.HV)
         o = backend.kda(q, k, v, g, beta, cu_seqlens)[0]  # [T, HV, D]
-        o = self.o_norm(o) * torch.sigmoid(self.o_gate(x).view(T, self.HV, self.D))
+        o = self.o_norm(o) * torch.sigmoid(self.o_gate_up(self.o_gate_down(x)).view(T, self.HV, self.D))
         return self.o_proj(o.reshape(T, self.HV * self.D))
 
 
-def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
-    """Rotary position embedding over the last dimension (pairs of halves), x [T, ..., d]."""
-    d = x.shape[-1]
-    freqs = base ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) / (d // 2))
-    angle = pos.float()[:, None] * freqs[None, :]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
-    cos, sin = angle.cos().view(shape).to(x.dtype), angle.sin().view(shape).to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding of the rope dims: "half" rotates pairs (i, i + d/2), "interleave"
+    pairs (2i, 2i + 1) (DeepSeek's layout; the rotated dims come out as evens then odds, the same
+    dot products), "none" leaves them as they are (NoPE). factor > 1: YaRN (inverse frequencies
+    blended between interpolation and extrapolation by the beta_fast/beta_slow correction range
+    of original_max positions, cos/sin scaled by mscale, the softmax scale by mscale_all_dim)."""
+    style: str = "half"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @staticmethod
+    def _yarn_mscale(factor: float, m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    @property
+    def cos_scale(self) -> float:
+        if self.factor <= 1:
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return self._yarn_mscale(self.factor, self.mscale) / self._yarn_mscale(self.factor, self.mscale_all_dim)
+        return self._yarn_mscale(self.factor, 1.0)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        """What YaRN multiplies the attention's softmax scale by."""
+        if self.factor <= 1 or not self.mscale_all_dim:
+            return 1.0
+        return self._yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+    def inv_freq(self, d: int, device=None) -> Tensor:
+        """[d / 2] fp32 inverse frequencies."""
+        exponents = torch.arange(0, d, 2, device=device, dtype=torch.float32) / d
+        extrapolation = 1.0 / self.theta ** exponents
+        if self.factor <= 1:
+            return extrapolation
+
+        def correction_dim(rotations: float) -> float:
+            return d * math.log(self.original_max / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low = max(math.floor(correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, device=device, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        return extrapolation / self.factor * ramp + extrapolation * (1 - ramp)
+
+    def __call__(self, x: Tensor, pos: Tensor, style: str | None = None) -> Tensor:
+        """x [T, ..., d] rotated by each token's position pos [T] (style: this spec's unless given)."""
+        style = style or self.style
+        d = x.shape[-1]
+        if style == "none" or d == 0:
+            return x
+        if style == "interleave":
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        angle = pos.float()[:, None] * self.inv_freq(d, x.device)[None, :]
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
+        cos = (angle.cos() * self.cos_scale).view(shape).to(x.dtype)
+        sin = (angle.sin() * self.cos_scale).view(shape).to(x.dtype)
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-class GatedSparseAttention(nn.Module):
-    """DSA block: MLA-style low-rank queries over one shared latent kv row per token (latent
-    width kv_rank for values and keys, plus rope dims for keys), the lightning indexer on the
-    detached input choosing topk keys per query (trained by its KL loss against the attention's
-    probabilities), sparse attention over those keys with a sigmoid output gate, and the output
-    projection. forward returns (y, indexer_loss)."""
+def sequence_bounds(cu_seqlens: Tensor, total: int) -> list[tuple[int, int]]:
+    """(start, end) of each packed sequence (one host read; meta tensors: one sequence)."""
+    if cu_seqlens.is_meta:
+        return [(0, total)]
+    cu = cu_seqlens.tolist()
+    return [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
 
-    def __init__(self, hidden: int, heads: int, q_rank: int, kv_rank: int, rope_dim: int, index_heads: int,
-                 index_dim: int, topk: int, lora_rank: int = 0):
+
+class LightningIndexer(nn.Module):
+    """Chooses each query's topk keys for sparse attention: I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]).
+
+    style "plain": q, k and w are projections of the block's input. style "deepseek" (DeepSeek-V3.2):
+    q from the attention's q latent, k LayerNorm-ed (with bias), the first rope_dim dims of q and k
+    rotated (half style), w scaled by heads^-1/2 * dim^-1/2. Its inputs are detached: the indexer
+    learns only from its own loss (the KL to the attention's probabilities)."""
+
+    STYLES = ("plain", "deepseek")
+
+    def __init__(self, hidden: int, q_in: int, heads: int, dim: int, topk: int, style: str = "plain",
+                 rope: Rope | None = None, rope_dim: int = 0):
         super().__init__()
-        if not 0 < topk <= R.dsa.MAX_TOPK:
-            raise ValueError(f"topk must be in [1, {R.dsa.MAX_TOPK}], got {topk}")
-        self.H, self.kv_rank, self.rope_dim, self.topk = heads, kv_rank, rope_dim, topk
-        self.Dqk = kv_rank + rope_dim
+        if style not in self.STYLES:
+            raise ValueError(f"indexer style must be one of {self.STYLES}, got {style!r}")
+        self.heads, self.dim, self.topk, self.style = heads, dim, topk, style
+        self.rope, self.rope_dim = rope, rope_dim if style == "deepseek" else 0
+        self.q = nn.Linear(q_in, heads * dim, bias=False)
+        self.k = nn.Linear(hidden, dim, bias=False)
+        self.k_norm = nn.LayerNorm(dim, eps=1e-6) if style == "deepseek" else None
+        self.w = nn.Linear(hidden, heads, bias=False)
+
+    def forward(self, x: Tensor, q_latent: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend):
+        """(indices [T, topk], scores [T, topk]) for x [T, hidden]; q_latent: the attention's q latent."""
+        T, r = x.shape[0], self.rope_dim
+        x = x.detach()
+        q_src = q_latent.detach() if self.style == "deepseek" else x
+        q, k = self.q(q_src).view(T, self.heads, self.dim), self.k(x)
+        w = self.w(x)
+        if self.style == "deepseek":
+            k = self.k_norm(k)
+            q = torch.cat([self.rope(q[..., :r], pos, "half"), q[..., r:]], dim=-1)
+            k = torch.cat([self.rope(k[..., :r], pos, "half"), k[..., r:]], dim=-1)
+            w = w * (self.heads * self.dim) ** -0.5
+        return backend.indexer(q, k, w, cu_seqlens, cu_seqlens, self.topk)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention over packed sequences, dense (causal) or sparse (DSA).
+
+    Queries: q_proj, or q_down -> RMSNorm -> q_up (q_rank > 0); nope + rope dims per head. One
+    latent row per token: kv_down gives c (kv_rank wide, RMS-normalised) and a rope key shared by
+    the heads; kv_up expands c into each head's nope key and value. Dense layers run torch's
+    scaled_dot_product_attention on the expanded heads, one sequence at a time. Sparse layers take
+    the indexer's topk keys and run the sparse-attention op on the latent rows themselves: kv_up's
+    key half is folded into the queries and its value half applied to the latent output (Dqk =
+    kv_rank + rope, dv = kv_rank), where the optional sigmoid gate acts. forward returns (y,
+    indexer_loss); dense layers give a zero loss."""
+
+    def __init__(self, hidden: int, heads: int, q_rank: int, kv_rank: int, nope_dim: int, rope_dim: int, v_dim: int,
+                 rope: Rope, indexer: LightningIndexer | None = None, gate: bool = False, latent_eps: float = 1e-6,
+                 lora_rank: int = 0):
+        super().__init__()
+        self.H, self.kv_rank, self.nope, self.rope_dim, self.v_dim = heads, kv_rank, nope_dim, rope_dim, v_dim
+        self.rope, self.indexer = rope, indexer
+        self.scale = (nope_dim + rope_dim) ** -0.5 * rope.softmax_scale_factor
         lin = lambda i, o: LoRALinear(i, o, lora_rank)  # noqa: E731
-        self.q_down, self.q_norm, self.q_up = lin(hidden, q_rank), nn.RMSNorm(q_rank), lin(q_rank, heads * self.Dqk)
-        self.kv_down, self.kv_norm = lin(hidden, self.Dqk), nn.RMSNorm(kv_rank)
-        self.gate = lin(hidden, heads * kv_rank)
-        self.o_proj = lin(heads * kv_rank, hidden)
-        self.index_q = nn.Linear(hidden, index_heads * index_dim, bias=False)
-        self.index_k = nn.Linear(hidden, index_dim, bias=False)
-        self.index_w = nn.Linear(hidden, index_heads, bias=False)
-        self.index_heads, self.index_dim = index_heads, index_dim
+        qk = heads * (nope_dim + rope_dim)
+        if q_rank > 0:
+            self.q_down, self.q_norm, self.q_up = lin(hidden, q_rank), nn.RMSNorm(q_rank, eps=latent_eps), lin(q_rank, qk)
+        else:
+            self.q_proj = lin(hidden, qk)
+        self.kv_down, self.kv_norm = lin(hidden, kv_rank + rope_dim), nn.RMSNorm(kv_rank, eps=latent_eps)
+        self.kv_up = lin(kv_rank, heads * (nope_dim + v_dim))
+        self.gate = lin(hidden, heads * kv_rank) if gate else None
+        if gate and indexer is None:
+            raise ValueError("the output gate acts on the sparse attention's latent output: it needs an indexer")
+        self.o_proj = lin(heads * v_dim, hidden)
+
+    def queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """([T, H, nope + rope] queries before rope, the q latent the indexer may read)."""
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x).view(x.shape[0], self.H, -1), x
+        latent = self.q_norm(self.q_down(x))
+        return self.q_up(latent).view(x.shape[0], self.H, -1), latent
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend) -> tuple[Tensor, Tensor]:
-        T = x.shape[0]
-        q = self.q_up(self.q_norm(self.q_down(x))).view(T, self.H, self.Dqk)
-        q = torch.cat([q[..., : self.kv_rank], rotary(q[..., self.kv_rank:], pos)], dim=-1)
+        T, H = x.shape[0], self.H
+        q, q_latent = self.queries(x)
+        q_nope, q_rot = q[..., : self.nope], self.rope(q[..., self.nope:], pos)
         kv = self.kv_down(x)
-        kv = torch.cat([self.kv_norm(kv[:, : self.kv_rank]), rotary(kv[:, self.kv_rank:], pos)], dim=-1)[:, None]
-        xd = x.detach()  # the indexer learns from its own loss only
-        iq = self.index_q(xd).view(T, self.index_heads, self.index_dim)
-        indices, scores = backend.indexer(iq, self.index_k(xd), self.index_w(xd), cu_seqlens, cu_seqlens, self.topk)
-        gate = self.gate(x).view(T, self.H, self.kv_rank)
-        o, p = backend.sparse_attn(q, kv, indices[:, None], self.Dqk ** -0.5, self.kv_rank, gate)
-        indexer_loss = R.indexer_kl_loss(p[:, 0].detach(), scores, indices)
-        return self.o_proj(o.reshape(T, self.H * self.kv_rank)), indexer_loss
+        c, k_rot = self.kv_norm(kv[:, : self.kv_rank]), self.rope(kv[:, self.kv_rank:], pos)
+        w_up = self.kv_up.effective_weight().to(x.dtype).view(H, self.nope + self.v_dim, self.kv_rank)
+        w_k, w_v = w_up[:, : self.nope], w_up[:, self.nope:]
+        if self.indexer is None:
+            k = torch.cat([torch.einsum("tc,hnc->thn", c, w_k), k_rot[:, None].expand(T, H, self.rope_dim)], dim=-1)
+            v = torch.einsum("tc,hvc->thv", c, w_v)
+            q = torch.cat([q_nope, q_rot], dim=-1)
+            o = x.new_empty(T, H, self.v_dim)
+            for a, b in sequence_bounds(cu_seqlens, T):
+                o[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                        v[a:b].transpose(0, 1), is_causal=True,
+                                                        scale=self.scale).transpose(0, 1)
+            loss = x.new_zeros((), dtype=accumulation_dtype(x))
+        else:
+            indices, scores = self.indexer(x, q_latent, cu_seqlens, pos, backend)
+            q_abs = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_k), q_rot], dim=-1)
+            kv_rows = torch.cat([c, k_rot], dim=-1)[:, None]
+            gate = self.gate(x).view(T, H, self.kv_rank) if self.gate is not None else None
+            o_latent, p = backend.sparse_attn(q_abs, kv_rows, indices[:, None], self.scale, self.kv_rank, gate)
+            o = torch.einsum("thc,hvc->thv", o_latent, w_v)
+            loss = R.indexer_kl_loss(p[:, 0].detach(), scores, indices)
+        return self.o_proj(o.reshape(T, H * self.v_dim)), loss
 
 
 class SwiGLU(nn.Module):
@@ -183,31 +330,36 @@ class SwiGLU(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    """Routed experts in a latent space: an fp32 router on the full width (sigmoid scores, a
-    selection-only bias nudged toward balanced loads after each step, no auxiliary loss),
-    down-projection to the latent width, grouped SwiGLU experts (grouped_mm) with a capacity and
-    drop policy, the weighted combine, an RMS norm and the up-projection; plus a shared SwiGLU
-    expert on the full width."""
+    """Routed experts, optionally in a latent space: an fp32 router on the full width (sigmoid
+    scores, a selection-only bias nudged toward balanced loads after each step, no auxiliary loss;
+    optionally group-limited, n_group / topk_group; weights renormalised and times routed_scale),
+    with latent > 0 a down-projection to the latent width, grouped SwiGLU experts (grouped_mm) with
+    an optional capacity and drop policy, the weighted combine, and with latent > 0 an RMS norm and
+    the up-projection; plus a shared SwiGLU expert on the full width (shared_ffn > 0)."""
 
     def __init__(self, hidden: int, latent: int, experts: int, topk: int, expert_ffn: int, shared_ffn: int,
-                 capacity_factor: float | None = 1.25, policy: str = "drop_probs", lora_rank: int = 0,
-                 bias_rate: float = 1e-3):
+                 capacity_factor: float | None = None, policy: str = "drop_probs", lora_rank: int = 0,
+                 bias_rate: float = 1e-3, routed_scale: float = 1.0, n_group: int = 1, topk_group: int = 1,
+                 renorm: bool = True, norm_eps: float = 1e-6):
         super().__init__()
         if not 0 < topk <= experts:
             raise ValueError(f"topk must be in [1, experts = {experts}], got {topk}")
         self.E, self.topk, self.bias_rate = experts, topk, bias_rate
         self.capacity_factor, self.policy = capacity_factor, policy
+        self.routed_scale, self.n_group, self.topk_group, self.renorm = routed_scale, n_group, topk_group, renorm
         self.router = nn.Parameter(torch.randn(hidden, experts) / math.sqrt(hidden))
         self.register_buffer("router_bias", torch.zeros(experts))
         # routed copies per expert in the last forward (not saved: the next forward rewrites it)
         self.register_buffer("expert_load", torch.zeros(experts), persistent=False)
         self.expert_group = None  # set by parallel.shard_experts: experts split over ranks
-        self.down = LoRALinear(hidden, latent, lora_rank)
-        self.w_gate_up = nn.Parameter(torch.randn(experts, latent, 2 * expert_ffn) / math.sqrt(latent))
-        self.w_down = nn.Parameter(torch.randn(experts, expert_ffn, latent) / math.sqrt(expert_ffn))
-        self.norm = nn.RMSNorm(latent)
-        self.up = LoRALinear(latent, hidden, lora_rank)
-        self.shared = SwiGLU(hidden, shared_ffn, lora_rank)
+        width = latent or hidden
+        if latent:
+            self.down = LoRALinear(hidden, latent, lora_rank)
+            self.norm = nn.RMSNorm(latent, eps=norm_eps)
+            self.up = LoRALinear(latent, hidden, lora_rank)
+        self.w_gate_up = nn.Parameter(torch.randn(experts, width, 2 * expert_ffn) / math.sqrt(width))
+        self.w_down = nn.Parameter(torch.randn(experts, expert_ffn, width) / math.sqrt(expert_ffn))
+        self.shared = SwiGLU(hidden, shared_ffn, lora_rank) if shared_ffn else None
         if lora_rank > 0:  # experts and router stay frozen under LoRA
             self.router.requires_grad_(False)
             self.w_gate_up.requires_grad_(False)
@@ -221,8 +373,9 @@ class LatentMoE(nn.Module):
                        else contextlib.nullcontext())
         with no_autocast:
             logits = x.to(acc) @ self.router.to(acc)
-        weights, ids = backend.route(logits, self.topk, self.router_bias.to(acc))
-        z = self.down(x)
+        weights, ids = backend.route(logits, self.topk, self.router_bias.to(acc), self.renorm, self.routed_scale,
+                                     self.n_group, self.topk_group)
+        z = self.down(x) if hasattr(self, "down") else x
         if self.expert_group is None:
             capacity = (None if self.capacity_factor is None
                         else R.expert_capacity(T, self.topk, self.E, self.capacity_factor))
@@ -234,7 +387,8 @@ class LatentMoE(nn.Module):
             with torch.no_grad():
                 load = torch.bincount(ids.flatten().long(), minlength=self.E).to(self.expert_load)
                 self.expert_load.copy_(load if self.expert_group is None else self.expert_group.total_load(load))
-        return self.up(self.norm(y.to(x.dtype))) + self.shared(x)
+        y = self.up(self.norm(y.to(x.dtype))) if hasattr(self, "up") else y.to(x.dtype)
+        return y + self.shared(x) if self.shared is not None else y
 
     def experts(self, xs: Tensor, offs: Tensor, backend: Backend) -> Tensor:
         """The SwiGLU experts held here on rows sorted by expert (offs: cumulative rows per expert)."""

@@ -16,15 +16,18 @@ _ops = torch.ops.kda_dsa_ops
 
 
 def moe_route(logits: Tensor, k: int, bias: Tensor | None = None, score_fn: str = "sigmoid",
-              renorm: bool = True, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+              renorm: bool = True, scale: float = 1.0, n_group: int = 1, topk_group: int = 1) -> tuple[Tensor, Tensor]:
     """Pick k experts per token.
 
     logits [T, E] (fp32/bf16/fp16); bias [E] fp32, added to the scores for selection only.
     score_fn: "sigmoid" or "softmax" (computed in fp32). Ties go to the lower expert index.
+    n_group > 1: group-limited routing (DeepSeek-V3): the E experts form n_group groups of
+    consecutive ids (at most 64 groups, each of >= 2 experts), each scored by the sum of its two
+    best keys (score + bias); only the experts of the topk_group best groups may be chosen.
     Returns weights [T, k] fp32 (the chosen scores, divided by their sum when renorm, times
     scale; differentiable w.r.t. logits) and ids [T, k] int32 in rank order.
     """
-    return _ops.moe_route(logits, bias, k, score_fn, renorm, scale)
+    return _ops.moe_route(logits, bias, k, score_fn, renorm, scale, n_group, topk_group)
 
 
 def moe_permute(x: Tensor, ids: Tensor, num_experts: int, weights: Tensor | None = None,
@@ -76,7 +79,7 @@ def grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("kda_dsa_ops::moe_route")
-def _(logits, bias, k, score_fn, renorm, scale):
+def _(logits, bias, k, score_fn, renorm, scale, n_group=1, topk_group=1):
     T = logits.shape[0]
     return logits.new_empty(T, k, dtype=accumulation_dtype(logits)), logits.new_empty(T, k, dtype=torch.int32)
 
@@ -114,7 +117,7 @@ def _(a, dy, offs):
 
 
 def _route_setup(ctx, inputs, output):
-    logits, _, _, score_fn, renorm, scale = inputs
+    logits, _, _, score_fn, renorm, scale = inputs[:6]
     ctx.save_for_backward(logits, output[1])
     ctx.args = (score_fn, renorm, scale)
 
@@ -122,7 +125,7 @@ def _route_setup(ctx, inputs, output):
 def _route_backward(ctx, grad_weights, grad_ids):
     logits, ids = ctx.saved_tensors
     grad_logits = _ops.moe_route_bwd(grad_weights.contiguous(), logits, ids, *ctx.args)
-    return grad_logits, None, None, None, None, None
+    return grad_logits, None, None, None, None, None, None, None
 
 
 def _permute_setup(ctx, inputs, output):

@@ -34,18 +34,34 @@ def route_scores(logits: torch.Tensor, score_fn: str) -> torch.Tensor:
     raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
 
 
+def group_limited_mask(key: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Experts a token may choose under group-limited routing, [T, E] bool: the E experts form
+    n_group equal groups of consecutive ids; a group's score is the sum of its two largest keys;
+    the topk_group best groups (ties to the lower group) are open, every other expert is closed."""
+    T, E = key.shape
+    group_scores = key.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+    groups = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    open_groups = torch.zeros(T, n_group, dtype=torch.bool, device=key.device).scatter_(1, groups, True)
+    return open_groups.repeat_interleave(E // n_group, dim=1)
+
+
 def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, score_fn: str = "sigmoid",
-              renorm: bool = True, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+              renorm: bool = True, scale: float = 1.0, n_group: int = 1,
+              topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert selection.
 
     scores = score_fn(logits); experts are chosen by scores + bias (the bias selects, it never
-    weights); ties go to the lower expert index; NaN keys rank last. weights = scores of the
-    chosen experts, divided by their sum (+1e-20) when renorm, times scale.
+    weights); ties go to the lower expert index; NaN keys rank last. With n_group > 1 only the
+    experts of the topk_group groups with the largest top-2 key sums may be chosen
+    (group_limited_mask; DeepSeek-V3's routing). weights = scores of the chosen experts, divided
+    by their sum (+1e-20) when renorm, times scale.
     Returns (weights [T,k] fp32 (fp64 for fp64 logits), ids [T,k] int32), ids in rank order.
     """
     scores = route_scores(logits, score_fn)
     key = scores if bias is None else scores + bias.to(scores.dtype)
     key = torch.nan_to_num(key, nan=-math.inf)
+    if n_group > 1:
+        key = key.masked_fill(~group_limited_mask(key, n_group, topk_group), -math.inf)
     ids = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = scores.gather(-1, ids)
     if renorm:
