@@ -27,7 +27,7 @@ import torch
 from .models import HybridConfig, HybridModel
 from .models.hybrid import PRESETS
 from .nn import LoRALinear
-from .safetensors_io import CheckpointError, Reader, write_sharded
+from .safetensors_io import CheckpointError, Reader, write_file, write_sharded
 
 FP8_BLOCK = 128
 OWN_FORMAT = "kda_dsa_ops"
@@ -71,7 +71,7 @@ def _get(raw: dict, *names, default=None, required: list | None = None):
 
 def _check_missing(missing: list, model_type: str) -> None:
     if missing:
-        raise CheckpointError(f"config.json ({model_type}) lacks {missing}")
+        raise CheckpointError(f"config.json ({model_type}) lacks {sorted(set(missing))}")
 
 
 def _moe_fields(raw: dict, missing: list) -> dict:
@@ -480,18 +480,20 @@ def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
 
 
 def from_pretrained(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                    backend: str = "native", lora_rank: int = 0, **overrides) -> HybridModel:
+                    backend: str = "native", lora_rank: int = 0, lora_targets: str = "all",
+                    **overrides) -> HybridModel:
     """A HybridModel with a checkpoint's weights: config.json's model_type picks the family
     (kimi_linear, deepseek_v32, kda_dsa_ops); overrides replace HybridConfig fields (e.g.
     capacity_factor). dtype: the model's (default: the checkpoint's, float32 if unstated).
-    lora_rank > 0 adds fresh adapters (the base frozen), ready to fine-tune."""
+    lora_rank > 0 adds fresh adapters (the base frozen), ready to fine-tune, on lora_targets
+    ("all" projections or "attention" only; see HybridModel)."""
     raw = read_raw_config(path)
     cfg = read_config(path, **overrides)
     if dtype is None:
         dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))
     device = torch.device(device or "cpu")
     with torch.device(device):
-        model = HybridModel(cfg, lora_rank=lora_rank, backend=backend).to(dtype)
+        model = HybridModel(cfg, lora_rank=lora_rank, backend=backend, lora_targets=lora_targets).to(dtype)
     if lora_rank > 0:  # adapters train in fp32 whatever the base's dtype
         for module in model.modules():
             if isinstance(module, LoRALinear) and module.rank > 0:
@@ -539,6 +541,51 @@ def export(model: HybridModel, directory: str, family: str | None = None, shard_
         raise ValueError(f"export to {family!r} needs a model loaded from a {family} checkpoint (its config.json)")
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+
+
+def export_adapters(model: HybridModel, directory: str, family: str | None = None) -> dict:
+    """Writes the LoRA adapters alone in PEFT's format (adapter_config.json +
+    adapter_model.safetensors, named after transformers' modules of `family`), so that
+    peft.PeftModel.from_pretrained(<the transformers model>, directory) computes what this model
+    computes. An adapter on weights the checkpoint keeps apart (a fused gate/up) becomes one
+    adapter per part, sharing A. Returns the adapter config."""
+    family = family or (getattr(model, "source_config", None) or {}).get("model_type", OWN_FORMAT)
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    tensors, modules, ranks, scalings = {}, [], set(), set()
+    for names, target, slot, how in _expand(model.cfg, FAMILIES[family], range(model.cfg.experts)):
+        if slot is not None or not target.endswith(".base.weight"):
+            continue
+        lora = model.get_submodule(target.removesuffix(".base.weight"))
+        if not isinstance(lora, LoRALinear) or lora.rank == 0:
+            continue
+        if how not in ("identity", "cat"):
+            raise ValueError(f"an adapter on {target} ({how}) has no PEFT form")
+        if family == "deepseek_v32" and names[0].endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+            raise ValueError(f"peft reads adapters on modules named gate_proj / up_proj / down_proj of a deepseek_v32 "
+                             f"model as the fused experts' ({names[0]}): train with lora_targets='attention' to "
+                             f"export the adapters for peft, or export the merged weights")
+        ranks.add(lora.rank)
+        scalings.add(lora.scaling)
+        for name, b in zip(names, lora.lora_b.detach().chunk(len(names), 0)):
+            module = name.removesuffix(".weight")
+            modules.append(module)
+            tensors[f"base_model.model.{module}.lora_A.weight"] = lora.lora_a.detach().float().contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b.float().contiguous()
+    if not modules:
+        raise ValueError("the model has no LoRA adapters (build it with lora_rank > 0)")
+    if len(ranks) != 1 or len(scalings) != 1:
+        raise ValueError(f"PEFT's format holds one rank and scaling, the adapters have {ranks} / {scalings}")
+    rank, scaling = ranks.pop(), scalings.pop()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scaling * rank,
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "target_modules": "^(?:" + "|".join(re.escape(m) for m in modules) + ")$",
+              "base_model_name_or_path": None}
+    os.makedirs(directory, exist_ok=True)
+    write_file(os.path.join(directory, "adapter_model.safetensors"), tensors, {"format": "pt"})
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return config
 
 
 def main(argv=None) -> Report:

@@ -155,7 +155,7 @@ def get_config(name: str, **overrides) -> HybridConfig:
 
 
 class HybridBlock(nn.Module):
-    def __init__(self, cfg: HybridConfig, kind: str, ffn_kind: str, lora_rank: int):
+    def __init__(self, cfg: HybridConfig, kind: str, ffn_kind: str, lora_rank: int, mlp_lora_rank: int):
         super().__init__()
         self.kind, self.ffn_kind = kind, ffn_kind
         eps = cfg.rms_norm_eps
@@ -175,11 +175,11 @@ class HybridBlock(nn.Module):
                                     cfg.latent_norm_eps, lora_rank)
         if ffn_kind == "M":
             self.mlp = LatentMoE(cfg.hidden, cfg.latent, cfg.experts, cfg.moe_topk, cfg.expert_ffn, cfg.shared_ffn,
-                                 cfg.capacity_factor, cfg.drop_policy, lora_rank=lora_rank,
+                                 cfg.capacity_factor, cfg.drop_policy, lora_rank=mlp_lora_rank,
                                  routed_scale=cfg.routed_scale, n_group=cfg.moe_groups,
                                  topk_group=cfg.moe_topk_groups, renorm=cfg.moe_renorm, norm_eps=eps)
         else:
-            self.mlp = SwiGLU(cfg.hidden, cfg.dense_ffn, lora_rank)
+            self.mlp = SwiGLU(cfg.hidden, cfg.dense_ffn, mlp_lora_rank)
 
     def feed_forward(self, x: Tensor, backend) -> Tensor:
         return self.mlp(x, backend) if self.ffn_kind == "M" else self.mlp(x)
@@ -208,7 +208,8 @@ class HybridModel(nn.Module):
     """tokens [T] int64 packed by cu_seqlens int32 [N + 1] -> hidden states, and the training loss.
 
     backend: "native" (the kernels) or "reference" (the same model on reference ops).
-    lora_rank > 0 freezes every base weight and trains low-rank adapters on the projections.
+    lora_rank > 0 freezes every base weight and trains low-rank adapters on the projections: of
+    attention and feed-forward (lora_targets="all") or of attention only ("attention").
     recompute: "none", "attention" or "block" (see HybridBlock.forward): activations traded for a
     second forward in the backward. offload: the activations each block saves for the backward go
     to pinned host memory and come back one block ahead of the backward (nn.offload).
@@ -216,16 +217,21 @@ class HybridModel(nn.Module):
 
     RECOMPUTE = ("none", "attention", "block")
 
+    LORA_TARGETS = ("all", "attention")
+
     def __init__(self, cfg: HybridConfig, lora_rank: int = 0, backend: str = "native", recompute: str = "none",
-                 offload: bool = False):
+                 offload: bool = False, lora_targets: str = "all"):
         super().__init__()
         cfg.validate()
+        if lora_targets not in self.LORA_TARGETS:
+            raise ValueError(f"lora_targets must be one of {self.LORA_TARGETS}, got {lora_targets!r}")
         if recompute not in self.RECOMPUTE:
             raise ValueError(f"recompute must be one of {self.RECOMPUTE}, got {recompute!r}")
         self.cfg, self.backend, self.recompute, self.offload = cfg, get_backend(backend), recompute, offload
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.vision = PatchEmbed(cfg.image_size, cfg.patch, cfg.channels, cfg.hidden) if cfg.image_size else None
-        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank)
+        mlp_lora_rank = lora_rank if lora_targets == "all" else 0
+        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank, mlp_lora_rank)
                                     for kind, ffn_kind in zip(cfg.kinds(), cfg.ffn_kinds()))
         self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) / cfg.hidden ** 0.5)

@@ -1,0 +1,286 @@
+"""Real checkpoints of the family, judged by code we did not write: tiny random kimi_linear and
+deepseek_v32 checkpoints that transformers writes (save_pretrained, safetensors) load with
+kda_dsa_ops.from_pretrained and give transformers' eager logits (each sequence run alone there,
+two sequences packed here, sparse selection exercised: index_topk below the sequence length) in
+float64, on the native CPU kernels and on the reference ops; FP8 block-scaled weights dequantise
+exactly; what export writes loads back into transformers with the same logits (LoRA merged);
+the adapters exported in PEFT's format reproduce our logits under peft; bad checkpoints raise
+CheckpointError naming the tensor and leave the model untouched."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from kda_dsa_ops import onboard
+from kda_dsa_ops.safetensors_io import CheckpointError, Reader, write_file
+
+from conftest import HAS_CUDA
+from tolerances import JUDGE_KDA_REL_RMS, JUDGE_REL_RMS, assert_close
+
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+LENGTHS = (13, 7)
+FP8_MAX = 448.0  # largest finite float8 e4m3
+
+
+def kimi_linear_config():
+    return transformers.KimiLinearConfig(
+        vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10, num_local_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.446, linear_head_dim=8,
+        linear_num_heads=2, rms_norm_eps=1e-5,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+
+
+def deepseek_v32_config():
+    return transformers.DeepseekV32Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        v_head_dim=12, qk_nope_head_dim=10, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        index_topk=5, index_head_dim=16, index_n_heads=32, first_k_dense_replace=1, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "beta_fast": 32, "beta_slow": 1})
+
+
+CONFIGS = {"kimi_linear": kimi_linear_config, "deepseek_v32": deepseek_v32_config}
+TOLERANCES = {"kimi_linear": JUDGE_KDA_REL_RMS, "deepseek_v32": JUDGE_REL_RMS}
+
+
+def randomise(model):
+    """Weights of unit-scale activations (transformers' init, std 0.02, leaves every layer nearly
+    linear), norms near 1, a routing bias that matters. (The DeepSeek indexer has 32 heads: a key
+    whose dot products are negative for every head scores exactly 0, and such ties at the top-k
+    boundary are ordered by torch.topk, the judge's selection, in no specified way.)"""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2 and "A_log" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(family, directory, the transformers model in float64 eager mode)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    randomise(model)
+    directory = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(directory)
+    judge = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=F64, attn_implementation="eager", experts_implementation="eager").eval()
+    return request.param, directory, judge
+
+
+def tokens_and_bounds(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (sum(LENGTHS),), generator=g)
+    cu = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0).to(torch.int32)
+    return tokens, cu
+
+
+@torch.no_grad()
+def judged_logits(judge, tokens, cu):
+    """transformers' logits, one sequence at a time."""
+    bounds = cu.tolist()
+    return torch.cat([judge(tokens[a:b][None]).logits[0] for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_logits_match_transformers(checkpoint, backend):
+    family, directory, judge = checkpoint
+    model = onboard.from_pretrained(directory, dtype=F64, backend=backend)
+    cfg = model.cfg
+    if family == "kimi_linear":
+        assert (cfg.kinds(), cfg.ffn_kinds()) == (list("KAKA"), list("FMMM"))
+        assert (cfg.moe_groups, cfg.moe_topk_groups, cfg.routed_scale, cfg.rope_style) == (2, 1, 2.446, "none")
+        assert cfg.rms_norm_eps == 1e-5
+    else:
+        assert (cfg.kinds(), cfg.ffn_kinds(), cfg.index_style) == (list("DDD"), list("FMM"), "deepseek")
+        assert (cfg.rope_factor, cfg.rope_style, cfg.dsa_topk) == (4.0, "interleave", 5)
+        assert cfg.dsa_topk < min(LENGTHS) < max(LENGTHS)
+    for seed in range(3):
+        tokens, cu = tokens_and_bounds(cfg.vocab, seed)
+        with torch.no_grad():
+            ours = model.logits(tokens, cu)
+        assert_close(ours, judged_logits(judge, tokens, cu), F64, f"{family} logits ({backend})", table=TOLERANCES[family])
+
+
+def test_onboard_reports_each_block(checkpoint, capsys):
+    family, directory, _ = checkpoint
+    report = onboard.main([directory, "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert report.ok and not report.unknown and report.family == family
+    if family == "kimi_linear":
+        assert "layer   0: KDA: kda_fwd / kda_bwd (native); dense SwiGLU" in out
+        assert "layer   1: dense MLA: torch scaled_dot_product_attention" in out
+    else:
+        assert "layer   2: LI + SFA: lightning_indexer + sparse_attn (native); MoE: moe_route" in out
+
+
+def quantise_fp8(w):
+    """DeepSeek's layout: e4m3 values and one fp32 scale per 128 x 128 block (w ~ q * scale)."""
+    rows, cols = w.shape
+    blocks = torch.zeros(math.ceil(rows / 128), math.ceil(cols / 128))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(blocks.shape[0]):
+        for j in range(blocks.shape[1]):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            blocks[i, j] = block.abs().max().clamp_min(1e-12) / FP8_MAX
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / blocks[i, j]).to(torch.float8_e4m3fn)
+    return q, blocks
+
+
+def test_fp8_dequantise_blocks():
+    """A weight of several blocks, partial at both edges: each element is its e4m3 value times
+    its block's scale, within e4m3's rounding of the original."""
+    w = torch.randn(300, 200) * torch.linspace(0.1, 10, 200)
+    q, scale = quantise_fp8(w)
+    got = onboard._dequantise(q, scale, "w")
+    expected = q.float() * torch.kron(scale, torch.ones(128, 128))[:300, :200]
+    assert torch.equal(got, expected)
+    per_element = torch.kron(scale, torch.ones(128, 128))[:300, :200]
+    assert ((got - w).abs() <= 2 ** -4 * w.abs() + per_element * 2 ** -9).all()
+
+
+def fp8_weights(reader):
+    return [n for n in reader.entries if n.startswith("model.layers.") and n.endswith("proj.weight")
+            and len(reader.entries[n].shape) == 2 and "weights_proj" not in n]
+
+
+def test_fp8_checkpoint_loads_its_dequantised_weights(checkpoint, tmp_path):
+    """The checkpoint's projections as FP8 with block scales (how DeepSeek-V3.2 ships): our model
+    gives transformers' logits on the dequantised weights."""
+    family, directory, _ = checkpoint
+    reader = Reader(directory)
+    quantised = fp8_weights(reader)
+    tensors, dequantised = {}, {}
+    for name in reader.entries:
+        t = reader.read(name)
+        if name in quantised:
+            q, scale = quantise_fp8(t)
+            tensors[name], tensors[name + "_scale_inv"] = q, scale
+            dequantised[name] = q.float() * torch.kron(scale, torch.ones(128, 128))[: t.shape[0], : t.shape[1]]
+        else:
+            tensors[name] = dequantised[name] = t
+    fp8_dir, plain_dir = tmp_path / "fp8", tmp_path / "plain"
+    for d, ts in ((fp8_dir, tensors), (plain_dir, dequantised)):
+        d.mkdir()
+        write_file(str(d / "model.safetensors"), ts, {"format": "pt"})
+        with open(os.path.join(directory, "config.json")) as f:
+            (d / "config.json").write_text(f.read())
+    model = onboard.from_pretrained(str(fp8_dir), dtype=F64)
+    judge = transformers.AutoModelForCausalLM.from_pretrained(
+        str(plain_dir), dtype=F64, attn_implementation="eager", experts_implementation="eager").eval()
+    tokens, cu = tokens_and_bounds(model.cfg.vocab)
+    with torch.no_grad():
+        ours = model.logits(tokens, cu)
+    assert_close(ours, judged_logits(judge, tokens, cu), F64, f"{family} logits (FP8)", table=TOLERANCES[family])
+    report = onboard.load(onboard.from_pretrained(str(plain_dir), dtype=F64), str(fp8_dir))
+    assert report.dequantised == len(quantised) > 0
+
+
+def test_export_loads_back_into_transformers_with_lora_merged(checkpoint, tmp_path):
+    family, directory, _ = checkpoint
+    model = onboard.from_pretrained(directory, dtype=F64, lora_rank=4)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    onboard.export(model, str(tmp_path))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=F64, attn_implementation="eager", experts_implementation="eager").eval()
+    tokens, cu = tokens_and_bounds(model.cfg.vocab, seed=5)
+    with torch.no_grad():
+        ours = model.logits(tokens, cu)
+    assert_close(ours, judged_logits(exported, tokens, cu), F64, f"{family} exported logits", table=TOLERANCES[family])
+
+
+def test_peft_adapters_reproduce_our_logits(checkpoint, tmp_path):
+    peft = pytest.importorskip("peft")
+    family, directory, _ = checkpoint
+    targets = "attention" if family == "deepseek_v32" else "all"  # see export_adapters
+    model = onboard.from_pretrained(directory, dtype=F64, lora_rank=4, lora_targets=targets)
+    if family == "deepseek_v32":
+        with pytest.raises(ValueError, match="peft reads adapters on modules named gate_proj"):
+            onboard.export_adapters(onboard.from_pretrained(directory, dtype=F64, lora_rank=4), str(tmp_path))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    config = onboard.export_adapters(model, str(tmp_path))
+    assert config["r"] == 4 and "kv_b_proj" in config["target_modules"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=F64, attn_implementation="eager", experts_implementation="eager").eval()
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    tokens, cu = tokens_and_bounds(model.cfg.vocab, seed=7)
+    with torch.no_grad():
+        ours = model.logits(tokens, cu)
+    assert_close(ours, judged_logits(adapted, tokens, cu), F64, f"{family} logits under peft", table=TOLERANCES[family])
+
+
+def rewrite_checkpoint(src, dst, change):
+    """A copy of a single-file checkpoint with change(tensors) applied."""
+    reader = Reader(src)
+    tensors = {n: reader.read(n) for n in reader.entries}
+    change(tensors)
+    os.makedirs(dst, exist_ok=True)
+    write_file(os.path.join(dst, "model.safetensors"), tensors)
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst, "config.json"), "w") as g:
+        g.write(f.read())
+
+
+def test_bad_real_checkpoints_raise_and_leave_the_model_untouched(checkpoint, tmp_path):
+    family, directory, _ = checkpoint
+    model = onboard.from_pretrained(directory, dtype=F64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = next(n for n in fp8_weights(Reader(directory)) if ".self_attn." in n)
+    cases = {
+        "missing": (lambda t: t.pop(first), rf"missing \(1\): {first}"),
+        "unknown": (lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.zeros(2)}),
+                    r"unknown \(1\): model.layers.0.self_attn.extra.weight"),
+        "shape": (lambda t: t.update({first: torch.zeros(3, 5)}), rf"{first}: \[3, 5\], expected"),
+        "fp8 without scales": (lambda t: t.update({first: t[first].to(torch.float8_e4m3fn)}),
+                               rf"{first}: FP8 weight without {first}_scale_inv"),
+    }
+    for case, (change, message) in cases.items():
+        bad = str(tmp_path / case.replace(" ", "_"))
+        rewrite_checkpoint(directory, bad, change)
+        with pytest.raises(CheckpointError, match=message):
+            onboard.load(model, bad)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), case
+
+
+def test_unknown_model_type_and_missing_config_keys(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_linear", "hidden_size": 8}))
+    with pytest.raises(CheckpointError, match=r"config.json \(kimi_linear\) lacks \[.*'vocab_size'"):
+        onboard.read_config(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    with pytest.raises(CheckpointError, match="model_type 'qwen3_next' is not one of"):
+        onboard.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_bf16_logits_on_the_cuda_kernels(checkpoint):
+    """The same checkpoints in bf16 on the CUDA kernels against the float64 judge."""
+    family, directory, judge = checkpoint
+    model = onboard.from_pretrained(directory, dtype=torch.bfloat16, device="cuda")
+    tokens, cu = tokens_and_bounds(model.cfg.vocab)
+    with torch.no_grad():
+        ours = model.logits(tokens.cuda(), cu.cuda())
+    assert_close(ours.float(), judged_logits(judge, tokens, cu), torch.bfloat16, f"{family} bf16 logits",
+                 table=TOLERANCES[family])
