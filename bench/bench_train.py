@@ -5,9 +5,12 @@ CUDA allocator reports on a GPU; on the CPU it is the process's resident set (no
 
     python bench/bench_train.py [--config small] [--tokens 4096] [--steps 10] [--reference-steps 2] [--lora-rank 16]
                                 [--quick] [--out DIR]
+    python bench/bench_train.py --config kimi-linear-48b [--sequences 2]   # a real model's layer group
 
-bf16 weights on CUDA (fp32 on the CPU), one sequence of --tokens tokens per step, AdamW on the
-trainable parameters.
+bf16 weights on CUDA (fp32 on the CPU), --sequences packed sequences of --tokens tokens in all per
+step, AdamW on the trainable parameters. --config also takes a layer group of a real model
+(GROUPS: its released config.json shapes read by kda_dsa_ops.onboard, a few layers, the experts
+one rank of expert parallelism 8 holds, routed among themselves: each such rank's expert load).
 """
 
 from __future__ import annotations
@@ -21,20 +24,56 @@ import time
 import torch
 
 from common import RESULTS_DIR, commit_id, gpu_tag
+from kda_dsa_ops import onboard
 from kda_dsa_ops.models import HybridModel, get_config
 from kda_dsa_ops.plan import Cluster, evaluate
 from kda_dsa_ops.train import peak_memory_mb
 
 
+KIMI_LINEAR_48B = {  # Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults)
+    "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
+    "moe_intermediate_size": 1024, "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-5, "num_expert_group": 1, "topk_group": 1,
+    "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4}}
+DEEPSEEK_V32 = {  # DeepSeek-V3.2 (transformers' DeepseekV32Config defaults, the released YaRN rope)
+    "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 8,
+    "topk_group": 4, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}, "rope_theta": 10000}
+EP = 8
+# name: (config.json, the layer group's overrides); experts: one EP-8 rank's share, routed among themselves
+GROUPS = {
+    "kimi-linear-48b": (KIMI_LINEAR_48B, dict(layers=4, pattern="KKKA", ffn_pattern="M", experts=256 // EP)),
+    "deepseek-v3.2": (DEEPSEEK_V32, dict(layers=1, pattern="D", ffn_pattern="M", experts=256 // EP, moe_groups=8,
+                                         moe_topk_groups=4)),
+}
+
+
+def config_of(name: str):
+    if name in GROUPS:
+        raw, overrides = GROUPS[name]
+        cfg = onboard.FAMILIES[raw["model_type"]].read_config(raw)
+        cfg = type(cfg)(**{**cfg.__dict__, **overrides})
+        cfg.validate()
+        return cfg
+    return get_config(name)
+
+
 def run(cfg, backend: str, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = HybridModel(cfg, lora_rank=args.lora_rank, backend=backend, recompute=args.recompute).to(device, dtype)
+    with torch.device(device):
+        model = HybridModel(cfg, lora_rank=args.lora_rank, backend=backend, recompute=args.recompute).to(dtype)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab, (args.tokens,), generator=g).to(device)
     labels = torch.roll(tokens, -1)
-    cu = torch.tensor([0, args.tokens], dtype=torch.int32, device=device)
+    cu = torch.linspace(0, args.tokens, args.sequences + 1).round().to(torch.int32).to(device)
 
     def step():
         loss = model(tokens, cu, labels)["loss"]
@@ -62,7 +101,8 @@ def run(cfg, backend: str, args, device: torch.device) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="small")
+    p.add_argument("--config", default="small", help=f"a preset or a real model's layer group: {sorted(GROUPS)}")
+    p.add_argument("--sequences", type=int, default=1, help="packed sequences per step (--tokens in all)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -77,7 +117,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.steps, args.reference_steps, args.tokens = 3, 1, 1024
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = get_config(args.config)
+    cfg = config_of(args.config)
     runs = []
     for backend in args.backends:
         runs.append(run(cfg, backend, args, device))
@@ -102,7 +142,9 @@ def main(argv=None) -> dict:
     out_dir = args.out or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
     tag = gpu_tag() if device.type == "cuda" else "cpu"
-    with open(os.path.join(out_dir, f"{tag}-{datetime.date.today().isoformat()}-train.json"), "w") as f:
+    suffix = "" if args.config in ("small", "tiny") else f"-{args.config}"
+    result["sequences"] = args.sequences
+    with open(os.path.join(out_dir, f"{tag}-{datetime.date.today().isoformat()}-train{suffix}.json"), "w") as f:
         json.dump({"meta": meta, "result": result}, f, indent=1)
     return result
 

@@ -17,67 +17,23 @@ import torch
 from kda_dsa_ops import onboard
 from kda_dsa_ops.safetensors_io import CheckpointError, Reader, write_file
 
+import real_checkpoints
 from conftest import HAS_CUDA
+from real_checkpoints import CONFIGS, FP8_MAX
 from tolerances import JUDGE_KDA_REL_RMS, JUDGE_REL_RMS, assert_close
 
 transformers = pytest.importorskip("transformers")
 
 F64 = torch.float64
 LENGTHS = (13, 7)
-FP8_MAX = 448.0  # largest finite float8 e4m3
-
-
-def kimi_linear_config():
-    return transformers.KimiLinearConfig(
-        vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=48,
-        moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
-        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10, num_local_experts=8,
-        num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.446, linear_head_dim=8,
-        linear_num_heads=2, rms_norm_eps=1e-5,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
-
-
-def deepseek_v32_config():
-    return transformers.DeepseekV32Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-        v_head_dim=12, qk_nope_head_dim=10, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
-        index_topk=5, index_head_dim=16, index_n_heads=32, first_k_dense_replace=1, max_position_embeddings=256,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "beta_fast": 32, "beta_slow": 1})
-
-
-CONFIGS = {"kimi_linear": kimi_linear_config, "deepseek_v32": deepseek_v32_config}
 TOLERANCES = {"kimi_linear": JUDGE_KDA_REL_RMS, "deepseek_v32": JUDGE_REL_RMS}
-
-
-def randomise(model):
-    """Weights of unit-scale activations (transformers' init, std 0.02, leaves every layer nearly
-    linear), norms near 1, a routing bias that matters. (The DeepSeek indexer has 32 heads: a key
-    whose dot products are negative for every head scores exactly 0, and such ties at the top-k
-    boundary are ordered by torch.topk, the judge's selection, in no specified way.)"""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() >= 2 and "A_log" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
     """(family, directory, the transformers model in float64 eager mode)."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]())
-    randomise(model)
     directory = str(tmp_path_factory.mktemp(request.param))
-    model.save_pretrained(directory)
+    real_checkpoints.write(request.param, directory)
     judge = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=F64, attn_implementation="eager", experts_implementation="eager").eval()
     return request.param, directory, judge

@@ -1,6 +1,7 @@
 """train.py on CPU: the recall task, exact resume from a checkpoint, LoRA from a trained
 checkpoint under FSDP2 + EP on 2 gloo processes, and layout errors before any work."""
 
+import json
 import os
 import socket
 import tempfile
@@ -92,3 +93,48 @@ def test_lora_from_a_checkpoint_under_fsdp_and_ep():
 def test_bad_layout_fails_before_any_work():
     with pytest.raises(SystemExit, match=r"world size \(1\) must be a multiple of ep \(2\)"):
         train.main(COMMON + ["--ep", "2", "--steps", "1", "--out", "unused"])
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32"])
+def test_lora_fine_tunes_a_real_checkpoint_under_fsdp_and_ep(family, tmp_path):
+    """--init-from a checkpoint directory that transformers wrote: its shapes replace --config, each
+    rank reads the shared weights and its own experts, LoRA rank 16 on 2 gloo processes (FSDP2 + EP
+    2), and the loss falls on the recall task."""
+    pytest.importorskip("transformers")
+    import real_checkpoints
+
+    ckpt = str(tmp_path / family)
+    real_checkpoints.write(family, ckpt)
+    out = str(tmp_path / "lora")
+    mp.spawn(_rank_main, args=(2, _free_port(), ["--init-from", ckpt, "--ep", "2", "--lora-rank", "16", "--steps",
+                                                 "60", "--seqs", "8", "--pairs", "4", "--queries", "4", "--lr", "1e-2",
+                                                 "--device", "cpu", "--log-every", "1000", "--out", out]), nprocs=2)
+    with open(os.path.join(out, "log.json")) as f:
+        losses = [h["loss"] for h in json.load(f)["history"]]
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
+
+
+def test_data_file_trains_next_token_prediction(tmp_path):
+    """--data: a .npy of token ids (a repeating pattern, quick to learn) and a .jsonl of texts
+    encoded with the checkpoint directory's tokenizer.json give the same stream of windows."""
+    np = pytest.importorskip("numpy")
+    tokenizers = pytest.importorskip("tokenizers")
+    pattern = np.tile(np.arange(3, 19), 64)
+    np.save(tmp_path / "tokens.npy", pattern)
+    history = train.main(COMMON + ["--data", str(tmp_path / "tokens.npy"), "--seq-len", "32", "--steps", "30",
+                                   "--out", str(tmp_path / "run")])["history"]
+    assert history[-1]["loss"] < 0.5 * history[0]["loss"]
+    stream = train.token_stream(str(tmp_path / "tokens.npy"))
+    tokens, cu, labels = train.stream_batch(stream, 2, 32, step=1, rank=0, world=1)
+    assert cu.tolist() == [0, 32, 64] and torch.equal(labels[:31], tokens[1:32]) and labels[31] == -100
+
+    vocab = {f"w{i}": i for i in range(20)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "texts.jsonl").write_text("\n".join(json.dumps({"text": " ".join(f"w{i}" for i in range(3, 19))})
+                                                    for _ in range(4)))
+    encoded = train.token_stream(str(tmp_path / "texts.jsonl"), str(tmp_path))
+    assert torch.equal(encoded, stream[:64])
+    with pytest.raises(SystemExit, match="needs .*tokenizer.json"):
+        train.token_stream(str(tmp_path / "texts.jsonl"), str(tmp_path / "elsewhere"))

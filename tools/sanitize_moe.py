@@ -18,6 +18,9 @@ def main():
     torch.autograd.grad(w.sum(), logits)
     for dtype, E_ in ((torch.float32, 64), (torch.bfloat16, 96)):  # rows copied in bulk, warps walking many tokens
         K.moe_route(torch.randn(40000, E_, device=dev, dtype=dtype), 8, torch.randn(E_, device=dev))
+    for groups, topk_groups in ((8, 4), (64, 3)):  # group-limited routing (DeepSeek-V3: 256 experts, 8 groups)
+        K.moe_route(torch.randn(4000, 256, device=dev, dtype=torch.bfloat16), 8, torch.randn(256, device=dev),
+                    n_group=groups, topk_group=topk_groups)
     fallback = torch.topk(torch.randn(T, E, device=dev), 6, dim=-1).indices.int()
     x = torch.randn(T, 40, device=dev, dtype=torch.bfloat16, requires_grad=True)
     for capacity, policy in ((None, "drop_probs"), (5, "drop_probs"), (5, "drop_position"), (4, "reroute")):

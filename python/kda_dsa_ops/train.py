@@ -6,10 +6,15 @@ loss curve.
     python -m kda_dsa_ops.train --config tiny --out runs/base
     torchrun --nproc-per-node 2 -m kda_dsa_ops.train --config tiny --ep 2 --lora-rank 16 \\
         --init-from runs/base/final --task shifted --out runs/lora
+    torchrun --nproc-per-node 8 -m kda_dsa_ops.train --init-from <a Kimi Linear / DeepSeek-V3.2 directory> \\
+        --ep 8 --lora-rank 16 --data tokens.npy --seq-len 4096
 
 The task: each sequence lists key-value pairs, then asks for the values of some of its keys; the
 labels are those values (every other token is unlabelled). --task shifted draws keys and values
-from other parts of the vocabulary (what a LoRA run then adapts the trained model to).
+from other parts of the vocabulary (what a LoRA run then adapts the trained model to). --data
+trains on a user's tokens instead (next-token prediction, see token_stream). --init-from takes our
+own torch.distributed.checkpoint directories or a checkpoint directory with a config.json (the
+real families and our own format, see onboard): the model then has that checkpoint's shapes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from . import onboard
 from .models import HybridModel, get_config
 from .parallel import (apply_fsdp, build_mesh, check_layout, clip_grad_norm, is_expert_param, optimizer_groups,
                        reduce_expert_gradients, shard_experts)
@@ -48,6 +54,52 @@ def recall_batch(vocab: int, seqs: int, pairs: int, queries: int, seed: int, tas
     return tokens.flatten(), torch.arange(seqs + 1, dtype=torch.int32) * length, labels.flatten()
 
 
+def token_stream(path: str, tokenizer_dir: str | None = None, dtype: str = "int32") -> torch.Tensor:
+    """A user's tokens as one 1-D int64 stream: a .npy array of token ids (any integer dtype, any
+    shape: read in order), a .bin file of raw little-endian ids of `dtype` (int32, uint16 or
+    uint32), or a .jsonl file of {"text": ...} lines encoded with the tokenizer.json found in
+    tokenizer_dir (the checkpoint's directory), documents joined in order."""
+    if path.endswith(".npy"):
+        import numpy as np
+
+        return torch.from_numpy(np.load(path).astype("int64").reshape(-1))
+    if path.endswith(".bin"):
+        import numpy as np
+
+        if dtype not in ("int32", "uint16", "uint32"):
+            raise SystemExit(f"--data-dtype must be int32, uint16 or uint32, got {dtype!r}")
+        return torch.from_numpy(np.fromfile(path, dtype=np.dtype(dtype).newbyteorder("<")).astype("int64"))
+    if path.endswith(".jsonl"):
+        tokenizer_file = os.path.join(tokenizer_dir or "", "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):
+            raise SystemExit(f"--data {path}: a .jsonl of texts needs {tokenizer_file} (pass --init-from a checkpoint "
+                             "directory that holds one)")
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(tokenizer_file)
+        ids = []
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    ids += tokenizer.encode(json.loads(line)["text"]).ids
+        return torch.tensor(ids, dtype=torch.int64)
+    raise SystemExit(f"--data {path}: expected a .npy, .bin or .jsonl file")
+
+
+def stream_batch(stream: torch.Tensor, seqs: int, seq_len: int, step: int, rank: int, world: int):
+    """Step `step`'s sequences of this rank: consecutive windows of seq_len tokens (wrapping
+    around the stream), labels the next token within each window (its last one unlabelled)."""
+    if stream.numel() < seq_len:
+        raise SystemExit(f"--data holds {stream.numel()} tokens, fewer than --seq-len {seq_len}")
+    windows = stream.numel() // seq_len
+    first = ((step * world + rank) * seqs) % windows
+    rows = [(first + i) % windows for i in range(seqs)]
+    tokens = torch.stack([stream[r * seq_len:(r + 1) * seq_len] for r in rows])
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, -1] = -100
+    return tokens.flatten(), torch.arange(seqs + 1, dtype=torch.int32) * seq_len, labels.flatten()
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny", help="HybridConfig preset (tiny, small)")
@@ -56,7 +108,14 @@ def parse_args(argv=None):
     p.add_argument("--micro-batches", type=int, default=1,
                    help="with --ep: split each MoE layer's tokens so that all-to-all overlaps expert compute")
     p.add_argument("--lora-rank", type=int, default=0, help="0: train every parameter; > 0: LoRA adapters only")
-    p.add_argument("--init-from", default=None, help="checkpoint to start from (its model weights)")
+    p.add_argument("--init-from", default=None,
+                   help="checkpoint to start from: one of ours, or a directory with a config.json (kimi_linear, "
+                        "deepseek_v32, kda_dsa_ops), whose shapes then replace --config")
+    p.add_argument("--data", default=None,
+                   help="train on these tokens (.npy / .bin of token ids, or .jsonl of texts with the tokenizer.json "
+                        "of --init-from) instead of the recall task")
+    p.add_argument("--data-dtype", default="int32", help="element type of a .bin --data file (int32, uint16, uint32)")
+    p.add_argument("--seq-len", type=int, default=512, help="with --data: tokens per sequence")
     p.add_argument("--recompute", choices=HybridModel.RECOMPUTE, default="none",
                    help="recompute attention or whole blocks in the backward instead of keeping activations")
     p.add_argument("--offload", action="store_true", help="keep saved activations in pinned host memory")
@@ -161,7 +220,14 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = get_config(args.config, capacity_factor=None)
+    hf_init = bool(args.init_from) and os.path.isfile(os.path.join(args.init_from, "config.json"))
+    try:
+        cfg = onboard.read_config(args.init_from) if hf_init else get_config(args.config, capacity_factor=None)
+    except onboard.CheckpointError as err:
+        raise SystemExit(f"--init-from {args.init_from}: {err}") from None
+    stream = token_stream(args.data, args.init_from if hf_init else None, args.data_dtype) if args.data else None
+    if stream is not None and stream.numel() and int(stream.max()) >= cfg.vocab:
+        raise SystemExit(f"--data has token id {int(stream.max())}, beyond the model's vocabulary of {cfg.vocab}")
     try:
         check_layout(world, args.ep, cfg.experts)  # before any process group or model exists
     except ValueError as err:
@@ -180,8 +246,13 @@ def main(argv=None) -> dict:
                         offload=args.offload).to(device)
     if mesh is not None:
         shard_experts(model, mesh, args.micro_batches)
+    if hf_init:  # before FSDP: each rank reads the shared weights and only its own experts
+        report = onboard.load(model, args.init_from, device.type)
+        if rank == 0:
+            print(report.text(), flush=True)
+    if mesh is not None:
         apply_fsdp(model)
-    if args.init_from:
+    if args.init_from and not hf_init:
         load_checkpoint(args.init_from, model, None, tag)
     opt = torch.optim.AdamW(optimizer_groups(model), lr=args.lr)
     os.makedirs(args.out, exist_ok=True)
@@ -193,8 +264,11 @@ def main(argv=None) -> dict:
     history = []
     tokens_seen, clock = 0, time.perf_counter()
     for step in range(start, args.steps):
-        tokens, cu, labels = recall_batch(cfg.vocab, args.seqs, args.pairs, args.queries,
-                                          seed=args.seed * 1_000_003 + step * 1009 + rank, task=args.task)
+        if stream is not None:
+            tokens, cu, labels = stream_batch(stream, args.seqs, args.seq_len, step, rank, world)
+        else:
+            tokens, cu, labels = recall_batch(cfg.vocab, args.seqs, args.pairs, args.queries,
+                                              seed=args.seed * 1_000_003 + step * 1009 + rank, task=args.task)
         with precision:
             out = model(tokens.to(device), cu.to(device), labels.to(device))
         out["loss"].backward()

@@ -1,0 +1,65 @@
+"""Tiny random checkpoints of the real families, written by transformers itself (save_pretrained):
+the judge tests compare our model with transformers on them, the training tests fine-tune them."""
+
+import math
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8 e4m3
+
+
+def kimi_linear_config():
+    return _transformers().KimiLinearConfig(
+        vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10, num_local_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.446, linear_head_dim=8,
+        linear_num_heads=2, rms_norm_eps=1e-5,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+
+
+def deepseek_v32_config():
+    return _transformers().DeepseekV32Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        v_head_dim=12, qk_nope_head_dim=10, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        index_topk=5, index_head_dim=16, index_n_heads=32, first_k_dense_replace=1, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "beta_fast": 32, "beta_slow": 1})
+
+
+CONFIGS = {"kimi_linear": kimi_linear_config, "deepseek_v32": deepseek_v32_config}
+
+
+def randomise(model):
+    """Weights of unit-scale activations (transformers' init, std 0.02, leaves every layer nearly
+    linear), norms near 1, a routing bias that matters. (The DeepSeek indexer has 32 heads: a key
+    whose dot products are negative for every head scores exactly 0, and such ties at the top-k
+    boundary are ordered by torch.topk, the judge's selection, in no specified way.)"""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2 and "A_log" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def _transformers():
+    import transformers
+
+    return transformers
+
+
+def write(family: str, directory: str):
+    """Writes the tiny `family` checkpoint to directory; returns transformers' model of it."""
+    torch.manual_seed(0)
+    model = _transformers().AutoModelForCausalLM.from_config(CONFIGS[family]())
+    randomise(model)
+    model.save_pretrained(directory)
+    return model
