@@ -9,6 +9,8 @@ from . import _C
 from .ops import (chunk_kda, grouped_mm, grouped_mm_wgrad, lightning_indexer, moe_permute, moe_route, moe_unpermute,
                   sparse_attention)
 
+from .onboard import from_pretrained  # noqa: E402  (after the ops: the model is built on them)
+
 __version__ = _C.build_info()["version"]
 
 
@@ -43,6 +45,6 @@ def set_value_checks(enabled: bool) -> None:
 
 
 __all__ = [
-    "build_info", "chunk_kda", "cuda_available", "grouped_mm", "grouped_mm_wgrad", "lightning_indexer", "moe_permute",
+    "build_info", "chunk_kda", "cuda_available", "from_pretrained", "grouped_mm", "grouped_mm_wgrad", "lightning_indexer", "moe_permute",
     "moe_route", "moe_unpermute", "set_value_checks", "sparse_attention", "value_checks_enabled",
 ]
