@@ -8,26 +8,26 @@ import torch
 FP8_MAX = 448.0  # largest finite float8 e4m3
 
 
-def kimi_linear_config():
-    return _transformers().KimiLinearConfig(
+def kimi_linear_config(**overrides):
+    return _transformers().KimiLinearConfig(**overrides, **{k: v for k, v in dict(
         vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=48,
         moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
         q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10, num_local_experts=8,
         num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.446, linear_head_dim=8,
         linear_num_heads=2, rms_norm_eps=1e-5,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"]).items() if k not in overrides})
 
 
-def deepseek_v32_config():
-    return _transformers().DeepseekV32Config(
+def deepseek_v32_config(**overrides):
+    return _transformers().DeepseekV32Config(**overrides, **{k: v for k, v in dict(
         vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
         num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
         v_head_dim=12, qk_nope_head_dim=10, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
         index_topk=5, index_head_dim=16, index_n_heads=32, first_k_dense_replace=1, max_position_embeddings=256,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "beta_fast": 32, "beta_slow": 1})
+                         "beta_fast": 32, "beta_slow": 1}).items() if k not in overrides})
 
 
 CONFIGS = {"kimi_linear": kimi_linear_config, "deepseek_v32": deepseek_v32_config}
@@ -56,10 +56,12 @@ def _transformers():
     return transformers
 
 
-def write(family: str, directory: str):
-    """Writes the tiny `family` checkpoint to directory; returns transformers' model of it."""
+def write(family: str, directory: str, unit_scale: bool = True, **overrides):
+    """Writes the tiny `family` checkpoint (overrides: config fields) to directory, its weights
+    randomised to unit scale (or as transformers initialises them); returns transformers' model."""
     torch.manual_seed(0)
-    model = _transformers().AutoModelForCausalLM.from_config(CONFIGS[family]())
-    randomise(model)
+    model = _transformers().AutoModelForCausalLM.from_config(CONFIGS[family](**overrides))
+    if unit_scale:
+        randomise(model)
     model.save_pretrained(directory)
     return model

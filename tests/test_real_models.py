@@ -18,7 +18,6 @@ from kda_dsa_ops import onboard
 from kda_dsa_ops.safetensors_io import CheckpointError, Reader, write_file
 
 import real_checkpoints
-from conftest import HAS_CUDA
 from real_checkpoints import CONFIGS, FP8_MAX
 from tolerances import JUDGE_KDA_REL_RMS, JUDGE_REL_RMS, assert_close
 
@@ -230,10 +229,20 @@ def test_unknown_model_type_and_missing_config_keys(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_bf16_logits_on_the_cuda_kernels(checkpoint):
-    """The same checkpoints in bf16 on the CUDA kernels against the float64 judge."""
-    family, directory, judge = checkpoint
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_bf16_logits_on_the_cuda_kernels(family, tmp_path):
+    """The checkpoints in bf16 on the CUDA kernels against the float64 judge, within the bf16 row.
+    Their weights as transformers initialises them: at unit scale these tiny random models are
+    chaotic in bf16 (transformers itself in bf16 is 8% (Kimi Linear) and 15% (DeepSeek-V3.2) off
+    its own float64 logits there; at its initialisation 0.6% and 2.2%). The DeepSeek indexer keeps
+    every key here: at that initialisation its scores differ by less than bf16 resolves, so which
+    5 keys win is bf16 noise (the selection itself is held to the reference in float64 above and
+    on CUDA by test_dsa); the sparse-attention and indexer kernels still run."""
+    directory = str(tmp_path / family)
+    real_checkpoints.write(family, directory, unit_scale=False, **({"index_topk": 64} if family == "deepseek_v32"
+                                                                 else {}))
+    judge = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=F64, attn_implementation="eager", experts_implementation="eager").eval()
     model = onboard.from_pretrained(directory, dtype=torch.bfloat16, device="cuda")
     tokens, cu = tokens_and_bounds(model.cfg.vocab)
     with torch.no_grad():
