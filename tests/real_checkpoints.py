@@ -30,7 +30,27 @@ def deepseek_v32_config(**overrides):
                          "beta_fast": 32, "beta_slow": 1}).items() if k not in overrides})
 
 
-CONFIGS = {"kimi_linear": kimi_linear_config, "deepseek_v32": deepseek_v32_config}
+def glm5_next_config(**overrides):
+    """KDA (lower-bound gate) and NoPE MLA + DSA layers with the k-pooled indexer, a layer reusing
+    the previous one's choice (transformers passes a choice to the next layer only), mHC streams, clamped SwiGLUs; a two-block vision tower beside."""
+    text = dict(
+        vocab_size=160, pad_token_id=0, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=0, v_head_dim=12, qk_nope_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
+        routed_scaling_factor=2.5, index_topk=8, index_head_dim=16, index_n_heads=32, index_kpool=4,
+        linear_head_dim=8, linear_num_heads=2, linear_lower_bound=-5.0, hc_mult=3, swiglu_limit=1.5,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    vision = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=32,
+                  projection_intermediate_size=40, patch_size=4, image_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    return _transformers().Glm5NextConfig(
+        text_config={**text, **overrides}, vision_config=vision, image_token_id=150, video_token_id=151,
+        image_start_token_id=152, image_end_token_id=153, video_start_token_id=154, video_end_token_id=155)
+
+
+CONFIGS = {"kimi_linear": kimi_linear_config, "deepseek_v32": deepseek_v32_config, "glm5_next": glm5_next_config}
+MODEL_CLASSES = {"glm5_next": "AutoModelForImageTextToText"}
 
 
 def randomise(model):
@@ -56,11 +76,16 @@ def _transformers():
     return transformers
 
 
+def auto_class(family: str):
+    """transformers' Auto class for the family's checkpoints."""
+    return getattr(_transformers(), MODEL_CLASSES.get(family, "AutoModelForCausalLM"))
+
+
 def write(family: str, directory: str, unit_scale: bool = True, **overrides):
     """Writes the tiny `family` checkpoint (overrides: config fields) to directory, its weights
     randomised to unit scale (or as transformers initialises them); returns transformers' model."""
     torch.manual_seed(0)
-    model = _transformers().AutoModelForCausalLM.from_config(CONFIGS[family](**overrides))
+    model = auto_class(family).from_config(CONFIGS[family](**overrides))
     if unit_scale:
         randomise(model)
     model.save_pretrained(directory)

@@ -130,7 +130,7 @@ def test_cli_reports_ops_per_block(checkpoint, capsys):
     _, d = checkpoint
     report = onboard.main([d, "--device", "cpu"])
     out = capsys.readouterr().out
-    assert report.ok and "preset tiny" in out and "layer   3: LI + SFA" in out
+    assert report.ok and "preset tiny" in out and "layer   3: lightning_indexer (native) + SFA: sparse_attn (native)" in out
 
 
 def test_fused_ops_says_which_blocks_run_native_on_cuda():
@@ -138,7 +138,7 @@ def test_fused_ops_says_which_blocks_run_native_on_cuda():
     from kda_dsa_ops.onboard import fused_ops
 
     small = fused_ops(get_config("small"), "cuda")
-    assert all("lightning_indexer + sparse_attn (native)" in line for line in small if "LI + SFA" in line)
+    assert all("lightning_indexer (native) + SFA: sparse_attn (native)" in line for line in small if "SFA" in line)
     wide = fused_ops(get_config("small", index_heads=96), "cuda")
-    assert any("LI + SFA: reference (the CUDA indexer takes up to 64 heads" in line for line in wide)
+    assert any("SFA: reference (the CUDA indexer takes up to 64 heads" in line for line in wide)
     assert all("(native)" in line for line in fused_ops(get_config("small", index_heads=96), "cpu"))

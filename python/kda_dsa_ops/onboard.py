@@ -27,6 +27,7 @@ import torch
 from .models import HybridConfig, HybridModel
 from .models.hybrid import PRESETS
 from .nn import LoRALinear
+from .reference.dsa import MAX_TOPK
 from .safetensors_io import CheckpointError, Reader, write_file, write_sharded
 
 FP8_BLOCK = 128
@@ -57,6 +58,7 @@ class Family:
     read_config: Callable[[dict], HybridConfig]
     rules: Callable[[HybridConfig], list[Rule]]
     aliases: tuple[tuple[str, str], ...] = ()  # (canonical, alternative) spellings of a name fragment
+    not_loaded: tuple[tuple[str, str], ...] = ()  # (name prefix, what it is): parts HybridModel lacks, reported
 
 
 def _get(raw: dict, *names, default=None, required: list | None = None):
@@ -158,6 +160,42 @@ def deepseek_v32_config(raw: dict) -> HybridConfig:
     return HybridConfig(**values)
 
 
+def glm5_next_config(raw: dict) -> HybridConfig:
+    """GLM-5.3-Flash: its text_config (the vision tower is not part of HybridModel yet)."""
+    missing: list = []
+    text = raw.get("text_config") or {}
+    L = _get(text, "num_hidden_layers", required=missing) or 0
+    types = text.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(L)]
+    la = text.get("linear_attn_config") or {}
+    heads = la.get("num_heads", _get(text, "linear_num_heads", default=64))
+    head_dim = la.get("head_dim", _get(text, "linear_head_dim", default=128))
+    mlp_types = text.get("mlp_layer_types") or ["dense" if i < 3 else "sparse" for i in range(L)]
+    indexer_types = text.get("indexer_types") or ["full"] * L
+    eps = float(_get(text, "rms_norm_eps", default=1e-5))
+    values = _common_fields(text, missing) | _mla_fields(text, missing) | _moe_fields(
+        dict(text, mlp_layer_types=mlp_types), missing) | dict(
+        pattern="".join("K" if t == "linear_attention" else "D" for t in types),
+        kda_heads=heads, kda_value_heads=heads, kda_head_dim=head_dim, kda_gate_rank=head_dim,
+        kda_conv_size=la.get("short_conv_kernel_size", _get(text, "linear_conv_kernel_dim", default=4)),
+        kda_lower_bound=la.get("gate_lower_bound", text.get("linear_lower_bound", -5.0)),
+        latent_norm_eps=eps, rope_style="none", index_style="deepseek",
+        index_heads=_get(text, "index_n_heads", required=missing), index_dim=_get(text, "index_head_dim", required=missing),
+        dsa_topk=_get(text, "index_topk", required=missing), index_kpool=_get(text, "index_kpool", default=16),
+        index_kpool_tail=bool(_get(text, "index_kpool_always_select_tail", default=True)),
+        index_pattern="".join("S" if t == "shared" else "F" for t, k in zip(indexer_types, types)
+                              if k != "linear_attention") or "F",
+        swiglu_limit=float(_get(text, "swiglu_limit", default=0.0)),
+        hc_mult=_get(text, "hc_mult", default=1), hc_eps=float(_get(text, "hc_eps", default=1e-6)),
+        hc_sinkhorn_iters=_get(text, "hc_sinkhorn_iters", default=20))
+    _check_missing(missing, "glm5_next")
+    cfg = HybridConfig(**values)
+    # index_pattern above lists the sparse layers only: spread it back over every layer
+    per_layer, sparse = [], iter(values["index_pattern"])
+    for k in cfg.kinds():
+        per_layer.append(next(sparse) if k == "D" else "F")
+    return replace(cfg, index_pattern="".join(per_layer))
+
+
 def own_config(raw: dict) -> HybridConfig:
     known = {f.name for f in fields(HybridConfig)}
     unknown = sorted(set(raw) - known - {"model_type"})
@@ -204,24 +242,48 @@ def _hf_rules(moe: str, expert: tuple[str, str, str]) -> list[Rule]:
     return rules
 
 
-def kimi_linear_rules(cfg: HybridConfig) -> list[Rule]:
-    return _hf_rules("mlp", ("w1", "w3", "w2")) + _block_rules("self_attn", [
+def _kda_rules(a_log: str) -> list[Rule]:
+    """Kimi Linear's KDA layers (a_log: how its A_log is laid out)."""
+    return _block_rules("self_attn", [
         ("K", f"{p}_proj.weight", f"attn.{p}_proj.base.weight", "identity") for p in "qkv"] + [
         ("K", f"{p}_conv1d.weight", f"attn.{p}_conv.weight", "conv") for p in "qkv"] + [
         ("K", "f_a_proj.weight", "attn.g_down.weight", "identity"), ("K", "f_b_proj.weight", "attn.g_up.weight", "identity"),
-        ("K", "A_log", "attn.A_log", "reshape:1,1,-1,1"), ("K", "dt_bias", "attn.dt_bias", "identity"),
+        ("K", "A_log", "attn.A_log", a_log), ("K", "dt_bias", "attn.dt_bias", "identity"),
         ("K", "b_proj.weight", "attn.b_proj.weight", "identity"),
         ("K", "g_a_proj.weight", "attn.o_gate_down.base.weight", "identity"),
         ("K", "g_b_proj.weight", "attn.o_gate_up.base.weight", "identity"),
         ("K", "o_norm.weight", "attn.o_norm.weight", "identity"), ("K", "o_proj.weight", "attn.o_proj.base.weight", "identity")])
 
 
+def _indexer_rules() -> list[Rule]:
+    """DeepSeek-V3.2's indexer, on the sparse layers that have their own (DF)."""
+    return _block_rules("self_attn.indexer", [
+        ("DF", "wq_b.weight", "attn.indexer.q.weight", "identity"), ("DF", "wk.weight", "attn.indexer.k.weight", "identity"),
+        ("DF", "k_norm.weight", "attn.indexer.k_norm.weight", "identity"),
+        ("DF", "k_norm.bias", "attn.indexer.k_norm.bias", "identity"),
+        ("DF", "weights_proj.weight", "attn.indexer.w.weight", "identity")])
+
+
+def kimi_linear_rules(cfg: HybridConfig) -> list[Rule]:
+    return _hf_rules("mlp", ("w1", "w3", "w2")) + _kda_rules("reshape:1,1,-1,1")
+
+
 def deepseek_v32_rules(cfg: HybridConfig) -> list[Rule]:
-    return _hf_rules("mlp", ("gate_proj", "up_proj", "down_proj")) + _block_rules("self_attn.indexer", [
-        ("D", "wq_b.weight", "attn.indexer.q.weight", "identity"), ("D", "wk.weight", "attn.indexer.k.weight", "identity"),
-        ("D", "k_norm.weight", "attn.indexer.k_norm.weight", "identity"),
-        ("D", "k_norm.bias", "attn.indexer.k_norm.bias", "identity"),
-        ("D", "weights_proj.weight", "attn.indexer.w.weight", "identity")])
+    return _hf_rules("mlp", ("gate_proj", "up_proj", "down_proj")) + _indexer_rules()
+
+
+def glm5_next_rules(cfg: HybridConfig) -> list[Rule]:
+    """GLM-5.3-Flash's text model (under model.language_model.): DeepSeek's MLA, indexer and MoE,
+    Kimi's KDA, the hyper-connections of every block and the indexer's pooling."""
+    layer = "model.language_model.layers.{i}"
+    rules = _hf_rules("mlp", ("gate_proj", "up_proj", "down_proj")) + _kda_rules("identity") + _indexer_rules()
+    rules = [replace(r, source=tuple(n.replace("model.", "model.language_model.", 1) for n in r.sources))
+             for r in rules]
+    rules += [Rule("all", f"{layer}.hc_{part}_{p}", f"blocks.{{i}}.{part}_hc.{p}") for part in ("attn", "ffn")
+              for p in ("fn", "base", "scale")]
+    rules += [Rule("DF", f"{layer}.self_attn.indexer.index_kpool_compress_{p}", f"blocks.{{i}}.attn.indexer.kpool_{p}")
+              for p in ("ape", "gate")]
+    return rules
 
 
 def own_rules(cfg: HybridConfig) -> list[Rule]:
@@ -240,6 +302,7 @@ def own_rules(cfg: HybridConfig) -> list[Rule]:
 FAMILIES = {
     "kimi_linear": Family(kimi_linear_config, kimi_linear_rules, aliases=(("mlp.", "block_sparse_moe."),)),
     "deepseek_v32": Family(deepseek_v32_config, deepseek_v32_rules),
+    "glm5_next": Family(glm5_next_config, glm5_next_rules, not_loaded=(("model.visual.", "the vision tower"),)),
     OWN_FORMAT: Family(own_config, own_rules),
 }
 
@@ -249,7 +312,8 @@ def _applies(where: str, cfg: HybridConfig, i: int | None) -> bool:
         return True
     kind, ffn = cfg.kinds()[i], cfg.ffn_kinds()[i]
     return {"MLA": kind in "DA", "MLAq": kind in "DA" and cfg.dsa_q_rank > 0,
-            "MLA0": kind in "DA" and cfg.dsa_q_rank == 0}.get(where, where in (kind, ffn))
+            "MLA0": kind in "DA" and cfg.dsa_q_rank == 0,
+            "DF": kind == "D" and cfg.index_pattern[i % len(cfg.index_pattern)] == "F"}.get(where, where in (kind, ffn))
 
 
 def _expand(cfg: HybridConfig, family: Family, experts: range):
@@ -315,6 +379,7 @@ class Report:
     missing: list = field(default_factory=list)        # tensors the checkpoint lacks
     unknown: list = field(default_factory=list)        # checkpoint tensors no rule takes
     shape_errors: list = field(default_factory=list)
+    not_loaded: dict = field(default_factory=dict)     # what HybridModel lacks: tensors left in the checkpoint
     conversions: dict = field(default_factory=dict)    # "bf16 -> fp32": count
     dequantised: int = 0                               # FP8 weights dequantised
     ops: list = field(default_factory=list)            # the op each block runs on
@@ -330,6 +395,7 @@ class Report:
                              ("unknown", self.unknown)):
             if items:
                 lines.append(f"{title} ({len(items)}): " + "; ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
+        lines += [f"not loaded: {k} ({v} tensors; HybridModel has no such part yet)" for k, v in self.not_loaded.items()]
         lines += [f"dtype conversion {k}: {v} tensors" for k, v in self.conversions.items()]
         if self.dequantised:
             lines.append(f"FP8 block-scaled weights dequantised: {self.dequantised}")
@@ -371,16 +437,23 @@ def fused_ops(cfg: HybridConfig, device: str) -> list[str]:
     """Which op each block will run on, or why it falls back to reference/ or to torch."""
     cuda = device == "cuda"
     lines = []
+    width = cfg.dsa_topk + (cfg.index_kpool - 1 if cfg.index_kpool and cfg.index_kpool_tail else 0)
     for i, (kind, ffn) in enumerate(zip(cfg.kinds(), cfg.ffn_kinds())):
         if kind == "K":
             attn = "KDA: kda_fwd / kda_bwd (native)"
         elif kind == "A":
             attn = "dense MLA: torch scaled_dot_product_attention (no kernel of ours: dense causal attention)"
         else:
-            attn = "LI + SFA: lightning_indexer + sparse_attn (native)"
+            if cfg.index_pattern[i % len(cfg.index_pattern)] == "S":
+                indexer = "the previous layer's choice"
+            elif cfg.index_kpool:
+                indexer = "k-pooled indexer: reference (no kernel scores pools yet, issue 25)"
+            else:
+                indexer = "lightning_indexer (native)"
             why = dsa_cuda_limits(cfg) if cuda else None
-            if why:
-                attn = f"LI + SFA: reference ({why})"
+            if width > MAX_TOPK:
+                why = f"{width} keys per query (top-k + the pool tail) exceed the kernels' {MAX_TOPK}"
+            attn = f"{indexer} + SFA: " + (f"reference ({why})" if why else "sparse_attn (native)")
         if ffn == "F":
             mlp = "dense SwiGLU: torch matmuls"
         else:
@@ -449,12 +522,15 @@ def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
             report.shape_errors += bad
             continue
         staged.append((found, scales, dest, how))
-    expert_of, layer_of = re.compile(r"\.experts\.(\d+)\."), re.compile(r"^model\.layers\.(\d+)\.")
+    expert_of, layer_of = re.compile(r"\.experts\.(\d+)\."), re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
     for name in reader.entries:
         m, layer = expert_of.search(name), layer_of.search(name)
         owned_elsewhere = m is not None and int(m.group(1)) not in experts and int(m.group(1)) < cfg.experts
         beyond = layer is not None and int(layer.group(1)) >= cfg.layers  # e.g. DeepSeek's multi-token-prediction layer
-        if name not in used and not owned_elsewhere and not beyond:
+        part = next((what for prefix, what in family.not_loaded if name.startswith(prefix)), None)
+        if part is not None:
+            report.not_loaded[part] = report.not_loaded.get(part, 0) + 1
+        elif name not in used and not owned_elsewhere and not beyond:
             report.unknown.append(name)
     if not report.ok:
         raise CheckpointError(f"{directory}: cannot load\n{report.text()}")
@@ -499,7 +575,7 @@ def from_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
             if isinstance(module, LoRALinear) and module.rank > 0:
                 module.lora_a.data, module.lora_b.data = module.lora_a.data.float(), module.lora_b.data.float()
     load(model, path, device.type)
-    model.source_config = raw
+    model.source_config, model.source_dir = raw, path
     return model
 
 
@@ -517,7 +593,8 @@ def export(model: HybridModel, directory: str, family: str | None = None, shard_
            dtype: torch.dtype | None = None) -> None:
     """Writes model (unsharded; LoRA merged into the base weights) as a checkpoint of `family`
     (default: the one it was loaded from, else our own format): config.json (the source's,
-    when the model came from that family) and sharded safetensors."""
+    when the model came from that family) and sharded safetensors; what the model did not load
+    from its source (GLM-5.3's vision tower) is copied from the source checkpoint unchanged."""
     source = getattr(model, "source_config", None)
     family = family or (source or {}).get("model_type", OWN_FORMAT)
     if family not in FAMILIES:
@@ -530,6 +607,12 @@ def export(model: HybridModel, directory: str, family: str | None = None, shard_
         for name, t in zip(names, _to_checkpoint(ours, how, len(names))):
             t = t.contiguous()
             tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    source_dir = getattr(model, "source_dir", None)
+    if FAMILIES[family].not_loaded and source_dir is not None and (source or {}).get("model_type") == family:
+        reader = Reader(source_dir)  # the parts HybridModel lacks (a vision tower) travel unchanged
+        for name in reader.entries:
+            if any(name.startswith(prefix) for prefix, _ in FAMILIES[family].not_loaded):
+                tensors[name] = reader.read(name)
     write_sharded(directory, tensors, shard_bytes)
     if source is not None and source.get("model_type") == family:
         config = dict(source)
@@ -561,8 +644,9 @@ def export_adapters(model: HybridModel, directory: str, family: str | None = Non
             continue
         if how not in ("identity", "cat"):
             raise ValueError(f"an adapter on {target} ({how}) has no PEFT form")
-        if family == "deepseek_v32" and names[0].endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
-            raise ValueError(f"peft reads adapters on modules named gate_proj / up_proj / down_proj of a deepseek_v32 "
+        if family in ("deepseek_v32", "glm5_next") and names[0].endswith(("gate_proj.weight", "up_proj.weight",
+                                                                           "down_proj.weight")):
+            raise ValueError(f"peft reads adapters on modules named gate_proj / up_proj / down_proj of a {family} "
                              f"model as the fused experts' ({names[0]}): train with lora_targets='attention' to "
                              f"export the adapters for peft, or export the merged weights")
         ranks.add(lora.rank)

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .._dtypes import accumulation_dtype
-from ..nn import (KDAAttention, LatentMoE, LightningIndexer, MLAttention, Rope, SwiGLU, chunked_linear_cross_entropy,
-                  get_backend, positions_in_sequence)
+from ..nn import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, MLAttention, Rope, SwiGLU,
+                  chunked_linear_cross_entropy, get_backend, positions_in_sequence)
 from ..nn.offload import ActivationOffload
 from ..nn.vision import PatchEmbed
 from ..reference.dsa import MAX_TOPK
@@ -57,6 +57,9 @@ class HybridConfig:
     index_dim: int = 16
     dsa_topk: int = 64
     index_style: str = "plain"  # "plain" (q, k, w from the input) or "deepseek" (see nn.LightningIndexer)
+    index_pattern: str = "F"  # per layer, repeated (read at D layers): F = its own indexer, S = the last one's choice
+    index_kpool: int = 0  # > 0: GLM-5.3's indexer over pools of this many keys
+    index_kpool_tail: bool = True  # and the latest incomplete pool always chosen
     experts: int = 8
     moe_topk: int = 2
     latent: int = 32  # 0: experts on the full width
@@ -66,9 +69,13 @@ class HybridConfig:
     moe_groups: int = 1
     moe_topk_groups: int = 1
     moe_renorm: bool = True
+    swiglu_limit: float = 0.0  # > 0: GLM-5.3's clamps of every SwiGLU's gate and up
     capacity_factor: float | None = None
     drop_policy: str = "drop_probs"
     indexer_loss_weight: float = 0.1
+    hc_mult: int = 1  # > 1: that many residual streams mixed by hyper-connections (mHC, GLM-5.3)
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
     image_size: int = 0  # > 0: an image front end; the last vocabulary id marks where an image's patches go
     patch: int = 8
     channels: int = 3
@@ -118,6 +125,13 @@ class HybridConfig:
         elif self.index_style == "deepseek" and (self.dsa_q_rank <= 0 or self.index_dim < self.dsa_rope_dim):
             problems.append("the deepseek indexer reads the q latent (dsa_q_rank > 0) and rotates dsa_rope_dim of "
                             f"its index_dim dims, got q rank {self.dsa_q_rank}, index_dim {self.index_dim}")
+        if set(self.index_pattern) - {"F", "S"}:
+            problems.append(f"index_pattern must be made of 'F' and 'S', got {self.index_pattern!r}")
+        elif self.index_kinds() and self.index_kinds()[0] == "S":
+            problems.append("the first sparse (D) layer must have its own indexer: index_pattern gives it 'S'")
+        if self.index_kpool and (self.index_style != "deepseek" or self.dsa_topk % self.index_kpool):
+            problems.append(f"index_kpool ({self.index_kpool}) needs the deepseek index_style and to divide dsa_topk "
+                            f"({self.dsa_topk})")
         if self.image_size and self.image_size % self.patch:
             problems.append(f"image_size ({self.image_size}) must be a multiple of patch ({self.patch})")
         if problems:
@@ -128,6 +142,10 @@ class HybridConfig:
 
     def ffn_kinds(self) -> list[str]:
         return [self.ffn_pattern[i % len(self.ffn_pattern)] for i in range(self.layers)]
+
+    def index_kinds(self) -> list[str]:
+        """F or S for each sparse (D) layer, in order."""
+        return [self.index_pattern[i % len(self.index_pattern)] for i, k in enumerate(self.kinds()) if k == "D"]
 
 
 PRESETS = {
@@ -155,53 +173,78 @@ def get_config(name: str, **overrides) -> HybridConfig:
 
 
 class HybridBlock(nn.Module):
-    def __init__(self, cfg: HybridConfig, kind: str, ffn_kind: str, lora_rank: int, mlp_lora_rank: int):
+    """Attention then feed-forward, each with a residual: x + f(norm(x)), or with hc_mult > 1
+    hyper-connections over the residual streams (nn.HyperConnection)."""
+
+    def __init__(self, cfg: HybridConfig, kind: str, ffn_kind: str, lora_rank: int, mlp_lora_rank: int,
+                 own_indexer: bool = True):
         super().__init__()
         self.kind, self.ffn_kind = kind, ffn_kind
         eps = cfg.rms_norm_eps
         self.attn_norm, self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=eps), nn.RMSNorm(cfg.hidden, eps=eps)
+        self.attn_hc = self.ffn_hc = None
+        if cfg.hc_mult > 1:
+            self.attn_hc, self.ffn_hc = (HyperConnection(cfg.hidden, cfg.hc_mult, cfg.hc_eps, cfg.hc_sinkhorn_iters, eps)
+                                         for _ in range(2))
         if kind == "K":
             self.attn = KDAAttention(cfg.hidden, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_value_heads,
                                      cfg.kda_gate_rank, cfg.kda_conv_size, lora_rank, eps, cfg.kda_lower_bound)
         else:
             rope = cfg.rope()
             indexer = None
-            if kind == "D":
+            if kind == "D" and own_indexer:
                 q_in = cfg.dsa_q_rank if cfg.index_style == "deepseek" else cfg.hidden
                 indexer = LightningIndexer(cfg.hidden, q_in, cfg.index_heads, cfg.index_dim, cfg.dsa_topk,
-                                           cfg.index_style, rope, cfg.dsa_rope_dim)
+                                           cfg.index_style, rope, cfg.dsa_rope_dim, cfg.index_kpool,
+                                           cfg.index_kpool_tail)
             self.attn = MLAttention(cfg.hidden, cfg.dsa_heads, cfg.dsa_q_rank, cfg.dsa_kv_rank, cfg.dsa_nope_dim,
                                     cfg.dsa_rope_dim, cfg.dsa_v_dim, rope, indexer, cfg.dsa_gate and kind == "D",
-                                    cfg.latent_norm_eps, lora_rank)
+                                    cfg.latent_norm_eps, lora_rank, shared=kind == "D")
         if ffn_kind == "M":
             self.mlp = LatentMoE(cfg.hidden, cfg.latent, cfg.experts, cfg.moe_topk, cfg.expert_ffn, cfg.shared_ffn,
                                  cfg.capacity_factor, cfg.drop_policy, lora_rank=mlp_lora_rank,
                                  routed_scale=cfg.routed_scale, n_group=cfg.moe_groups,
-                                 topk_group=cfg.moe_topk_groups, renorm=cfg.moe_renorm, norm_eps=eps)
+                                 topk_group=cfg.moe_topk_groups, renorm=cfg.moe_renorm, norm_eps=eps,
+                                 swiglu_limit=cfg.swiglu_limit)
         else:
-            self.mlp = SwiGLU(cfg.hidden, cfg.dense_ffn, mlp_lora_rank)
+            self.mlp = SwiGLU(cfg.hidden, cfg.dense_ffn, mlp_lora_rank, cfg.swiglu_limit)
 
     def feed_forward(self, x: Tensor, backend) -> Tensor:
         return self.mlp(x, backend) if self.ffn_kind == "M" else self.mlp(x)
 
-    def attention(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend) -> tuple[Tensor, Tensor]:
-        out = self.attn(self.attn_norm(x), cu_seqlens, pos, backend)
-        return out if isinstance(out, tuple) else (out, x.new_zeros((), dtype=accumulation_dtype(x)))
+    def attention(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, shared_indices: Tensor | None = None):
+        """(output, indexer loss, the sparse layer's indices or None) of the attention on x [T, hidden]."""
+        if self.kind == "K":
+            return self.attn(self.attn_norm(x), cu_seqlens, pos, backend), x.new_zeros(
+                (), dtype=accumulation_dtype(x)), None
+        return self.attn(self.attn_norm(x), cu_seqlens, pos, backend, shared_indices)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute: str = "none"):
-        """recompute: "attention" keeps only the block's input for the attention half and runs it again
-        in the backward; "block" does so for the whole block; "none" keeps every activation."""
+    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute: str = "none",
+                shared_indices: Tensor | None = None):
+        """x [T, hidden], or [T, hc_mult, hidden] streams -> (the same, indexer loss, indices or None).
+        recompute: "attention" keeps only the block's input for the attention half and runs it again
+        in the backward; "block" does so for the whole block; "none" keeps every activation.
+        shared_indices: the last sparse layer's choice, for a layer without an indexer of its own."""
         if recompute == "block":
-            return checkpoint(self._forward, x, cu_seqlens, pos, backend, use_reentrant=False)
-        return self._forward(x, cu_seqlens, pos, backend, recompute == "attention")
+            return checkpoint(self._forward, x, cu_seqlens, pos, backend, False, shared_indices, use_reentrant=False)
+        return self._forward(x, cu_seqlens, pos, backend, recompute == "attention", shared_indices)
 
-    def _forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute_attention: bool = False):
+    def _forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute_attention: bool = False,
+                 shared_indices: Tensor | None = None):
+        streams = x
+        if self.attn_hc is not None:
+            post, comb, x = self.attn_hc(streams)
         if recompute_attention:
-            attn, aux = checkpoint(self.attention, x, cu_seqlens, pos, backend, use_reentrant=False)
+            attn, aux, indices = checkpoint(self.attention, x, cu_seqlens, pos, backend, shared_indices,
+                                            use_reentrant=False)
         else:
-            attn, aux = self.attention(x, cu_seqlens, pos, backend)
-        x = x + attn
-        return x + self.feed_forward(self.mlp_norm(x), backend), aux
+            attn, aux, indices = self.attention(x, cu_seqlens, pos, backend, shared_indices)
+        if self.attn_hc is None:
+            x = x + attn
+            return x + self.feed_forward(self.mlp_norm(x), backend), aux, indices
+        streams = HyperConnection.mix(post, comb, attn, streams)
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.mix(post, comb, self.feed_forward(self.mlp_norm(x), backend), streams), aux, indices
 
 
 class HybridModel(nn.Module):
@@ -231,7 +274,9 @@ class HybridModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.vision = PatchEmbed(cfg.image_size, cfg.patch, cfg.channels, cfg.hidden) if cfg.image_size else None
         mlp_lora_rank = lora_rank if lora_targets == "all" else 0
-        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank, mlp_lora_rank)
+        own = iter(k == "F" for k in cfg.index_kinds())
+        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank, mlp_lora_rank,
+                                                next(own) if kind == "D" else True)
                                     for kind, ffn_kind in zip(cfg.kinds(), cfg.ffn_kinds()))
         self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) / cfg.hidden ** 0.5)
@@ -264,10 +309,16 @@ class HybridModel(nn.Module):
         x = self.embed_inputs(tokens, images)
         offload = ActivationOffload(x.device) if self.offload else None
         aux = x.new_zeros((), dtype=accumulation_dtype(x))
+        if self.cfg.hc_mult > 1:
+            x = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        indices = None
         for i, block in enumerate(self.blocks):
             with offload.block(i) if offload else contextlib.nullcontext():
-                x, block_aux = block(x, cu_seqlens, pos, self.backend, self.recompute)
+                x, block_aux, block_indices = block(x, cu_seqlens, pos, self.backend, self.recompute, indices)
             aux = aux + block_aux.to(aux.dtype)
+            indices = block_indices if block_indices is not None else indices
+        if self.cfg.hc_mult > 1:
+            x = x.mean(1)
         return self.norm(x), aux
 
     def logits(self, tokens: Tensor, cu_seqlens: Tensor, images: Tensor | None = None) -> Tensor:

@@ -54,7 +54,7 @@ def _native_indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
 
 
 def _native_sparse_attn(q, kv, indices, scale, dv, gate):
-    if not _dsa_native(q):
+    if not _dsa_native(q) or indices.shape[-1] > R.dsa.MAX_TOPK:  # wider choices (GLM's pools + tail): reference
         return _reference_sparse_attn(q, kv, indices, scale, dv, gate)
     o, _, p = ops.sparse_attention(q, kv, indices, scale, dv, gate, return_p=True)
     return o, p

@@ -219,21 +219,27 @@ class LightningIndexer(nn.Module):
     style "plain": q, k and w are projections of the block's input. style "deepseek" (DeepSeek-V3.2):
     q from the attention's q latent, k LayerNorm-ed (with bias), the first rope_dim dims of q and k
     rotated (half style), w scaled by heads^-1/2 * dim^-1/2. Its inputs are detached: the indexer
-    learns only from its own loss (the KL to the attention's probabilities)."""
+    learns only from its own loss (the KL to the attention's probabilities). kpool > 0 (GLM-5.3,
+    deepseek style): it scores pools of kpool keys instead (reference.kpool_indexer; no kernel yet,
+    and no KL loss: scores is None)."""
 
     STYLES = ("plain", "deepseek")
 
     def __init__(self, hidden: int, q_in: int, heads: int, dim: int, topk: int, style: str = "plain",
-                 rope: Rope | None = None, rope_dim: int = 0):
+                 rope: Rope | None = None, rope_dim: int = 0, kpool: int = 0, kpool_tail: bool = True):
         super().__init__()
         if style not in self.STYLES:
             raise ValueError(f"indexer style must be one of {self.STYLES}, got {style!r}")
         self.heads, self.dim, self.topk, self.style = heads, dim, topk, style
+        self.kpool, self.kpool_tail = kpool, kpool_tail
         self.rope, self.rope_dim = rope, rope_dim if style == "deepseek" else 0
         self.q = nn.Linear(q_in, heads * dim, bias=False)
         self.k = nn.Linear(hidden, dim, bias=False)
         self.k_norm = nn.LayerNorm(dim, eps=1e-6) if style == "deepseek" else None
         self.w = nn.Linear(hidden, heads, bias=False)
+        if kpool:
+            self.kpool_ape = nn.Parameter(torch.zeros(kpool, dim))
+            self.kpool_gate = nn.Parameter(torch.randn(dim, hidden) / math.sqrt(hidden))
 
     def forward(self, x: Tensor, q_latent: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend):
         """(indices [T, topk], scores [T, topk]) for x [T, hidden]; q_latent: the attention's q latent."""
@@ -247,6 +253,10 @@ class LightningIndexer(nn.Module):
             q = torch.cat([self.rope(q[..., :r], pos, "half"), q[..., r:]], dim=-1)
             k = torch.cat([self.rope(k[..., :r], pos, "half"), k[..., r:]], dim=-1)
             w = w * (self.heads * self.dim) ** -0.5
+        if self.kpool:
+            gate = F.linear(x, self.kpool_gate.to(x.dtype))
+            return R.kpool_indexer(q, k, gate, self.kpool_ape, w, cu_seqlens, self.topk, self.kpool,
+                                   self.kpool_tail), None
         return backend.indexer(q, k, w, cu_seqlens, cu_seqlens, self.topk)
 
 
@@ -259,15 +269,17 @@ class MLAttention(nn.Module):
     scaled_dot_product_attention on the expanded heads, one sequence at a time. Sparse layers take
     the indexer's topk keys and run the sparse-attention op on the latent rows themselves: kv_up's
     key half is folded into the queries and its value half applied to the latent output (Dqk =
-    kv_rank + rope, dv = kv_rank), where the optional sigmoid gate acts. forward returns (y,
-    indexer_loss); dense layers give a zero loss."""
+    kv_rank + rope, dv = kv_rank), where the optional sigmoid gate acts. A sparse layer without an
+    indexer of its own (GLM-5.3's "shared" layers, indexer=None and shared=True) takes the previous
+    layer's choice. forward returns (y, indexer_loss, indices or None); dense layers give a zero
+    loss."""
 
     def __init__(self, hidden: int, heads: int, q_rank: int, kv_rank: int, nope_dim: int, rope_dim: int, v_dim: int,
                  rope: Rope, indexer: LightningIndexer | None = None, gate: bool = False, latent_eps: float = 1e-6,
-                 lora_rank: int = 0):
+                 lora_rank: int = 0, shared: bool = False):
         super().__init__()
         self.H, self.kv_rank, self.nope, self.rope_dim, self.v_dim = heads, kv_rank, nope_dim, rope_dim, v_dim
-        self.rope, self.indexer = rope, indexer
+        self.rope, self.indexer, self.sparse = rope, indexer, indexer is not None or shared
         self.scale = (nope_dim + rope_dim) ** -0.5 * rope.softmax_scale_factor
         lin = lambda i, o: LoRALinear(i, o, lora_rank)  # noqa: E731
         qk = heads * (nope_dim + rope_dim)
@@ -278,7 +290,7 @@ class MLAttention(nn.Module):
         self.kv_down, self.kv_norm = lin(hidden, kv_rank + rope_dim), nn.RMSNorm(kv_rank, eps=latent_eps)
         self.kv_up = lin(kv_rank, heads * (nope_dim + v_dim))
         self.gate = lin(hidden, heads * kv_rank) if gate else None
-        if gate and indexer is None:
+        if gate and not self.sparse:
             raise ValueError("the output gate acts on the sparse attention's latent output: it needs an indexer")
         self.o_proj = lin(heads * v_dim, hidden)
 
@@ -289,7 +301,8 @@ class MLAttention(nn.Module):
         latent = self.q_norm(self.q_down(x))
         return self.q_up(latent).view(x.shape[0], self.H, -1), latent
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend,
+                shared_indices: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         T, H = x.shape[0], self.H
         q, q_latent = self.queries(x)
         q_nope, q_rot = q[..., : self.nope], self.rope(q[..., self.nope:], pos)
@@ -297,7 +310,8 @@ class MLAttention(nn.Module):
         c, k_rot = self.kv_norm(kv[:, : self.kv_rank]), self.rope(kv[:, self.kv_rank:], pos)
         w_up = self.kv_up.effective_weight().to(x.dtype).view(H, self.nope + self.v_dim, self.kv_rank)
         w_k, w_v = w_up[:, : self.nope], w_up[:, self.nope:]
-        if self.indexer is None:
+        loss = x.new_zeros((), dtype=accumulation_dtype(x))
+        if not self.sparse:
             k = torch.cat([torch.einsum("tc,hnc->thn", c, w_k), k_rot[:, None].expand(T, H, self.rope_dim)], dim=-1)
             v = torch.einsum("tc,hvc->thv", c, w_v)
             q = torch.cat([q_nope, q_rot], dim=-1)
@@ -306,27 +320,83 @@ class MLAttention(nn.Module):
                 o[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
                                                         v[a:b].transpose(0, 1), is_causal=True,
                                                         scale=self.scale).transpose(0, 1)
-            loss = x.new_zeros((), dtype=accumulation_dtype(x))
+            indices = None
         else:
-            indices, scores = self.indexer(x, q_latent, cu_seqlens, pos, backend)
+            if self.indexer is not None:
+                indices, scores = self.indexer(x, q_latent, cu_seqlens, pos, backend)
+            elif shared_indices is None:
+                raise ValueError("a shared-indexer layer needs the indices of an earlier sparse layer")
+            else:
+                indices, scores = shared_indices, None
             q_abs = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_k), q_rot], dim=-1)
             kv_rows = torch.cat([c, k_rot], dim=-1)[:, None]
             gate = self.gate(x).view(T, H, self.kv_rank) if self.gate is not None else None
             o_latent, p = backend.sparse_attn(q_abs, kv_rows, indices[:, None], self.scale, self.kv_rank, gate)
             o = torch.einsum("thc,hvc->thv", o_latent, w_v)
-            loss = R.indexer_kl_loss(p[:, 0].detach(), scores, indices)
-        return self.o_proj(o.reshape(T, H * self.v_dim)), loss
+            if scores is not None:
+                loss = R.indexer_kl_loss(p[:, 0].detach(), scores, indices)
+        return self.o_proj(o.reshape(T, H * self.v_dim)), loss, indices
+
+
+def swiglu(gate_up: Tensor, limit: float = 0.0) -> Tensor:
+    """silu(gate) * up of [.., 2 * ffn] = [gate, up]; limit > 0 (GLM-5.3) first clamps gate from
+    above and up to [-limit, limit]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int, lora_rank: int = 0):
+    def __init__(self, hidden: int, ffn: int, lora_rank: int = 0, limit: float = 0.0):
         super().__init__()
+        self.limit = limit
         self.gate_up = LoRALinear(hidden, 2 * ffn, lora_rank)
         self.down = LoRALinear(ffn, hidden, lora_rank)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x), self.limit))
+
+
+class HyperConnection(nn.Module):
+    """Manifold-constrained hyper-connections (mHC, GLM-5.3): the residual is n streams [T, n, D].
+    From the RMS-normalised flattened streams one linear map gives, per token, pre [n] (sigmoid +
+    eps: the weights that collapse the streams into the block's input), post [n] (2 sigmoid: how
+    the block's output enters each stream) and comb [n, n] (softmax rows + eps, then Sinkhorn
+    normalisation towards doubly stochastic: how the streams mix). The next streams are
+    post * block(collapsed) + comb^T streams (see mix)."""
+
+    def __init__(self, hidden: int, n: int, eps: float = 1e-6, sinkhorn_iters: int = 20, norm_eps: float = 1e-6):
+        super().__init__()
+        self.n, self.eps, self.iters, self.norm_eps = n, eps, sinkhorn_iters, norm_eps
+        self.fn = nn.Parameter(torch.randn((2 + n) * n, n * hidden) / math.sqrt(n * hidden))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed block input [T, D])."""
+        n, acc = self.n, accumulation_dtype(streams)
+        flat = streams.reshape(streams.shape[0], -1).to(acc)
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        mixed = F.linear(flat, self.fn.to(acc))
+        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.to(acc).split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.to(acc).unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax((comb_w * comb_s + comb_b).view(-1, n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        collapsed = (pre[..., None] * streams).sum(1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def mix(post: Tensor, comb: Tensor, out: Tensor, streams: Tensor) -> Tensor:
+        """The next streams: post[t, i] * out[t] + sum_j comb[t, j, i] * streams[t, j]."""
+        dtype = streams.dtype
+        return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
 
 
 class LatentMoE(nn.Module):
@@ -340,13 +410,14 @@ class LatentMoE(nn.Module):
     def __init__(self, hidden: int, latent: int, experts: int, topk: int, expert_ffn: int, shared_ffn: int,
                  capacity_factor: float | None = None, policy: str = "drop_probs", lora_rank: int = 0,
                  bias_rate: float = 1e-3, routed_scale: float = 1.0, n_group: int = 1, topk_group: int = 1,
-                 renorm: bool = True, norm_eps: float = 1e-6):
+                 renorm: bool = True, norm_eps: float = 1e-6, swiglu_limit: float = 0.0):
         super().__init__()
         if not 0 < topk <= experts:
             raise ValueError(f"topk must be in [1, experts = {experts}], got {topk}")
         self.E, self.topk, self.bias_rate = experts, topk, bias_rate
         self.capacity_factor, self.policy = capacity_factor, policy
         self.routed_scale, self.n_group, self.topk_group, self.renorm = routed_scale, n_group, topk_group, renorm
+        self.swiglu_limit = swiglu_limit
         self.router = nn.Parameter(torch.randn(hidden, experts) / math.sqrt(hidden))
         self.register_buffer("router_bias", torch.zeros(experts))
         # routed copies per expert in the last forward (not saved: the next forward rewrites it)
@@ -359,7 +430,7 @@ class LatentMoE(nn.Module):
             self.up = LoRALinear(latent, hidden, lora_rank)
         self.w_gate_up = nn.Parameter(torch.randn(experts, width, 2 * expert_ffn) / math.sqrt(width))
         self.w_down = nn.Parameter(torch.randn(experts, expert_ffn, width) / math.sqrt(expert_ffn))
-        self.shared = SwiGLU(hidden, shared_ffn, lora_rank) if shared_ffn else None
+        self.shared = SwiGLU(hidden, shared_ffn, lora_rank, swiglu_limit) if shared_ffn else None
         if lora_rank > 0:  # experts and router stay frozen under LoRA
             self.router.requires_grad_(False)
             self.w_gate_up.requires_grad_(False)
@@ -392,8 +463,8 @@ class LatentMoE(nn.Module):
 
     def experts(self, xs: Tensor, offs: Tensor, backend: Backend) -> Tensor:
         """The SwiGLU experts held here on rows sorted by expert (offs: cumulative rows per expert)."""
-        gate, up = backend.grouped_mm(xs, self.w_gate_up.to(xs.dtype), offs).chunk(2, dim=-1)
-        return backend.grouped_mm((F.silu(gate) * up).contiguous(), self.w_down.to(xs.dtype), offs)
+        h = swiglu(backend.grouped_mm(xs, self.w_gate_up.to(xs.dtype), offs), self.swiglu_limit)
+        return backend.grouped_mm(h.contiguous(), self.w_down.to(xs.dtype), offs)
 
     @torch.no_grad()
     def update_bias(self) -> None:

@@ -58,6 +58,50 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seql
     return indices, scores
 
 
+def kpool_indexer(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, w: torch.Tensor,
+                  cu_seqlens: torch.Tensor, topk: int, kpool: int, tail: bool = True) -> torch.Tensor:
+    """GLM-5.3's k-pooled indexer: the keys of the best pools, and the latest incomplete pool.
+
+    Per sequence, keys form consecutive pools of kpool from its start; pool j's key is the
+    per-channel average of its keys weighted by softmax over the pool of gate + ape (gate [T, Di]
+    a projection of each token, ape [kpool, Di] per position in the pool). I[t, j] = sum_h w[t, h]
+    * ReLU(q[t, h] . pool_j); a complete pool is a candidate for query t when its last key is at or
+    before t. The topk // kpool best candidates (ties to the lower pool) give their keys; with tail,
+    the (t + 1) % kpool keys after the last complete pool follow (always chosen). Returns indices
+    [T, topk + (kpool - 1 if tail else 0)] int32, absolute rows, -1 padded.
+    """
+    T = q.shape[0]
+    acc = accumulation_dtype(q)
+    width = topk + (kpool - 1 if tail else 0)
+    indices = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
+    pools_per_query = topk // kpool
+    for start, end in _segments(cu_seqlens):
+        L = end - start
+        pools = L // kpool
+        t = torch.arange(L, device=q.device)
+        if pools and pools_per_query:
+            keys = k[start:start + pools * kpool].to(acc).view(pools, kpool, -1)
+            weight = torch.softmax((gate[start:start + pools * kpool].to(acc).view(pools, kpool, -1)
+                                    + ape.to(acc)[None]), dim=1)
+            pooled = (weight * keys).sum(1)                                       # [pools, Di]
+            s = indexer_scores(q[start:end], pooled, w[start:end])                # [L, pools]
+            candidate = (torch.arange(pools, device=q.device)[None, :] + 1) * kpool - 1 <= t[:, None]
+            s = s.masked_fill(~(candidate & torch.isfinite(s)), -math.inf)
+            n = min(pools_per_query, pools)
+            best = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :n]          # [L, n]
+            chosen = torch.isfinite(s.gather(-1, best))
+            rows = (best[..., None] * kpool + torch.arange(kpool, device=q.device)).view(L, n * kpool) + start
+            rows = torch.where(chosen.repeat_interleave(kpool, dim=1), rows, -1)
+            indices[start:end, : n * kpool] = rows.to(torch.int32)
+        if tail and kpool > 1:
+            count = (t + 1) % kpool                                              # keys past the last full pool
+            offset = torch.arange(kpool - 1, device=q.device)
+            rows = (t + 1 - count)[:, None] + offset[None, :] + start
+            rows = torch.where(offset[None, :] < count[:, None], rows, -1)
+            indices[start:end, topk:] = rows.to(torch.int32)
+    return indices
+
+
 def lightning_indexer_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor,
                           grad_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dw) of sum(grad_scores * I[t, indices[t]]), -1 entries ignored."""
