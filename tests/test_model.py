@@ -187,7 +187,7 @@ def test_images_pack_with_text_and_train_the_front_end():
     assert_close(results[0][1], results[1][1], F64, "patch embedding grad", table=MODEL_REL_RMS)
     other = model(tokens, cu, labels, torch.rand_like(images).double())["loss"]
     assert other.item() != results[0][0].item()  # other images, other loss
-    with pytest.raises(ValueError, match=r"1 images need 4 image tokens \(4 each\), the batch has 8"):
+    with pytest.raises(ValueError, match=r"the images give 4 image tokens, the batch has 8 placeholders"):
         model(tokens, cu, labels, images[:1].double())
 
 

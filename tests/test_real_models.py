@@ -97,7 +97,35 @@ def test_onboard_reports_each_block(checkpoint, capsys):
         assert "layer   2: lightning_indexer (native) + SFA: sparse_attn (native); MoE: moe_route" in out
     else:
         assert "layer   1: k-pooled indexer: reference" in out and "layer   2: the previous layer's choice" in out
-        assert "not loaded: the vision tower" in out
+        assert "vision tower: 2 blocks on torch" in out
+
+
+def test_glm_image_tokens_match_transformers(checkpoint):
+    """GLM-5.3-Flash with images: pixel_values and image_grid_thw as its image processor lays them
+    out, two packed sequences each with an image, the vision tower's tokens in their places."""
+    family, directory, judge = checkpoint
+    if family != "glm5_next":
+        pytest.skip("GLM-5.3-Flash only")
+    model = onboard.from_pretrained(directory, dtype=F64)
+    g = torch.Generator().manual_seed(3)
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
+    patches = grid.prod(-1).tolist()
+    pixels = torch.randn(sum(patches), model.vision.patch_embed.in_features, generator=g, dtype=F64)
+    image_token, merged = model.cfg.image_token, [p // model.cfg.vision.merge ** 2 for p in patches]
+    seqs = [torch.cat([torch.randint(0, 150, (5,), generator=g), torch.full((merged[0],), image_token),
+                       torch.randint(0, 150, (6,), generator=g)]),
+            torch.cat([torch.full((merged[1],), image_token), torch.randint(0, 150, (4,), generator=g)])]
+    with torch.no_grad():
+        theirs = torch.cat([judge(seqs[0][None], pixel_values=pixels[:patches[0]], image_grid_thw=grid[:1]).logits[0],
+                            judge(seqs[1][None], pixel_values=pixels[patches[0]:], image_grid_thw=grid[1:]).logits[0]])
+        tokens = torch.cat(seqs)
+        cu = torch.tensor([0, len(seqs[0]), len(tokens)], dtype=torch.int32)
+        ours = model.logits(tokens, cu, images=(pixels, grid))
+        text_only = model.logits(tokens, cu)
+    assert_close(ours, theirs, F64, "glm5_next logits with images", table=TOLERANCES[family])
+    assert (ours - text_only).abs().max() > 1e-3  # the images reach the logits
+    with pytest.raises(ValueError, match="the images give 6 image tokens, the batch has 4 placeholders"):
+        model.logits(tokens[:len(seqs[0])], cu[:2], images=(pixels, grid))
 
 
 def quantise_fp8(w):

@@ -15,6 +15,7 @@ every tensor is present, known and of the right shape, so a bad checkpoint leave
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from typing import Callable
 import torch
 
 from .models import HybridConfig, HybridModel
+from .nn.vision import VisionConfig
 from .models.hybrid import PRESETS
 from .nn import LoRALinear
 from .reference.dsa import MAX_TOPK
@@ -38,10 +40,12 @@ OWN_FORMAT = "kda_dsa_ops"
 class Rule:
     """Checkpoint tensor(s) -> one of our tensors. where: the layers it applies to ("all", an
     attention kind K/D/A, "MLA" (D or A), "MLAq"/"MLA0" (MLA with / without a q latent), an ffn
-    kind M/F). {i} is a layer, {e} an expert (target "<param>.{e}": that expert's slice).
+    kind M/F). {i} is a layer, {e} an expert (target "<param>.{e}": that expert's slice), {b} a
+    block of the vision tower.
     how: "identity"; "t" (the checkpoint is [out, in] where we hold [in, out]); "conv" (depthwise
     conv1d [C, 1, W], current token last -> our [C, W], current first); "reshape:1,1,-1,1" (the
-    checkpoint's shape, -1 for the rest: the same elements);
+    checkpoint's shape, -1 for the rest: the same elements); "window:out,C,m" (a conv2d [out, C,
+    m, m] over m x m windows as our linear map over a window's [m, m, C] features);
     "cat" (several sources stacked along dim 0); "cat_t" (stacked, then transposed)."""
     where: str
     source: str | tuple[str, ...]
@@ -58,7 +62,6 @@ class Family:
     read_config: Callable[[dict], HybridConfig]
     rules: Callable[[HybridConfig], list[Rule]]
     aliases: tuple[tuple[str, str], ...] = ()  # (canonical, alternative) spellings of a name fragment
-    not_loaded: tuple[tuple[str, str], ...] = ()  # (name prefix, what it is): parts HybridModel lacks, reported
 
 
 def _get(raw: dict, *names, default=None, required: list | None = None):
@@ -161,9 +164,10 @@ def deepseek_v32_config(raw: dict) -> HybridConfig:
 
 
 def glm5_next_config(raw: dict) -> HybridConfig:
-    """GLM-5.3-Flash: its text_config (the vision tower is not part of HybridModel yet)."""
+    """GLM-5.3-Flash: its text_config and vision_config."""
     missing: list = []
     text = raw.get("text_config") or {}
+    vision = raw.get("vision_config")
     L = _get(text, "num_hidden_layers", required=missing) or 0
     types = text.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(L)]
     la = text.get("linear_attn_config") or {}
@@ -186,7 +190,20 @@ def glm5_next_config(raw: dict) -> HybridConfig:
                               if k != "linear_attention") or "F",
         swiglu_limit=float(_get(text, "swiglu_limit", default=0.0)),
         hc_mult=_get(text, "hc_mult", default=1), hc_eps=float(_get(text, "hc_eps", default=1e-6)),
-        hc_sinkhorn_iters=_get(text, "hc_sinkhorn_iters", default=20))
+        hc_sinkhorn_iters=_get(text, "hc_sinkhorn_iters", default=20),
+        image_token_id=_get(raw, "image_token_id", default=-1))
+    if vision is not None:
+        values["vision"] = VisionConfig(
+            depth=_get(vision, "depth", required=missing), hidden=_get(vision, "hidden_size", required=missing),
+            heads=_get(vision, "num_heads", required=missing), ffn=_get(vision, "intermediate_size", required=missing),
+            out_hidden=_get(vision, "out_hidden_size", required=missing),
+            merger_ffn=_get(vision, "projection_intermediate_size", required=missing),
+            patch=_get(vision, "patch_size", default=14), temporal_patch=_get(vision, "temporal_patch_size", default=2),
+            merge=_get(vision, "spatial_merge_size", default=2), channels=_get(vision, "in_channels", default=3),
+            rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            norm_eps=float(_get(vision, "rms_norm_eps", default=1e-5)),
+            swiglu_limit=float(_get(vision, "swiglu_limit", default=10.0)),
+            bias=bool(_get(vision, "attention_bias", default=True)))
     _check_missing(missing, "glm5_next")
     cfg = HybridConfig(**values)
     # index_pattern above lists the sparse layers only: spread it back over every layer
@@ -201,7 +218,10 @@ def own_config(raw: dict) -> HybridConfig:
     unknown = sorted(set(raw) - known - {"model_type"})
     if unknown:
         raise CheckpointError(f"config.json ({OWN_FORMAT}) has unknown fields {unknown}")
-    return HybridConfig(**{k: v for k, v in raw.items() if k in known})
+    values = {k: v for k, v in raw.items() if k in known}
+    if values.get("vision") is not None:
+        values["vision"] = VisionConfig(**values["vision"])
+    return HybridConfig(**values)
 
 
 def _block_rules(prefix: str, names: dict) -> list[Rule]:
@@ -283,6 +303,29 @@ def glm5_next_rules(cfg: HybridConfig) -> list[Rule]:
               for p in ("fn", "base", "scale")]
     rules += [Rule("DF", f"{layer}.self_attn.indexer.index_kpool_compress_{p}", f"blocks.{{i}}.attn.indexer.kpool_{p}")
               for p in ("ape", "gate")]
+    v = cfg.vision
+    if v is None:
+        return rules
+    block, bias = "model.visual.blocks.{b}", (".weight", ".bias") if v.bias else (".weight",)
+    rules += [Rule("all", f"{block}.{src}", f"vision.blocks.{{b}}.{dst}") for src, dst in [
+        ("norm1.weight", "norm1.weight"), ("norm2.weight", "norm2.weight"), ("attn.q_norm.weight", "q_norm.weight"),
+        ("attn.k_norm.weight", "k_norm.weight")] + [(f"attn.{n}{p}", f"{n}{p}") for n in ("qkv", "proj") for p in bias]
+        + [(f"mlp.down_proj{p}", f"down{p}") for p in bias]]
+    rules += [Rule("all", (f"{block}.mlp.gate_proj{p}", f"{block}.mlp.up_proj{p}"), f"vision.blocks.{{b}}.gate_up{p}",
+                   "cat") for p in bias]
+    patch = f"reshape:{v.hidden},{v.channels},{v.temporal_patch},{v.patch},{v.patch}"
+    window = f"window:{v.out_hidden},{v.hidden},{v.merge}"
+    rules += [Rule("all", "model.visual.patch_embed.proj.weight", "vision.patch_embed.weight", patch),
+              Rule("all", "model.visual.patch_embed.proj.bias", "vision.patch_embed.bias"),
+              Rule("all", "model.visual.post_layernorm.weight", "vision.post_norm.weight"),
+              Rule("all", "model.visual.downsample.weight", "vision.downsample.weight", window),
+              Rule("all", "model.visual.downsample.bias", "vision.downsample.bias"),
+              Rule("all", "model.visual.merger.proj.weight", "vision.merger_proj.weight"),
+              Rule("all", "model.visual.merger.post_projection_norm.weight", "vision.merger_norm.weight"),
+              Rule("all", "model.visual.merger.post_projection_norm.bias", "vision.merger_norm.bias"),
+              Rule("all", ("model.visual.merger.gate_proj.weight", "model.visual.merger.up_proj.weight"),
+                   "vision.merger_gate_up.weight", "cat"),
+              Rule("all", "model.visual.merger.down_proj.weight", "vision.merger_down.weight")]
     return rules
 
 
@@ -302,7 +345,7 @@ def own_rules(cfg: HybridConfig) -> list[Rule]:
 FAMILIES = {
     "kimi_linear": Family(kimi_linear_config, kimi_linear_rules, aliases=(("mlp.", "block_sparse_moe."),)),
     "deepseek_v32": Family(deepseek_v32_config, deepseek_v32_rules),
-    "glm5_next": Family(glm5_next_config, glm5_next_rules, not_loaded=(("model.visual.", "the vision tower"),)),
+    "glm5_next": Family(glm5_next_config, glm5_next_rules),
     OWN_FORMAT: Family(own_config, own_rules),
 }
 
@@ -320,12 +363,13 @@ def _expand(cfg: HybridConfig, family: Family, experts: range):
     """(checkpoint names, our name, expert slot or None, how) for every tensor the model holds."""
     for rule in family.rules(cfg):
         layers = range(cfg.layers) if "{i}" in rule.target else [None]
-        for i in layers:
+        vision_blocks = range(cfg.vision.depth) if "{b}" in rule.target else [None]
+        for i, b in itertools.product(layers, vision_blocks):
             if not _applies(rule.where, cfg, i):
                 continue
             for e in experts if "{e}" in rule.target else [None]:
-                names = tuple(s.format(i=i, e=e) for s in rule.sources)
-                target = rule.target.format(i=i, e=e)
+                names = tuple(s.format(i=i, e=e, b=b) for s in rule.sources)
+                target = rule.target.format(i=i, e=e, b=b)
                 if e is not None:
                     yield names, target.rsplit(".", 1)[0], e - experts.start, rule.how
                 else:
@@ -339,6 +383,8 @@ def _to_ours(parts: list[torch.Tensor], how: str, shape: torch.Size) -> torch.Te
         return parts[0].squeeze(1).flip(-1)
     if how.startswith("reshape"):
         return parts[0].reshape(shape)
+    if how.startswith("window:"):  # conv2d [out, C, m, m] over an m x m window -> linear over [m, m, C]
+        return parts[0].permute(0, 2, 3, 1).reshape(shape)
     if how == "cat":
         return torch.cat(parts, 0)
     if how == "cat_t":
@@ -354,6 +400,9 @@ def _to_checkpoint(t: torch.Tensor, how: str, count: int) -> list[torch.Tensor]:
         return [t.flip(-1).unsqueeze(1)]
     if how.startswith("reshape:"):
         return [t.reshape([int(n) for n in how.split(":")[1].split(",")])]
+    if how.startswith("window:"):
+        out, channels, m = (int(n) for n in how.split(":")[1].split(","))
+        return [t.reshape(out, m, m, channels).permute(0, 3, 1, 2)]
     if how == "cat":
         return list(t.chunk(count, 0))
     if how == "cat_t":
@@ -379,7 +428,6 @@ class Report:
     missing: list = field(default_factory=list)        # tensors the checkpoint lacks
     unknown: list = field(default_factory=list)        # checkpoint tensors no rule takes
     shape_errors: list = field(default_factory=list)
-    not_loaded: dict = field(default_factory=dict)     # what HybridModel lacks: tensors left in the checkpoint
     conversions: dict = field(default_factory=dict)    # "bf16 -> fp32": count
     dequantised: int = 0                               # FP8 weights dequantised
     ops: list = field(default_factory=list)            # the op each block runs on
@@ -395,7 +443,6 @@ class Report:
                              ("unknown", self.unknown)):
             if items:
                 lines.append(f"{title} ({len(items)}): " + "; ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
-        lines += [f"not loaded: {k} ({v} tensors; HybridModel has no such part yet)" for k, v in self.not_loaded.items()]
         lines += [f"dtype conversion {k}: {v} tensors" for k, v in self.conversions.items()]
         if self.dequantised:
             lines.append(f"FP8 block-scaled weights dequantised: {self.dequantised}")
@@ -461,6 +508,8 @@ def fused_ops(cfg: HybridConfig, device: str) -> list[str]:
             mlp = ("MoE: moe_route + moe_permute + grouped_mm (native)" if aligned or not cuda
                    else "MoE: grouped_mm needs the expert width and expert_ffn multiples of 8 on CUDA")
         lines.append(f"layer {i:>3}: {attn}; {mlp}")
+    if cfg.vision is not None:
+        lines.append(f"vision tower: {cfg.vision.depth} blocks on torch (SDPA, matmuls), frozen under LoRA")
     return lines
 
 
@@ -527,10 +576,7 @@ def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
         m, layer = expert_of.search(name), layer_of.search(name)
         owned_elsewhere = m is not None and int(m.group(1)) not in experts and int(m.group(1)) < cfg.experts
         beyond = layer is not None and int(layer.group(1)) >= cfg.layers  # e.g. DeepSeek's multi-token-prediction layer
-        part = next((what for prefix, what in family.not_loaded if name.startswith(prefix)), None)
-        if part is not None:
-            report.not_loaded[part] = report.not_loaded.get(part, 0) + 1
-        elif name not in used and not owned_elsewhere and not beyond:
+        if name not in used and not owned_elsewhere and not beyond:
             report.unknown.append(name)
     if not report.ok:
         raise CheckpointError(f"{directory}: cannot load\n{report.text()}")
@@ -575,7 +621,7 @@ def from_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
             if isinstance(module, LoRALinear) and module.rank > 0:
                 module.lora_a.data, module.lora_b.data = module.lora_a.data.float(), module.lora_b.data.float()
     load(model, path, device.type)
-    model.source_config, model.source_dir = raw, path
+    model.source_config = raw
     return model
 
 
@@ -593,8 +639,7 @@ def export(model: HybridModel, directory: str, family: str | None = None, shard_
            dtype: torch.dtype | None = None) -> None:
     """Writes model (unsharded; LoRA merged into the base weights) as a checkpoint of `family`
     (default: the one it was loaded from, else our own format): config.json (the source's,
-    when the model came from that family) and sharded safetensors; what the model did not load
-    from its source (GLM-5.3's vision tower) is copied from the source checkpoint unchanged."""
+    when the model came from that family) and sharded safetensors."""
     source = getattr(model, "source_config", None)
     family = family or (source or {}).get("model_type", OWN_FORMAT)
     if family not in FAMILIES:
@@ -607,12 +652,6 @@ def export(model: HybridModel, directory: str, family: str | None = None, shard_
         for name, t in zip(names, _to_checkpoint(ours, how, len(names))):
             t = t.contiguous()
             tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-    source_dir = getattr(model, "source_dir", None)
-    if FAMILIES[family].not_loaded and source_dir is not None and (source or {}).get("model_type") == family:
-        reader = Reader(source_dir)  # the parts HybridModel lacks (a vision tower) travel unchanged
-        for name in reader.entries:
-            if any(name.startswith(prefix) for prefix, _ in FAMILIES[family].not_loaded):
-                tensors[name] = reader.read(name)
     write_sharded(directory, tensors, shard_bytes)
     if source is not None and source.get("model_type") == family:
         config = dict(source)

@@ -16,7 +16,7 @@ from .._dtypes import accumulation_dtype
 from ..nn import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, MLAttention, Rope, SwiGLU,
                   chunked_linear_cross_entropy, get_backend, positions_in_sequence)
 from ..nn.offload import ActivationOffload
-from ..nn.vision import PatchEmbed
+from ..nn.vision import PatchEmbed, VisionConfig, VisionTower
 from ..reference.dsa import MAX_TOPK
 
 
@@ -76,13 +76,15 @@ class HybridConfig:
     hc_mult: int = 1  # > 1: that many residual streams mixed by hyper-connections (mHC, GLM-5.3)
     hc_eps: float = 1e-6
     hc_sinkhorn_iters: int = 20
-    image_size: int = 0  # > 0: an image front end; the last vocabulary id marks where an image's patches go
+    image_size: int = 0  # > 0: the presets' image front end (nn.PatchEmbed)
     patch: int = 8
     channels: int = 3
+    vision: VisionConfig | None = None  # GLM-5.3's vision tower (nn.VisionTower)
+    image_token_id: int = -1  # the placeholder of an image token (-1: the last vocabulary id)
 
     @property
     def image_token(self) -> int:
-        return self.vocab - 1
+        return self.image_token_id if self.image_token_id >= 0 else self.vocab - 1
 
     @property
     def moe_width(self) -> int:
@@ -132,6 +134,8 @@ class HybridConfig:
         if self.index_kpool and (self.index_style != "deepseek" or self.dsa_topk % self.index_kpool):
             problems.append(f"index_kpool ({self.index_kpool}) needs the deepseek index_style and to divide dsa_topk "
                             f"({self.dsa_topk})")
+        if self.image_size and self.vision is not None:
+            problems.append("one image front end: image_size (the presets') or vision (GLM-5.3's), not both")
         if self.image_size and self.image_size % self.patch:
             problems.append(f"image_size ({self.image_size}) must be a multiple of patch ({self.patch})")
         if problems:
@@ -272,7 +276,8 @@ class HybridModel(nn.Module):
             raise ValueError(f"recompute must be one of {self.RECOMPUTE}, got {recompute!r}")
         self.cfg, self.backend, self.recompute, self.offload = cfg, get_backend(backend), recompute, offload
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.vision = PatchEmbed(cfg.image_size, cfg.patch, cfg.channels, cfg.hidden) if cfg.image_size else None
+        self.vision = (VisionTower(cfg.vision, cfg.hidden) if cfg.vision is not None
+                       else PatchEmbed(cfg.image_size, cfg.patch, cfg.channels, cfg.hidden) if cfg.image_size else None)
         mlp_lora_rank = lora_rank if lora_targets == "all" else 0
         own = iter(k == "F" for k in cfg.index_kinds())
         self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank, mlp_lora_rank,
@@ -290,18 +295,21 @@ class HybridModel(nn.Module):
     def set_backend(self, name: str) -> None:
         self.backend = get_backend(name)
 
-    def embed_inputs(self, tokens: Tensor, images: Tensor | None) -> Tensor:
-        """Token embeddings, with the patches of `images` (in order) at the image placeholder tokens."""
+    def embed_inputs(self, tokens: Tensor, images) -> Tensor:
+        """Token embeddings, with the image tokens of `images` (in order) at the image placeholder
+        tokens. images: [n, channels, image_size, image_size] (PatchEmbed), or (pixel_values,
+        image_grid_thw) as GLM-5.3's image processor gives them (VisionTower)."""
         x = self.embed(tokens)
         if images is None:
             return x
         if self.vision is None:
-            raise ValueError("this model has no image front end (HybridConfig.image_size = 0)")
+            raise ValueError("this model has no image front end (HybridConfig.image_size = 0, vision = None)")
+        features = self.vision(*images) if isinstance(self.vision, VisionTower) else self.vision(images)
         slots = (tokens == self.cfg.image_token).nonzero().squeeze(1)
-        if slots.numel() != images.shape[0] * self.vision.patches:
-            raise ValueError(f"{images.shape[0]} images need {images.shape[0] * self.vision.patches} image tokens "
-                             f"({self.vision.patches} each), the batch has {slots.numel()}")
-        return x.index_copy(0, slots, self.vision(images).to(x.dtype))
+        if slots.numel() != features.shape[0]:
+            raise ValueError(f"the images give {features.shape[0]} image tokens, the batch has {slots.numel()} "
+                             f"placeholders (token {self.cfg.image_token})")
+        return x.index_copy(0, slots, features.to(x.dtype))
 
     def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Final hidden states [T, hidden] and the summed indexer loss of the DSA blocks."""
@@ -329,7 +337,7 @@ class HybridModel(nn.Module):
     def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor, images: Tensor | None = None) -> dict:
         """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss", "accuracy"};
         labels [T] int64 (-100 = ignored); accuracy: argmax predictions on the labelled tokens.
-        images [n, channels, image_size, image_size]: their patches replace the image tokens."""
+        images (see embed_inputs): their image tokens replace the placeholders."""
         h, aux = self.hidden_states(tokens, cu_seqlens, images)
         head = self.lm_head.to(h.dtype)
         lm = chunked_linear_cross_entropy(h, head, labels)
