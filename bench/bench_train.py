@@ -45,12 +45,22 @@ DEEPSEEK_V32 = {  # DeepSeek-V3.2 (transformers' DeepseekV32Config defaults, the
     "topk_group": 4, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
     "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}, "rope_theta": 10000}
+GLM_53_FLASH = {  # GLM-5.3-Flash's language model (transformers' Glm5NextTextConfig defaults)
+    "model_type": "glm5_next", "image_token_id": 154854, "text_config": {
+        "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 45, "num_attention_heads": 64, "n_routed_experts": 288, "num_experts_per_tok": 8,
+        "n_shared_experts": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_nope_head_dim": 256, "qk_rope_head_dim": 0, "v_head_dim": 256, "rms_norm_eps": 1e-5, "index_topk": 2048,
+        "index_head_dim": 128, "index_n_heads": 32, "index_kpool": 16, "linear_num_heads": 64, "linear_head_dim": 128,
+        "linear_lower_bound": -5.0, "hc_mult": 4, "swiglu_limit": 10.0}}
 EP = 8
 # name: (config.json, the layer group's overrides); experts: one EP-8 rank's share, routed among themselves
 GROUPS = {
     "kimi-linear-48b": (KIMI_LINEAR_48B, dict(layers=4, pattern="KKKA", ffn_pattern="M", experts=256 // EP)),
     "deepseek-v3.2": (DEEPSEEK_V32, dict(layers=1, pattern="D", ffn_pattern="M", experts=256 // EP, moe_groups=8,
                                          moe_topk_groups=4)),
+    "glm-5.3-flash": (GLM_53_FLASH, dict(layers=4, pattern="KKKD", ffn_pattern="M", index_pattern="F",
+                                         experts=288 // EP)),
 }
 
 

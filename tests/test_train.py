@@ -95,7 +95,7 @@ def test_bad_layout_fails_before_any_work():
         train.main(COMMON + ["--ep", "2", "--steps", "1", "--out", "unused"])
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32"])
+@pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32", "glm5_next"])
 def test_lora_fine_tunes_a_real_checkpoint_under_fsdp_and_ep(family, tmp_path):
     """--init-from a checkpoint directory that transformers wrote: its shapes replace --config, each
     rank reads the shared weights and its own experts, LoRA rank 16 on 2 gloo processes (FSDP2 + EP
@@ -111,7 +111,7 @@ def test_lora_fine_tunes_a_real_checkpoint_under_fsdp_and_ep(family, tmp_path):
                                                  "--device", "cpu", "--log-every", "1000", "--out", out]), nprocs=2)
     with open(os.path.join(out, "log.json")) as f:
         losses = [h["loss"] for h in json.load(f)["history"]]
-    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
+    assert sum(losses[-5:]) / 5 < min(losses[:5]) - 0.3, losses  # 0.3 nats below each of the first steps
 
 
 def test_data_file_trains_next_token_prediction(tmp_path):
