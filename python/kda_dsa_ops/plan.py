@@ -83,7 +83,8 @@ def block_activation_bytes(cfg: HybridConfig, tokens: int, lora_rank: int, recom
         model = HybridModel(cfg, lora_rank=lora_rank).to(torch.bfloat16)
         cu = torch.tensor([0, tokens], dtype=torch.int32)
         pos = torch.arange(tokens)
-        x = torch.zeros(tokens, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
+        streams = (cfg.hc_mult,) if cfg.hc_mult > 1 else ()  # the residual streams of hyper-connections
+        x = torch.zeros(tokens, *streams, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
         out = {}
         for block in model.blocks:
             if block.kind not in out:

@@ -75,6 +75,8 @@ def kpool_indexer(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: tor
     width = topk + (kpool - 1 if tail else 0)
     indices = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
     pools_per_query = topk // kpool
+    if q.is_meta:  # shapes only (memory planning)
+        return indices
     for start, end in _segments(cu_seqlens):
         L = end - start
         pools = L // kpool
