@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import DEVICES
 from kda_dsa_ops.models import HybridModel, get_config
-from kda_dsa_ops.nn import LoRALinear, ShortConv, chunked_linear_cross_entropy, positions_in_sequence
+from kda_dsa_ops.nn import LoRALinear, Rope, ShortConv, chunked_linear_cross_entropy, positions_in_sequence
 
 from tolerances import MODEL_REL_RMS, assert_close
 
@@ -147,7 +147,7 @@ def test_router_bias_moves_toward_balance():
     ({"kda_value_heads": 3}, "must be a multiple of kda_heads"),
     ({"ffn_pattern": "FM"}, r"dense layers \('F' in ffn_pattern\) need dense_ffn > 0"),
     ({"moe_groups": 3}, r"moe_groups \(3\) must divide experts \(8\)"),
-    ({"rope_style": "spiral"}, "rope_style must be"),
+    ({"rope": Rope("spiral")}, "rope style must be one of"),
     ({"index_style": "deepseek", "dsa_q_rank": 0}, "the deepseek indexer reads the q latent"),
 ])
 def test_bad_config_fails_with_a_clear_message(overrides, message):

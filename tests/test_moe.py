@@ -51,14 +51,19 @@ def test_route_matches_reference(seed, device, case, score_fn, renorm, with_bias
     w_ref, ids_ref = R.moe_route(ref_logits, None if bias is None else bias.cpu(), k, score_fn, renorm, 1.5)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
     assert torch.equal(ids.cpu(), ids_ref)
+    check_route_gradient(w, w_ref, logits, ref_logits, score_fn, 1.5, dtype)
+
+
+def check_route_gradient(w, w_ref, logits, ref_logits, score_fn, scale, dtype):
+    """The weights and their gradient w.r.t. the logits against the reference's."""
     assert_close(w, w_ref, torch.float32, "weights")
-    g = torch.randn(T, k, dtype=torch.float32)
-    (grad,) = torch.autograd.grad(w, logits, g.to(device))
+    g = torch.randn(w.shape, dtype=torch.float32)
+    (grad,) = torch.autograd.grad(w, logits, g.to(logits.device))
     (grad_ref,) = torch.autograd.grad(w_ref, ref_logits, g.to(F64))
     # Renormalisation cancels most of the gradient (all of it for k = 1): measure the error
     # against the gradient before renormalisation.
-    (unnormalised,) = torch.autograd.grad(R.moe_route(ref_logits, None, k, score_fn, False, 1.5)[0], ref_logits,
-                                          g.to(F64))
+    (unnormalised,) = torch.autograd.grad(R.moe_route(ref_logits, None, w.shape[1], score_fn, False, scale)[0],
+                                          ref_logits, g.to(F64))
     assert_close(grad, grad_ref, dtype, "grad_logits", scale=unnormalised)
 
 
@@ -119,13 +124,7 @@ def test_group_limited_route(seed, device, T, groups, per_group, k, score_fn, da
     assert torch.equal(ids.cpu(), ids_ref)
     key = R.route_scores(ref_logits.detach(), score_fn) + bias.cpu().to(F64)
     assert [set(r) for r in ids_ref.tolist()] == brute_force_group_routing(key, k, n_group, topk_group)
-    assert_close(w, w_ref, torch.float32, "weights")
-    g = torch.randn(T, k, dtype=torch.float32)
-    (grad,) = torch.autograd.grad(w, logits, g.to(device))
-    (grad_ref,) = torch.autograd.grad(w_ref, ref_logits, g.to(F64))
-    (unnormalised,) = torch.autograd.grad(R.moe_route(ref_logits, None, k, score_fn, False, 2.5)[0], ref_logits,
-                                          g.to(F64))
-    assert_close(grad, grad_ref, dtype, "grad_logits", scale=unnormalised)
+    check_route_gradient(w, w_ref, logits, ref_logits, score_fn, 2.5, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

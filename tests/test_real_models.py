@@ -67,11 +67,11 @@ def test_logits_match_transformers(checkpoint, backend):
     cfg = model.cfg
     if family == "kimi_linear":
         assert (cfg.kinds(), cfg.ffn_kinds()) == (list("KAKA"), list("FMMM"))
-        assert (cfg.moe_groups, cfg.moe_topk_groups, cfg.routed_scale, cfg.rope_style) == (2, 1, 2.446, "none")
+        assert (cfg.moe_groups, cfg.moe_topk_groups, cfg.routed_scale, cfg.rope.style) == (2, 1, 2.446, "none")
         assert cfg.rms_norm_eps == 1e-5
     elif family == "deepseek_v32":
         assert (cfg.kinds(), cfg.ffn_kinds(), cfg.index_style) == (list("DDD"), list("FMM"), "deepseek")
-        assert (cfg.rope_factor, cfg.rope_style, cfg.dsa_topk) == (4.0, "interleave", 5)
+        assert (cfg.rope.factor, cfg.rope.style, cfg.dsa_topk) == (4.0, "interleave", 5)
         assert cfg.dsa_topk < min(LENGTHS) < max(LENGTHS)
     else:
         assert (cfg.kinds(), cfg.ffn_kinds(), cfg.index_kinds()) == (list("KDDK"), list("FMMM"), list("FS"))
@@ -302,8 +302,7 @@ def test_bf16_logits_on_the_cuda_kernels(family, tmp_path):
     5 keys win is bf16 noise (the selection itself is held to the reference in float64 above and
     on CUDA by test_dsa); the sparse-attention and indexer kernels still run."""
     directory = str(tmp_path / family)
-    real_checkpoints.write(family, directory, unit_scale=False, **({"index_topk": 64} if family == "deepseek_v32"
-                                                                 else {}))
+    real_checkpoints.write(family, directory, unit_scale=False, **real_checkpoints.BF16_OVERRIDES.get(family, {}))
     judge = load_judge(family, directory)
     model = onboard.from_pretrained(directory, dtype=torch.bfloat16, device="cuda")
     tokens, cu = tokens_and_bounds(model.cfg.vocab, family=family)

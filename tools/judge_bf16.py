@@ -18,8 +18,7 @@ from test_real_models import judged_logits, load_judge, tokens_and_bounds
 def main(directory: str) -> None:
     for family in sorted(real_checkpoints.CONFIGS):
         path = f"{directory}/{family}"
-        real_checkpoints.write(family, path, unit_scale=False, **({"index_topk": 64} if family == "deepseek_v32"
-                                                                 else {}))
+        real_checkpoints.write(family, path, unit_scale=False, **real_checkpoints.BF16_OVERRIDES.get(family, {}))
         judge = load_judge(family, path)
         model = onboard.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
         tokens, cu = tokens_and_bounds(model.cfg.vocab, family=family)

@@ -128,6 +128,20 @@ __device__ __forceinline__ void warp_sort64_ascending(uint64_t& lo, uint64_t& hi
 // k rounds of a warp arg-max over the token's keys (score + bias, NaN ranking last), computed
 // here so that the rare path keeps its registers out of the common one; ids[j] receives the
 // j-th pick (any k <= E). The row may be in shared or global memory.
+// The warp's best (value, index) pair, ties to the lower index; index INT_MAX: a lane with none.
+// Every lane returns the winner.
+__device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
+#pragma unroll
+  for (int d = kWarpSize / 2; d > 0; d /= 2) {
+    const float o_value = __shfl_xor_sync(0xffffffffu, best, d);
+    const int o_i = __shfl_xor_sync(0xffffffffu, best_i, d);
+    if (o_i != INT_MAX && (best_i == INT_MAX || o_value > best || (o_value == best && o_i < best_i))) {
+      best = o_value;
+      best_i = o_i;
+    }
+  }
+}
+
 // Groups of `size` consecutive experts; bit g of `open` set: group g may be chosen from.
 struct Groups {
   int size = 0;  // 0: no group limit
@@ -169,15 +183,7 @@ __device__ __forceinline__ Groups open_groups(const T* row, const float* bias_s,
         best_g = g;
       }
     }
-#pragma unroll
-    for (int d = kWarpSize / 2; d > 0; d /= 2) {
-      const float o_score = __shfl_xor_sync(0xffffffffu, best, d);
-      const int o_g = __shfl_xor_sync(0xffffffffu, best_g, d);
-      if (o_g != INT_MAX && (best_g == INT_MAX || o_score > best || (o_score == best && o_g < best_g))) {
-        best = o_score;
-        best_g = o_g;
-      }
-    }
+    warp_argmax(best, best_g);
     groups.open |= 1ull << best_g;
   }
   return groups;
@@ -209,15 +215,7 @@ __device__ __noinline__ void select_by_rounds(const T* row, const float* bias, i
         best_e = i * kWarpSize + lane;
       }
     }
-#pragma unroll
-    for (int d = kWarpSize / 2; d > 0; d /= 2) {
-      const float o_key = __shfl_xor_sync(0xffffffffu, best, d);
-      const int o_e = __shfl_xor_sync(0xffffffffu, best_e, d);
-      if (o_e != INT_MAX && (best_e == INT_MAX || o_key > best || (o_key == best && o_e < best_e))) {
-        best = o_key;
-        best_e = o_e;
-      }
-    }
+    warp_argmax(best, best_e);
     if (best_e % kWarpSize == lane) {
       taken |= 1ull << (best_e / kWarpSize);
       ids[j] = best_e;

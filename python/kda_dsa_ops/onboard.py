@@ -28,7 +28,7 @@ import torch
 from .models import HybridConfig, HybridModel
 from .nn.vision import VisionConfig
 from .models.hybrid import PRESETS
-from .nn import LoRALinear
+from .nn import LoRALinear, Rope
 from .reference.dsa import MAX_TOPK
 from .safetensors_io import CheckpointError, Reader, write_file, write_sharded
 
@@ -117,18 +117,17 @@ def _common_fields(raw: dict, missing: list) -> dict:
                 rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)))
 
 
-def _rope_fields(raw: dict) -> dict:
+def _rope(raw: dict, style: str) -> Rope:
     params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
-    out = dict(rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     if kind == "default":
-        return out
+        return Rope(style, theta)
     if kind != "yarn" or params.get("attention_factor") is not None or params.get("truncate", True) is not True:
         raise CheckpointError(f"rope {params} is not supported (default and YaRN with truncate are)")
-    return out | dict(rope_factor=float(params["factor"]),
-                      rope_original_max=int(params["original_max_position_embeddings"]),
-                      rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
-                      rope_mscale=float(params.get("mscale") or 0), rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+    return Rope(style, theta, float(params["factor"]), int(params["original_max_position_embeddings"]),
+                float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1),
+                float(params.get("mscale") or 0), float(params.get("mscale_all_dim") or 0))
 
 
 def kimi_linear_config(raw: dict) -> HybridConfig:
@@ -145,15 +144,15 @@ def kimi_linear_config(raw: dict) -> HybridConfig:
         pattern="".join("A" if t == "full_attention" else "K" for t in types),
         kda_heads=heads, kda_value_heads=heads, kda_head_dim=head_dim, kda_gate_rank=head_dim,
         kda_conv_size=la.get("short_conv_kernel_size", _get(raw, "linear_conv_kernel_dim", default=4)),
-        rope_style="none")
+        rope=Rope("none"))
     _check_missing(missing, "kimi_linear")
     return HybridConfig(**values)
 
 
 def deepseek_v32_config(raw: dict) -> HybridConfig:
     missing: list = []
-    values = _common_fields(raw, missing) | _mla_fields(raw, missing) | _moe_fields(raw, missing) | _rope_fields(raw)
-    values |= dict(pattern="D", rope_style="interleave", index_style="deepseek",
+    values = _common_fields(raw, missing) | _mla_fields(raw, missing) | _moe_fields(raw, missing)
+    values |= dict(pattern="D", rope=_rope(raw, "interleave"), index_style="deepseek",
                    index_heads=_get(raw, "index_n_heads", required=missing),
                    index_dim=_get(raw, "index_head_dim", required=missing),
                    dsa_topk=_get(raw, "index_topk", required=missing))
@@ -182,7 +181,7 @@ def glm5_next_config(raw: dict) -> HybridConfig:
         kda_heads=heads, kda_value_heads=heads, kda_head_dim=head_dim, kda_gate_rank=head_dim,
         kda_conv_size=la.get("short_conv_kernel_size", _get(text, "linear_conv_kernel_dim", default=4)),
         kda_lower_bound=la.get("gate_lower_bound", text.get("linear_lower_bound", -5.0)),
-        latent_norm_eps=eps, rope_style="none", index_style="deepseek",
+        latent_norm_eps=eps, rope=Rope("none"), index_style="deepseek",
         index_heads=_get(text, "index_n_heads", required=missing), index_dim=_get(text, "index_head_dim", required=missing),
         dsa_topk=_get(text, "index_topk", required=missing), index_kpool=_get(text, "index_kpool", default=16),
         index_kpool_tail=bool(_get(text, "index_kpool_always_select_tail", default=True)),
@@ -221,6 +220,8 @@ def own_config(raw: dict) -> HybridConfig:
     values = {k: v for k, v in raw.items() if k in known}
     if values.get("vision") is not None:
         values["vision"] = VisionConfig(**values["vision"])
+    if "rope" in values:
+        values["rope"] = Rope(**values["rope"])
     return HybridConfig(**values)
 
 

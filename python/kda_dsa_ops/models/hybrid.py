@@ -45,14 +45,7 @@ class HybridConfig:
     dsa_v_dim: int = 16
     dsa_gate: bool = True  # sigmoid gate on the sparse attention's latent output (D layers)
     latent_norm_eps: float = 1e-6  # the MLA q and kv latent norms
-    rope_style: str = "half"  # "half", "interleave" (DeepSeek), "none" (NoPE)
-    rope_theta: float = 10000.0
-    rope_factor: float = 1.0  # > 1: YaRN with the fields below
-    rope_original_max: int = 4096
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_mscale: float = 1.0
-    rope_mscale_all_dim: float = 0.0
+    rope: Rope = Rope()  # of the MLA rope dims (and the deepseek indexer's): style, theta, YaRN
     index_heads: int = 2
     index_dim: int = 16
     dsa_topk: int = 64
@@ -91,10 +84,6 @@ class HybridConfig:
         """The width tokens have when they travel to the experts."""
         return self.latent or self.hidden
 
-    def rope(self) -> Rope:
-        return Rope(self.rope_style, self.rope_theta, self.rope_factor, self.rope_original_max, self.rope_beta_fast,
-                    self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim)
-
     def validate(self) -> None:
         """Raises ValueError on a configuration no kernel or layer could run."""
         problems = []
@@ -120,8 +109,8 @@ class HybridConfig:
             problems.append(f"kda_head_dim must be <= 128, got {self.kda_head_dim}")
         if self.dsa_rope_dim % 2:
             problems.append(f"dsa_rope_dim must be even (rotary pairs), got {self.dsa_rope_dim}")
-        if self.rope_style not in ("half", "interleave", "none"):
-            problems.append(f"rope_style must be 'half', 'interleave' or 'none', got {self.rope_style!r}")
+        if self.rope.style not in Rope.STYLES:
+            problems.append(f"rope style must be one of {Rope.STYLES}, got {self.rope.style!r}")
         if self.index_style not in LightningIndexer.STYLES:
             problems.append(f"index_style must be one of {LightningIndexer.STYLES}, got {self.index_style!r}")
         elif self.index_style == "deepseek" and (self.dsa_q_rank <= 0 or self.index_dim < self.dsa_rope_dim):
@@ -194,7 +183,7 @@ class HybridBlock(nn.Module):
             self.attn = KDAAttention(cfg.hidden, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_value_heads,
                                      cfg.kda_gate_rank, cfg.kda_conv_size, lora_rank, eps, cfg.kda_lower_bound)
         else:
-            rope = cfg.rope()
+            rope = cfg.rope
             indexer = None
             if kind == "D" and own_indexer:
                 q_in = cfg.dsa_q_rank if cfg.index_style == "deepseek" else cfg.hidden

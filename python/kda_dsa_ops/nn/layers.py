@@ -146,6 +146,8 @@ class Rope:
     dot products), "none" leaves them as they are (NoPE). factor > 1: YaRN (inverse frequencies
     blended between interpolation and extrapolation by the beta_fast/beta_slow correction range
     of original_max positions, cos/sin scaled by mscale, the softmax scale by mscale_all_dim)."""
+    STYLES = ("half", "interleave", "none")
+
     style: str = "half"
     theta: float = 10000.0
     factor: float = 1.0
