@@ -4,6 +4,7 @@ its experts (counted in bytes), and bad checkpoints fail with a clear message an
 untouched. The real families (kimi_linear, deepseek_v32) are in test_real_models.py."""
 
 import json
+import math
 import os
 import tempfile
 from types import SimpleNamespace
@@ -142,3 +143,90 @@ def test_fused_ops_says_which_blocks_run_native_on_cuda():
     wide = fused_ops(get_config("small", index_heads=96), "cuda")
     assert any("SFA: reference (the CUDA indexer takes up to 64 heads" in line for line in wide)
     assert all("(native)" in line for line in fused_ops(get_config("small", index_heads=96), "cpu"))
+
+
+def write_raw(path, header: dict | list, data: bytes = b"", header_bytes: bytes | None = None):
+    """A .safetensors file with the given header (JSON) and data bytes, written by hand."""
+    raw = header_bytes if header_bytes is not None else json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("offsets shifted", r"w's bytes start at 4, expected 0"),
+    ("gap", r"b's bytes start at 20, expected 16"),
+    ("trailing bytes", "4 bytes after the last tensor's data"),
+    ("header a list", "the header is a JSON list, not an object of tensors"),
+    ("no offsets", "tensor w's entry needs a dtype, a shape and two data_offsets"),
+    ("malformed json", "unreadable header"),
+])
+def test_malformed_safetensors_files_raise_checkpoint_errors(tmp_path, case, message):
+    """The layout the format requires: offsets tile the data exactly, an object of entries."""
+    path = str(tmp_path / "model.safetensors")
+    w = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+    if case == "offsets shifted":
+        write_raw(path, {"w": dict(w, data_offsets=[4, 20])}, bytes(20))
+    elif case == "gap":
+        write_raw(path, {"w": w, "b": dict(w, data_offsets=[20, 36])}, bytes(36))
+    elif case == "trailing bytes":
+        write_raw(path, {"w": w}, bytes(20))
+    elif case == "header a list":
+        write_raw(path, [w])
+    elif case == "no offsets":
+        write_raw(path, {"w": {"dtype": "F32", "shape": [4]}}, bytes(16))
+    else:
+        write_raw(path, {}, header_bytes=b'{"w": {"dtype": ')
+    with pytest.raises(CheckpointError, match=message):
+        Reader(path)
+
+
+def test_bad_checkpoint_directories_raise_checkpoint_errors(checkpoint, tmp_path):
+    _, d = checkpoint
+    with pytest.raises(CheckpointError, match="no such checkpoint file or directory"):
+        Reader(str(tmp_path / "absent"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"no \.safetensors file"):
+        Reader(str(tmp_path / "empty"))
+    index = os.path.join(d, "model.safetensors.index.json")
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    first = sorted(set(weight_map.values()))[0]
+    os.rename(os.path.join(d, first), os.path.join(d, first + ".moved"))
+    with pytest.raises(CheckpointError, match=f"names files that are not there: \\['{first}'\\]"):
+        Reader(d)
+    os.rename(os.path.join(d, first + ".moved"), os.path.join(d, first))
+    with open(index, "w") as f:
+        json.dump({"metadata": {}}, f)
+    with pytest.raises(CheckpointError, match="not a safetensors index"):
+        Reader(d)
+    with open(index, "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match="not a safetensors index"):
+        Reader(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write("[1, 2]")
+    with pytest.raises(SystemExit, match="config.json: a JSON list"):
+        onboard.main([d, "--device", "cpu"])
+
+
+def test_a_tensor_twice_integer_values_and_nonfinite_weights_are_refused(checkpoint, tmp_path):
+    model, d = checkpoint
+    name = "blocks.0.attn.q_proj.base.weight"
+    shard = Reader(d).entries[name].file
+    other = next(e.file for e in Reader(d).entries.values() if e.file != shard)
+    rewrite(d, "blocks.0.attn.q_proj.base.weight", Reader(d).read(name).view(torch.int32))
+    target = fresh(model.cfg)
+    before = snapshot(target)
+    with pytest.raises(CheckpointError, match=f"{name}: int32 values for a floating-point tensor"):
+        onboard.load(target, d)
+    rewrite(d, name, Reader(d).read(name).view(torch.float32).clone().index_fill_(1, torch.tensor([3]), math.nan))
+    with pytest.raises(CheckpointError, match=rf"NaN or inf in 1 tensors .*{name}: 32 of 2048"):
+        onboard.load(target, d)
+    assert all(torch.equal(v, before[k]) for k, v in snapshot(target).items())
+    onboard.load(target, d, allow_nonfinite=True)  # taken as they are when the user says so
+    assert torch.isnan(target.blocks[0].attn.q_proj.base.weight).sum() == 32
+    reader = Reader(other)
+    tensors = {n: reader.read(n) for n in reader.entries}
+    write_file(other, {**tensors, name: torch.zeros(32, 64)})
+    with pytest.raises(CheckpointError, match=f"tensor {name} is also in"):
+        Reader(d)

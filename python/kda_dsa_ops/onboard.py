@@ -455,8 +455,10 @@ def read_raw_config(directory: str) -> dict:
     try:
         with open(path) as f:
             raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: cannot read ({err})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: a JSON {type(raw).__name__}, not an object of settings")
     if raw.get("model_type") not in FAMILIES:
         raise CheckpointError(f"{path}: model_type {raw.get('model_type')!r} is not one of {sorted(FAMILIES)}")
     return raw
@@ -465,7 +467,14 @@ def read_raw_config(directory: str) -> dict:
 def read_config(directory: str, **overrides) -> HybridConfig:
     """The HybridConfig of a checkpoint directory (by config.json's model_type), with overrides."""
     raw = read_raw_config(directory)
-    cfg = replace(FAMILIES[raw["model_type"]].read_config(raw), **overrides)
+    try:
+        cfg = FAMILIES[raw["model_type"]].read_config(raw)
+        cfg.validate()
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, AttributeError) as err:  # values of the wrong kind or out of range
+        raise CheckpointError(f"{os.path.join(directory, 'config.json')}: {err}") from None
+    cfg = replace(cfg, **overrides)
     cfg.validate()
     return cfg
 
@@ -532,10 +541,11 @@ def _find(reader: Reader, name: str, family: Family) -> str | None:
     return None
 
 
-def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
+def load(model: HybridModel, directory: str, device: str = "cpu", allow_nonfinite: bool = False) -> Report:
     """Loads the checkpoint in `directory` into model (whose experts may be this rank's slice
     under EP). Raises CheckpointError, with the report, before writing anything if a tensor is
-    missing, unknown, misshapen or an FP8 weight lacks its scales."""
+    missing, unknown, misshapen, of an integer or bool dtype where the model holds floats, an FP8
+    weight lacks its scales, or (unless allow_nonfinite) a weight holds NaN or inf."""
     raw = read_raw_config(directory)
     family = FAMILIES[raw["model_type"]]
     reader = Reader(directory)
@@ -558,6 +568,8 @@ def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
         if how.startswith("reshape") and math.prod(shapes[0]) == dest.numel():
             expected = [tuple(shapes[0])]  # any layout of the same elements (e.g. [H] or [1, 1, H, 1])
         bad = [f"{f}: {list(s)}, expected {list(e)}" for f, s, e in zip(found, shapes, expected) if tuple(s) != e]
+        bad += [f"{f}: {str(reader.entries[f].dtype).removeprefix('torch.')} values for a floating-point tensor"
+                for f in found if dest.is_floating_point() and not reader.entries[f].dtype.is_floating_point]
         scales = []
         for f in found:
             if reader.entries[f].dtype == torch.float8_e4m3fn:
@@ -581,11 +593,15 @@ def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
             report.unknown.append(name)
     if not report.ok:
         raise CheckpointError(f"{directory}: cannot load\n{report.text()}")
-    values = []
+    values, nonfinite = [], []
     for found, scales, dest, how in staged:  # every read happens before the first write
         parts = []
         for f, s in zip(found, scales):
             t = reader.read(f)
+            if t.is_floating_point() and not allow_nonfinite:
+                count = int((~torch.isfinite(t.float())).sum())
+                if count:
+                    nonfinite.append(f"{f}: {count} of {t.numel()}")
             if s is not None:
                 t = _dequantise(t, reader.read(s), f)
                 report.dequantised += 1
@@ -595,6 +611,9 @@ def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
         if t.dtype != dest.dtype:
             report.conversions[key] = report.conversions.get(key, 0) + 1
         values.append((dest, t))
+    if nonfinite:
+        raise CheckpointError(f"{directory}: NaN or inf in {len(nonfinite)} tensors (load(..., allow_nonfinite=True) "
+                              f"takes them as they are): " + "; ".join(nonfinite[:8]))
     with torch.no_grad():
         for dest, t in values:
             dest.copy_(t)
@@ -604,12 +623,13 @@ def load(model: HybridModel, directory: str, device: str = "cpu") -> Report:
 
 def from_pretrained(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                     backend: str = "native", lora_rank: int = 0, lora_targets: str = "all",
-                    **overrides) -> HybridModel:
+                    allow_nonfinite: bool = False, **overrides) -> HybridModel:
     """A HybridModel with a checkpoint's weights: config.json's model_type picks the family
     (kimi_linear, deepseek_v32, kda_dsa_ops); overrides replace HybridConfig fields (e.g.
     capacity_factor). dtype: the model's (default: the checkpoint's, float32 if unstated).
     lora_rank > 0 adds fresh adapters (the base frozen), ready to fine-tune, on lora_targets
-    ("all" projections or "attention" only; see HybridModel)."""
+    ("all" projections or "attention" only; see HybridModel). Bad checkpoints raise
+    CheckpointError (see load)."""
     raw = read_raw_config(path)
     cfg = read_config(path, **overrides)
     if dtype is None:
@@ -621,7 +641,7 @@ def from_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
         for module in model.modules():
             if isinstance(module, LoRALinear) and module.rank > 0:
                 module.lora_a.data, module.lora_b.data = module.lora_a.data.float(), module.lora_b.data.float()
-    load(model, path, device.type)
+    load(model, path, device.type, allow_nonfinite)
     model.source_config = raw
     return model
 
@@ -717,12 +737,18 @@ def main(argv=None) -> Report:
     p.add_argument("checkpoint", help="directory with config.json and the safetensors files")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    cfg = read_config(args.checkpoint)
+    try:
+        cfg = read_config(args.checkpoint)
+    except CheckpointError as err:
+        raise SystemExit(f"onboard: {err}") from None
     preset = next((n for n, c in PRESETS.items() if c == cfg), None)
     print(f"config: {cfg}" + (f" (preset {preset})" if preset else ""))
     with torch.device("cpu"):
         model = HybridModel(cfg)
-    report = load(model, args.checkpoint, args.device)
+    try:
+        report = load(model, args.checkpoint, args.device)
+    except CheckpointError as err:
+        raise SystemExit(f"onboard: {err}") from None
     print(report.text())
     return report
 

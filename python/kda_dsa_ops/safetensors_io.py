@@ -73,7 +73,10 @@ def write_sharded(directory: str, tensors: dict[str, torch.Tensor], shard_bytes:
 
 class Reader:
     """The tensors of a checkpoint (a .safetensors file, or a directory with one or with an index);
-    headers are read up front, tensor bytes on demand (`bytes_read` counts them)."""
+    headers are read up front, tensor bytes on demand (`bytes_read` counts them). Every header is
+    checked as the format requires (a JSON object of entries with a dtype, a shape and offsets;
+    the entries' byte ranges tile the data exactly, in any order; no name twice across the
+    files; the index's files exist): anything else is a CheckpointError naming the file."""
 
     def __init__(self, path: str):
         self.entries: dict[str, Entry] = {}
@@ -86,11 +89,21 @@ class Reader:
     def _files(path: str) -> list[str]:
         if os.path.isfile(path):
             return [path]
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: no such checkpoint file or directory")
         index = os.path.join(path, INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            return [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map of "
+                                      f"tensor -> file): {err!r}") from None
+            missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+            if missing:
+                raise CheckpointError(f"{index} names files that are not there: {missing}")
+            return [os.path.join(path, name) for name in names]
         files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
         if not files:
             raise CheckpointError(f"{path}: no .safetensors file and no {INDEX}")
@@ -107,23 +120,42 @@ class Reader:
                 raise CheckpointError(f"{file}: header of {n} bytes runs past the end of the file ({size} bytes)")
             try:
                 header = json.loads(f.read(n))
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise CheckpointError(f"{file}: unreadable header ({err})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{file}: the header is a JSON {type(header).__name__}, not an object of tensors")
         header.pop("__metadata__", None)
+        ranges = []
         for name, info in header.items():
-            begin, end = (8 + n + o for o in info["data_offsets"])
-            dtype = DTYPES.get(info["dtype"])
+            try:
+                dtype_name, shape, (first, last) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+                first, last = int(first), int(last)
+            except (KeyError, TypeError, ValueError) as err:
+                raise CheckpointError(f"{file}: tensor {name}'s entry needs a dtype, a shape and two data_offsets, "
+                                      f"got {info!r} ({err!r})") from None
+            if name in self.entries:
+                raise CheckpointError(f"{file}: tensor {name} is also in {self.entries[name].file}")
+            dtype = DTYPES.get(dtype_name)
             if dtype is None:
-                raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
-            shape = tuple(info["shape"])
+                raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {dtype_name}")
+            begin, end = 8 + n + first, 8 + n + last
             expected = dtype.itemsize * int(torch.Size(shape).numel())
             if end - begin != expected:
                 raise CheckpointError(f"{file}: tensor {name} holds {end - begin} bytes, its shape {list(shape)} "
-                                      f"and dtype {info['dtype']} need {expected}")
+                                      f"and dtype {dtype_name} need {expected}")
             if end > size:
                 raise CheckpointError(f"{file}: tensor {name} ends at byte {end}, past the end of the file "
                                       f"({size} bytes): truncated")
+            ranges.append((first, last, name))
             self.entries[name] = Entry(file, dtype, shape, begin, end)
+        at = 0
+        for first, last, name in sorted(ranges):
+            if first != at:
+                raise CheckpointError(f"{file}: tensor {name}'s bytes start at {first}, expected {at}: the tensors' "
+                                      "data_offsets must tile the data without gaps or overlaps")
+            at = last
+        if 8 + n + at != size:
+            raise CheckpointError(f"{file}: {size - 8 - n - at} bytes after the last tensor's data")
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
