@@ -198,6 +198,8 @@ def test_dsa_bad_inputs_raise():
     f = K.sparse_attention
     with pytest.raises(RuntimeError, match=r"indices values must lie in \[-1, 6\)"):
         f(q, kv, torch.full_like(idx, 6), 0.5, 8)
+    with pytest.raises(RuntimeError, match=r"dv must be in \[1, Dqk = 0\]"):
+        f(q[..., :0], kv[..., :0], idx)  # Dqk = 0: no default scale to compute
     with pytest.raises(RuntimeError, match=r"indices values must lie in \[-1, 6\)"):
         f(q, kv, torch.full_like(idx, -2), 0.5, 8)
     with pytest.raises(RuntimeError, match="indices must have dtype"):

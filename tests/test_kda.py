@@ -258,6 +258,8 @@ def test_kda_bad_inputs_raise(device, value_checks):
         f(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
     with pytest.raises(RuntimeError, match="k must have the shape of q"):
         f(q, k[:, :9], v, g, beta)
+    with pytest.raises(RuntimeError, match=r"head dims K \(0\) and V \(8\) must lie in \[1, 128\]"):
+        f(q[..., :0], k[..., :0], v, g[..., :0], beta)  # no default scale to compute
     with pytest.raises(RuntimeError, match="g must be"):
         f(q, k, v, g[..., :8], beta)
     with pytest.raises(RuntimeError, match="beta must be"):

@@ -2,6 +2,8 @@
 outputs and every gradient, opcheck, torch.compile(fullgraph=True), no host synchronisation,
 determinism, and bad inputs."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -461,6 +463,14 @@ def test_bad_inputs_raise(device, value_checks):
         K.moe_route(logits, 2, score_fn="relu")
     with pytest.raises(RuntimeError, match="bias must have E = 5"):
         K.moe_route(logits, 2, torch.zeros(4, device=device))
+    x, ids = torch.randn(4, 8, device=device), torch.zeros(4, 2, device=device, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"ids must be 2-D \[T, k\]"):
+        K.moe_permute(x, ids[:, 0], 4, capacity_factor=1.0)
+    with pytest.raises(RuntimeError, match="num_experts must be >= 1, got 0"):
+        K.moe_permute(x, ids, 0, capacity_factor=1.0)
+    for bad in (math.nan, math.inf, 0.0):
+        with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+            K.moe_permute(x, ids, 4, capacity_factor=bad)
     grouped = torch.randn(4, 8, device=device)
     with pytest.raises(RuntimeError, match=r"n_group must divide E = 8"):
         K.moe_route(grouped, 2, n_group=3)

@@ -54,8 +54,8 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     GPUs take (for comparison and testing).
     """
     Dqk = q.shape[-1]
-    if scale is None:
-        scale = Dqk ** -0.5
+    if scale is None:  # Dqk = 0 is left to the op's own check
+        scale = Dqk ** -0.5 if Dqk > 0 else 1.0
     if dv is None:
         dv = 512 if Dqk == 576 else Dqk
     o, lse, p = _ops.sparse_attn_fwd(q, kv, indices, float(scale), dv, gate, return_p, deterministic)

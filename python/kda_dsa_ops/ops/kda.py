@@ -46,8 +46,8 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     precision = _torch_matmul_precision() if matmul_precision is None else matmul_precision
     if precision not in _PRECISIONS:
         raise ValueError(f"chunk_kda: matmul_precision must be one of {_PRECISIONS}, got {precision!r}")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    if scale is None:  # K = 0 is left to the op's own check
+        scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
     if cu_seqlens is not None and cu_seqlens.dtype == torch.int64:
         cu_seqlens = cu_seqlens.to(torch.int32)
     o, final_state = _ops.kda_fwd(q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state,

@@ -47,7 +47,10 @@ def moe_permute(x: Tensor, ids: Tensor, num_experts: int, weights: Tensor | None
     if capacity is not None and capacity_factor is not None:
         raise ValueError("pass capacity or capacity_factor, not both")
     if capacity_factor is not None:
-        capacity = expert_capacity(ids.shape[0], ids.shape[1], num_experts, capacity_factor)
+        if ids.dim() != 2 or num_experts < 1:
+            capacity = 0  # the op rejects such ids / num_experts in its own words
+        else:
+            capacity = expert_capacity(ids.shape[0], ids.shape[1], num_experts, capacity_factor)
     return _ops.moe_permute(x, ids, weights, num_experts, -1 if capacity is None else capacity, policy,
                             fallback_ids)
 

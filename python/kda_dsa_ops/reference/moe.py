@@ -19,8 +19,8 @@ RENORM_EPS = 1e-20
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
     """Rows each expert may take: ceil(capacity_factor * num_tokens * topk / num_experts)."""
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if not 0 < capacity_factor < math.inf:
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
     return int(math.ceil(capacity_factor * num_tokens * topk / num_experts))
 
 
