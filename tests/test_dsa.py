@@ -409,3 +409,20 @@ def test_dsa_cuda_takes_views_at_any_offset():
     i, s = K.lightning_indexer(q[:, :4], kv[:T, 0], q[:, :4, 0], cu, cu, 3)
     i_ref, s_ref = K.lightning_indexer(q[:, :4].contiguous(), kv[:T, 0].clone(), q[:, :4, 0].clone(), cu, cu, 3)
     assert torch.equal(i, i_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("T, Tk", [(0, 5), (4, 0), (0, 0)])
+def test_reference_attention_takes_empty_batches(T, Tk):
+    """No queries or no keys (legal: the ops handle them): the reference gives the op's output, lse
+    and gradients (all zero without keys)."""
+    q = torch.randn(T, 2, 8, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(Tk, 1, 8, dtype=torch.float64, requires_grad=True)
+    idx = torch.full((T, 1, 3), -1, dtype=torch.int32)
+    o, lse, _ = R.sparse_attn_fwd(q, kv, idx, 0.3, 8, None, True)
+    o_op, lse_op, _ = K.sparse_attention(q, kv, idx, 0.3, 8, None, True)
+    assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
+    do = torch.randn_like(o)
+    dq, dkv, _ = R.sparse_attn_bwd(do, q, kv, idx, lse, 0.3, 8, None)
+    dq_op, dkv_op = torch.autograd.grad(o_op, (q, kv), do, allow_unused=True)
+    assert torch.equal(dq, dq_op if dq_op is not None else torch.zeros_like(q))
+    assert torch.equal(dkv, dkv_op if dkv_op is not None else torch.zeros_like(kv))

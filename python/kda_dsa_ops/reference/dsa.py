@@ -142,12 +142,14 @@ def indexer_kl_loss(attn_p: torch.Tensor, scores: torch.Tensor, indices: torch.T
 def _selected_logits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, dv: int):
     """Per kv head a: queries qg [T,Hkv,G,Dqk], selected keys [T,Hkv,topk,Dqk] and values
     [T,Hkv,topk,dv] (the values are kv[..., :dv]) and logits [T,Hkv,G,topk] (-1 entries: -inf)."""
-    T, H, _ = q.shape
+    T, H, Dqk = q.shape
     Hkv = kv.shape[1]
     acc = accumulation_dtype(q)
+    if kv.shape[0] == 0:  # no keys: every index is -1; one zero row to gather from
+        kv = kv.new_zeros(1, Hkv, kv.shape[2])
     rows = indices.clamp(min=0).long()                                      # [T, Hkv, topk]
     k_sel = kv.to(acc)[rows, torch.arange(Hkv, device=kv.device)[None, :, None]]
-    qg = q.to(acc).reshape(T, Hkv, H // Hkv, -1)
+    qg = q.to(acc).reshape(T, Hkv, H // Hkv, Dqk)
     logits = torch.einsum("tagd,tasd->tags", qg, k_sel) * scale
     return qg, k_sel, k_sel[..., :dv], logits.masked_fill((indices < 0)[:, :, None, :], -math.inf)
 
@@ -177,7 +179,7 @@ def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices
                     lse: torch.Tensor, scale: float, dv: int, gate: torch.Tensor | None = None):
     """(dq, dkv, dgate) of sparse_attn_fwd, written out explicitly. dkv [Tk,Hkv,Dqk] collects the
     key gradient and, in its first dv channels, the value gradient; dgate is None without a gate."""
-    T, H, _ = q.shape
+    T, H, Dqk = q.shape
     Hkv = kv.shape[1]
     G = H // Hkv
     acc = accumulation_dtype(q)
@@ -195,7 +197,7 @@ def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices
     delta = (d_attn * attn).sum(-1, keepdim=True)                            # [T, Hkv, G, 1]
     dprobs = torch.einsum("tagd,tasd->tags", d_attn, v_sel)
     dlogits = probs * (dprobs - delta) * scale
-    dq = torch.einsum("tags,tasd->tagd", dlogits, k_sel).reshape(T, H, -1)
+    dq = torch.einsum("tags,tasd->tagd", dlogits, k_sel).reshape(T, H, Dqk)
     dk_sel = torch.einsum("tags,tagd->tasd", dlogits, qg)                    # [T, Hkv, topk, Dqk]
     dv_sel = torch.einsum("tags,tagd->tasd", probs, d_attn)                  # [T, Hkv, topk, dv]
     rows = indices.clamp(min=0).long()
@@ -203,8 +205,9 @@ def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices
     keep = (indices >= 0)[..., None].to(acc)
     flat = (rows * Hkv + heads).reshape(-1)
     dkv = torch.zeros(kv.shape[0] * Hkv, kv.shape[2], dtype=acc, device=q.device)
-    dkv.index_add_(0, flat, (dk_sel * keep).reshape(-1, kv.shape[2]))
-    dv_rows = torch.zeros(kv.shape[0] * Hkv, dv, dtype=acc, device=q.device)
-    dv_rows.index_add_(0, flat, (dv_sel * keep).reshape(-1, dv))
-    dkv[:, :dv] += dv_rows
+    if kv.shape[0]:  # without keys every index is -1: nothing to add
+        dkv.index_add_(0, flat, (dk_sel * keep).reshape(-1, kv.shape[2]))
+        dv_rows = torch.zeros(kv.shape[0] * Hkv, dv, dtype=acc, device=q.device)
+        dv_rows.index_add_(0, flat, (dv_sel * keep).reshape(-1, dv))
+        dkv[:, :dv] += dv_rows
     return dq.to(q.dtype), dkv.reshape(kv.shape).to(kv.dtype), dgate
