@@ -138,3 +138,37 @@ def test_data_file_trains_next_token_prediction(tmp_path):
     assert torch.equal(encoded, stream[:64])
     with pytest.raises(SystemExit, match="needs .*tokenizer.json"):
         train.token_stream(str(tmp_path / "texts.jsonl"), str(tmp_path / "elsewhere"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0, got -1"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--steps", "-5"], "--steps must be >= 1, got -5"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0, got -1"),
+    (["--queries", "5", "--pairs", "2"], r"--queries \(5\) cannot exceed --pairs \(2\)"),
+    (["--seqs", "0"], "--seqs must be >= 1, got 0"),
+    (["--micro-batches", "0"], "--micro-batches must be >= 1, got 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--pairs", "80", "--queries", "2"], r"--pairs \(80\) exceeds the 64 keys"),
+])
+def test_bad_flags_are_rejected_before_any_work(flags, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        train.main(COMMON + flags + ["--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_non_finite_loss_stops_before_the_update(tmp_path, monkeypatch):
+    """The second step's loss is made NaN: the run stops there, naming the step, before the
+    optimizer step would spread NaN gradients into the weights."""
+    forward, calls = train.HybridModel.forward, []
+
+    def poisoned(self, *a, **kw):
+        out = forward(self, *a, **kw)
+        calls.append(1)
+        if len(calls) == 2:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    monkeypatch.setattr(train.HybridModel, "forward", poisoned)
+    with pytest.raises(SystemExit, match="step 2: the loss is not finite"):
+        train.main(COMMON + ["--steps", "5", "--out", str(tmp_path / "run")])

@@ -216,8 +216,29 @@ def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
     return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
 
 
+def check_args(args) -> None:
+    """Flags no run could use, rejected before any work, each named."""
+    problems = []
+    for flag in ("steps", "seqs", "pairs", "queries", "seq_len", "log_every", "micro_batches", "ep"):
+        if getattr(args, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("lora_rank", "checkpoint_every", "warmup_steps"):
+        if getattr(args, flag) < 0:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.queries > args.pairs:
+        problems.append(f"--queries ({args.queries}) cannot exceed --pairs ({args.pairs}): a sequence asks only for "
+                        "keys it lists")
+    if not 0 < args.lr < float("inf"):
+        problems.append(f"--lr must be a finite number > 0, got {args.lr}")
+    if not 0 <= args.max_grad_norm < float("inf"):
+        problems.append(f"--max-grad-norm must be a finite number >= 0, got {args.max_grad_norm}")
+    if problems:
+        raise SystemExit("bad arguments: " + "; ".join(problems))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_args(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hf_init = bool(args.init_from) and os.path.isfile(os.path.join(args.init_from, "config.json"))
@@ -228,6 +249,9 @@ def main(argv=None) -> dict:
     stream = token_stream(args.data, args.init_from if hf_init else None, args.data_dtype) if args.data else None
     if stream is not None and stream.numel() and int(stream.max()) >= cfg.vocab:
         raise SystemExit(f"--data has token id {int(stream.max())}, beyond the model's vocabulary of {cfg.vocab}")
+    if stream is None and args.pairs > cfg.vocab // 4:
+        raise SystemExit(f"--pairs ({args.pairs}) exceeds the {cfg.vocab // 4} keys the recall task draws from a "
+                         f"vocabulary of {cfg.vocab}")
     try:
         check_layout(world, args.ep, cfg.experts)  # before any process group or model exists
     except ValueError as err:
@@ -272,6 +296,12 @@ def main(argv=None) -> dict:
         with precision:
             out = model(tokens.to(device), cu.to(device), labels.to(device))
         out["loss"].backward()
+        finite = torch.isfinite(out["loss"].detach()).to(torch.float32)
+        if world > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():  # every rank stops here, before the update touches the weights
+            raise SystemExit(f"step {step + 1}: the loss is not finite (on at least one rank); stopped before "
+                             f"the optimizer step (checkpoints in {args.out} hold the last good weights)")
         if mesh is not None:
             reduce_expert_gradients(model, mesh)
         grad_norm = clip_grad_norm(model, args.max_grad_norm, mesh)
