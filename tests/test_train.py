@@ -172,3 +172,12 @@ def test_a_non_finite_loss_stops_before_the_update(tmp_path, monkeypatch):
     monkeypatch.setattr(train.HybridModel, "forward", poisoned)
     with pytest.raises(SystemExit, match="step 2: the loss is not finite"):
         train.main(COMMON + ["--steps", "5", "--out", str(tmp_path / "run")])
+
+
+def test_the_loss_curve_is_drawn_with_a_title(tmp_path, capsys):
+    """With matplotlib (tools/demo.sh and tools/test.sh install it) each run writes loss.png; the
+    title says what was trained on what."""
+    pytest.importorskip("matplotlib")
+    train.main(COMMON + ["--steps", "2", "--lora-rank", "4", "--out", str(tmp_path / "run")])
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 10_000
+    assert "no loss curve" not in capsys.readouterr().out

@@ -7,7 +7,7 @@
 # GPUs: 2 processes on NCCL, EP 2. Outputs (checkpoints, log.json, loss.png) in runs/demo/.
 # Extra arguments go to both training phases.
 set -euo pipefail
-source "$(dirname "$0")/install.sh"
+INSTALL_EXTRA="matplotlib" source "$(dirname "$0")/install.sh"  # matplotlib: the loss curves
 "$PY" -m kda_dsa_ops.demo --config tiny
 
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install, build and run the test suite (CUDA tests skip without a GPU). Extra arguments go to pytest.
 set -euo pipefail
-INSTALL_EXTRA="pytest hypothesis transformers==5.23.0 peft" source "$(dirname "$0")/install.sh"
+INSTALL_EXTRA="pytest hypothesis matplotlib transformers==5.23.0 peft" source "$(dirname "$0")/install.sh"
 if [ -n "${CUDA_HOME:-}" ] && [ "${KDA_DSA_OPS_CUDA:-1}" != 0 ]; then
   export KDA_DSA_OPS_EXPECT_CUDA_BUILD=1  # tests/test_build.py then checks the CUDA kernels were built
 fi

@@ -190,22 +190,25 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def plot_losses(history: list[dict], path: str) -> None:
+def plot_losses(history: list[dict], path: str, title: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(f"no loss curve ({path}): matplotlib is not installed (pip install matplotlib); the history is in "
+              "log.json", flush=True)
         return
     fig, ax = plt.subplots(figsize=(7, 4))
+    ax.set_title(title)
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="loss")
     ax2 = ax.twinx()
     ax2.plot([h["step"] for h in history], [h["recall"] for h in history], color="tab:orange", label="recall")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax2.set_ylabel("recall")
-    fig.legend(loc="upper right")
+    fig.legend(loc="center right", bbox_to_anchor=(0.88, 0.5))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -331,7 +334,10 @@ def main(argv=None) -> dict:
     if rank == 0:
         with open(os.path.join(args.out, "log.json"), "w") as f:
             json.dump({"args": vars(args), "history": history}, f, indent=1)
-        plot_losses(history, os.path.join(args.out, "loss.png"))
+        name = os.path.basename(os.path.normpath(args.init_from)) if hf_init else args.config
+        what = f"LoRA rank {args.lora_rank}" if args.lora_rank else "every parameter"
+        data = os.path.basename(args.data) if args.data else f"the {args.task} recall task"
+        plot_losses(history, os.path.join(args.out, "loss.png"), f"{name}: {what} on {data}")
     if world > 1:
         dist.destroy_process_group()
     return {"history": history}
