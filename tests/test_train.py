@@ -181,3 +181,51 @@ def test_the_loss_curve_is_drawn_with_a_title(tmp_path, capsys):
     train.main(COMMON + ["--steps", "2", "--lora-rank", "4", "--out", str(tmp_path / "run")])
     assert (tmp_path / "run" / "loss.png").stat().st_size > 10_000
     assert "no loss curve" not in capsys.readouterr().out
+
+
+def test_a_flipped_byte_in_a_checkpoint_stops_the_resume(tmp_path):
+    out = str(tmp_path / "run")
+    train.main(COMMON + ["--steps", "2", "--checkpoint-every", "1", "--out", out])
+    latest = os.path.join(out, "latest")
+    data = max((os.path.join(latest, f) for f in os.listdir(latest) if f.endswith(".distcp")), key=os.path.getsize)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(SystemExit, match=f"checkpoint {latest} is damaged: {data} is missing or does not match"):
+        train.main(COMMON + ["--steps", "4", "--resume", "--out", out])
+
+
+def test_a_crash_between_the_renames_resumes_from_the_previous_checkpoint(tmp_path):
+    """save_checkpoint moves the old checkpoint aside before putting the new one in place: a crash
+    in between leaves only <latest>.previous, and --resume takes it (and reproduces the run)."""
+    straight = train.main(COMMON + ["--steps", "4", "--out", str(tmp_path / "a")])["history"]
+    out = str(tmp_path / "b")
+    train.main(COMMON + ["--steps", "2", "--checkpoint-every", "2", "--out", out])
+    os.rename(os.path.join(out, "latest"), os.path.join(out, "latest.previous"))
+    os.makedirs(os.path.join(out, "latest.partial"))  # and a save that had just begun
+    resumed = train.main(COMMON + ["--steps", "4", "--resume", "--out", out])["history"]
+    assert [h["loss"] for h in resumed] == [h["loss"] for h in straight[2:]]
+
+
+def test_killing_a_run_while_it_saves_never_costs_the_checkpoint(tmp_path):
+    """A run saving every step is killed (SIGKILL) at several moments; each time --resume starts
+    from a complete checkpoint and finishes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = str(tmp_path / "run")
+    argv = [sys.executable, "-m", "kda_dsa_ops.train"] + COMMON + ["--checkpoint-every", "1", "--out", out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for delay in (4.0, 5.5, 7.0):
+        run = subprocess.Popen(argv + ["--steps", "1000", "--resume"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        assert train.complete_checkpoint(os.path.join(out, "latest")) is not None
+    done = subprocess.run(argv + ["--steps", "1", "--resume"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import resource
+import shutil
 import time
 
 import torch
@@ -159,14 +161,80 @@ def _unrename(sd: dict, tag: str) -> dict:
     return {k.removesuffix(f"@{tag}"): v for k, v in sd.items()}
 
 
+MANIFEST = "manifest.json"  # {file: SHA-256} of every file of a complete checkpoint
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def save_checkpoint(path: str, model, opt, step: int, tag: str) -> None:
+    """Writes the checkpoint into <path>.partial, records each file's SHA-256 in its manifest, then
+    puts it in path's place: the previous checkpoint moves to <path>.previous first and is removed
+    only once the new one is in place, so a crash at any moment leaves a complete checkpoint at
+    path or at <path>.previous (complete_checkpoint finds it)."""
     lora = any("lora_" in name for name, _ in model.named_parameters())  # LoRA checkpoints: adapters only
     model_sd, optim_sd = _state(model, opt, tag, include_frozen=not lora)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
+    staging, previous = f"{path}.partial", f"{path}.previous"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0 and os.path.isdir(staging):
+        shutil.rmtree(staging)  # what a crash mid-save left
+    _barrier()
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=staging)
+    _barrier()
+    if rank0:
+        files = sorted(f for f in os.listdir(staging) if f != MANIFEST)
+        with open(os.path.join(staging, MANIFEST), "w") as f:
+            json.dump({name: _digest(os.path.join(staging, name)) for name in files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.isdir(path):
+            if os.path.isdir(previous):
+                shutil.rmtree(previous)
+            os.rename(path, previous)
+        os.rename(staging, path)
+        if os.path.isdir(previous):
+            shutil.rmtree(previous)
+    _barrier()
+
+
+def verify_checkpoint(path: str) -> None:
+    """Every file the manifest lists is there with its recorded SHA-256 (SystemExit naming the
+    damaged file otherwise)."""
+    manifest = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest) as f:
+            digests = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"checkpoint {path} is incomplete or damaged: {MANIFEST} unreadable ({err})") from None
+    for name, digest in digests.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file) or _digest(file) != digest:
+            raise SystemExit(f"checkpoint {path} is damaged: {file} is missing or does not match the SHA-256 "
+                             f"recorded when it was saved")
+
+
+def complete_checkpoint(path: str) -> str | None:
+    """path, or the <path>.previous a crash mid-save left, whichever holds a complete checkpoint."""
+    for candidate in (path, f"{path}.previous"):
+        if os.path.isfile(os.path.join(candidate, MANIFEST)):
+            return candidate
+    return None
 
 
 def load_checkpoint(path: str, model, opt, tag: str) -> int:
-    """Restores what the checkpoint holds (model, and optimizer when opt is given); returns its step."""
+    """Restores what the checkpoint holds (model, and optimizer when opt is given), its files first
+    checked against the manifest; returns its step."""
+    verify_checkpoint(path)
     model_sd, optim_sd = _state(model, opt, tag, include_frozen=True)
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     model_sd = {k: v for k, v in model_sd.items() if f"model.{k}" in saved}
@@ -284,7 +352,8 @@ def main(argv=None) -> dict:
     opt = torch.optim.AdamW(optimizer_groups(model), lr=args.lr)
     os.makedirs(args.out, exist_ok=True)
     latest = os.path.join(args.out, "latest")
-    start = load_checkpoint(latest, model, opt, tag) if args.resume and os.path.isdir(latest) else 0
+    resume_from = complete_checkpoint(latest) if args.resume else None
+    start = load_checkpoint(resume_from, model, opt, tag) if resume_from else 0
     # On CUDA: fp32 master weights, products in bf16 (the CUDA grouped GEMM takes bf16/fp16).
     precision = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                  else contextlib.nullcontext())
