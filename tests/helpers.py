@@ -26,5 +26,16 @@ def opcheck(op, args, kwargs=None, test_utils=OPCHECK_ALL):
     assert not failed, failed
 
 
+# The backward ops have no autograd of their own (no double backward): their schema and fake kernel
+BACKWARD_UTILS = ("test_schema", "test_faketensor")
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous layout (first and last dims swapped in memory), keeping
+    requires_grad: valid input the ops must take, whose gradients come back contiguous."""
+    out = t.detach().transpose(0, -1).contiguous().transpose(0, -1)
+    return out.requires_grad_(t.requires_grad)
+
+
 def offsets_from_counts(counts, device) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)

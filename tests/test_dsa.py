@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import kda_dsa_ops as K
 from kda_dsa_ops import reference as R
 
-from helpers import opcheck, poison
+from helpers import BACKWARD_UTILS, opcheck, poison, strided
 from strategies import SEEDS, seqlens
 from tolerances import assert_close
 
@@ -172,6 +172,15 @@ def test_dsa_opcheck():
     opcheck(ops.sparse_attn_fwd.default, (qa.requires_grad_(), kv.requires_grad_(), idx, 0.4, 6,
                                           gate.requires_grad_(), True))
     opcheck(ops.sparse_attn_fwd.default, (qa, kv, idx, 0.4, 6, None, False))
+    opcheck(ops.sparse_attn_fwd.default, (strided(qa), strided(kv), idx, 0.4, 6, strided(gate), True))
+    o, lse, _ = K.sparse_attention(qa, kv, idx, 0.4, 6, gate)
+    opcheck(ops.sparse_attn_bwd.default, (strided(torch.randn_like(o)), strided(qa), strided(kv), idx, strided(o),
+                                          lse, 0.4, 6, strided(gate), False), test_utils=BACKWARD_UTILS)
+    opcheck(ops.lightning_indexer_fwd.default, (strided(q), strided(k), strided(w), cu, cu, 3),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    opcheck(ops.lightning_indexer_bwd.default, (strided(q), strided(k), strided(w),
+                                                 K.lightning_indexer(q, k, w, cu, cu, 3)[0], torch.randn(9, 3, dtype=F64)),
+            test_utils=BACKWARD_UTILS)
 
 
 def test_dsa_compile_fullgraph():

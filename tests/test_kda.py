@@ -11,7 +11,7 @@ import kda_dsa_ops as K
 from kda_dsa_ops.reference.kda import kda_recurrent
 
 from conftest import DEVICES
-from helpers import opcheck, poison
+from helpers import BACKWARD_UTILS, opcheck, poison, strided
 from strategies import SEEDS, seqlens
 from tolerances import CUDA_KDA_REL_RMS, REL_RMS, assert_close
 
@@ -215,6 +215,11 @@ def test_kda_opcheck(device):
     opcheck(op, (*ins, 0.25, h0.requires_grad_(), cu, True, True))
     opcheck(op, (*[t.reshape(2, 35, *t.shape[2:]).detach().requires_grad_() for t in ins], 0.25, None, None, False,
                  False))
+    opcheck(op, (*[strided(t) for t in ins], 0.25, strided(h0), cu, True, True))
+    o = K.chunk_kda(*ins, scale=0.25, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)[0]
+    opcheck(torch.ops.kda_dsa_ops.kda_bwd.default,  # the gradients come back contiguous whatever the strides
+            (strided(torch.randn_like(o)), None, *[strided(t) for t in ins], 0.25, strided(h0), cu, True),
+            test_utils=BACKWARD_UTILS)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,7 +13,7 @@ import kda_dsa_ops as K
 from kda_dsa_ops import reference as R
 
 from conftest import DEVICES, IS_HOPPER
-from helpers import offsets_from_counts, opcheck, poison
+from helpers import BACKWARD_UTILS, offsets_from_counts, opcheck, poison, strided
 from strategies import SEEDS, expert_counts, gemm_dims, routing_case
 from tolerances import assert_close
 
@@ -398,9 +398,23 @@ def opcheck_cases(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
+@pytest.mark.parametrize("layout", [lambda t: t, strided], ids=["contiguous", "strided"])
+def test_opcheck(device, layout):
     for op, args in opcheck_cases(device):
-        opcheck(op, args)
+        if layout is strided and op in (torch.ops.kda_dsa_ops.grouped_mm.default,
+                                        torch.ops.kda_dsa_ops.grouped_mm_wgrad.default):
+            continue  # the CUDA grouped GEMM needs 16-byte aligned rows: strided inputs are refused
+        opcheck(op, tuple(layout(a) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() > 1
+                          else a for a in args))
+    if layout is strided:  # the backward ops on strided inputs: their gradients come back contiguous
+        ops = torch.ops.kda_dsa_ops
+        logits = strided(torch.randn(10, 6, device=device))
+        w, ids = K.moe_route(logits, 2)
+        opcheck(ops.moe_route_bwd.default, (strided(torch.randn(10, 2, device=device)), logits, ids, "sigmoid",
+                                            True, 1.0), test_utils=BACKWARD_UTILS)
+        xs, row_map, _ = K.moe_permute(torch.randn(10, 16, device=device), ids, 6, w)
+        opcheck(ops.moe_unpermute_bwd.default, (strided(torch.randn(10, 16, device=device)), strided(xs), row_map,
+                                                strided(w)), test_utils=BACKWARD_UTILS)
 
 
 def moe_block(x, logits, w_up, E, k, capacity):
@@ -411,12 +425,19 @@ def moe_block(x, logits, w_up, E, k, capacity):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph(device):
+@pytest.mark.parametrize("strided", [False, True])
+def test_compile_fullgraph(device, strided):
+    """strided: x and logits as transposed views (the ops' gradients come back contiguous, as
+    their fake kernels say)."""
     if device == "cuda" and not IS_HOPPER:
         pytest.skip("the CUDA grouped GEMM needs sm_90")
     torch._dynamo.reset()
-    x = torch.randn(32, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
-    logits = torch.randn(32, 8, device=device, requires_grad=True)
+    if strided:
+        x = torch.randn(16, 32, device=device, dtype=torch.bfloat16).t().requires_grad_()
+        logits = torch.randn(8, 32, device=device).t().requires_grad_()
+    else:
+        x = torch.randn(32, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+        logits = torch.randn(32, 8, device=device, requires_grad=True)
     w_up = torch.randn(8, 16, 24, device=device, dtype=torch.bfloat16, requires_grad=True)
     eager = moe_block(x, logits, w_up, 8, 2, 6)
     compiled = torch.compile(moe_block, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")

@@ -210,22 +210,33 @@ def test_a_crash_between_the_renames_resumes_from_the_previous_checkpoint(tmp_pa
 
 
 def test_killing_a_run_while_it_saves_never_costs_the_checkpoint(tmp_path):
-    """A run saving every step is killed (SIGKILL) at several moments; each time --resume starts
-    from a complete checkpoint and finishes."""
+    """A run saving every step is killed (SIGKILL) at several moments of its save cycle (each time
+    after it wrote a new checkpoint, at another delay); each time --resume finds a complete
+    checkpoint, and the last resume finishes."""
     import signal
     import subprocess
     import sys
     import time
 
     out = str(tmp_path / "run")
+    latest = os.path.join(out, "latest")
     argv = [sys.executable, "-m", "kda_dsa_ops.train"] + COMMON + ["--checkpoint-every", "1", "--out", out]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    for delay in (4.0, 5.5, 7.0):
-        run = subprocess.Popen(argv + ["--steps", "1000", "--resume"], env=env, stdout=subprocess.DEVNULL,
+
+    def saved_at() -> float:
+        found = train.complete_checkpoint(latest)
+        return os.path.getmtime(os.path.join(found, train.MANIFEST)) if found else 0.0
+
+    for delay in (0.0, 0.02, 0.05, 0.1):
+        before = saved_at()
+        run = subprocess.Popen(argv + ["--steps", "100000", "--resume"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while saved_at() == before and time.time() < deadline:  # until this run has saved once
+            time.sleep(0.005)
         time.sleep(delay)
         run.send_signal(signal.SIGKILL)
         run.wait()
-        assert train.complete_checkpoint(os.path.join(out, "latest")) is not None
+        assert train.complete_checkpoint(latest) is not None
     done = subprocess.run(argv + ["--steps", "1", "--resume"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

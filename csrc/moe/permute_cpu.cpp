@@ -167,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd_cpu(const at::Tensor& grad_y_in
   const int64_t M = ys.size(0), D = ys.size(1), k = weights_in.size(1);
   const int64_t copies = weights_in.numel();
   at::Tensor grad_ys = at::empty_like(ys);
-  at::Tensor grad_w = at::zeros_like(weights_in);
+  at::Tensor grad_w = at::zeros(weights_in.sizes(), weights_in.options());  // contiguous, as on CUDA
   KDA_DISPATCH_CPU_FLOATING(ys.scalar_type(), "moe_unpermute_bwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const at::Tensor w = weights_in.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();

@@ -6,7 +6,7 @@ loss curve.
     python -m kda_dsa_ops.train --config tiny --out runs/base
     torchrun --nproc-per-node 2 -m kda_dsa_ops.train --config tiny --ep 2 --lora-rank 16 \\
         --init-from runs/base/final --task shifted --out runs/lora
-    torchrun --nproc-per-node 8 -m kda_dsa_ops.train --init-from <a Kimi Linear / DeepSeek-V3.2 directory> \\
+    torchrun --nproc-per-node 8 -m kda_dsa_ops.train --init-from <a Kimi Linear / DeepSeek-V3.2 / GLM-5.3 dir> \\
         --ep 8 --lora-rank 16 --data tokens.npy --seq-len 4096
 
 The task: each sequence lists key-value pairs, then asks for the values of some of its keys; the
@@ -103,8 +103,12 @@ def stream_batch(stream: torch.Tensor, seqs: int, seq_len: int, step: int, rank:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny", help="HybridConfig preset (tiny, small)")
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(prog="python -m kda_dsa_ops.train", description=__doc__, formatter_class=Formatter)
+    p.add_argument("--config", default="tiny", choices=["tiny", "small"],
+                   help="HybridConfig preset (k3-2.8t, the full-size shapes, is for kda_dsa_ops.plan only)")
     p.add_argument("--backend", choices=["native", "reference"], default="native", help="kernels or reference ops")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the experts and world size)")
     p.add_argument("--micro-batches", type=int, default=1,

@@ -70,7 +70,7 @@ def _(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
 
 @torch.library.register_fake("kda_dsa_ops::lightning_indexer_bwd")
 def _(q, k, w, indices, grad_scores):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+    return q.new_empty(q.shape), k.new_empty(k.shape), w.new_empty(w.shape)
 
 
 @torch.library.register_fake("kda_dsa_ops::sparse_attn_fwd")
@@ -82,8 +82,8 @@ def _(q, kv, indices, scale, dv, gate, return_p, deterministic=False):
 
 @torch.library.register_fake("kda_dsa_ops::sparse_attn_bwd")
 def _(grad_o, q, kv, indices, o, lse, scale, dv, gate, deterministic):
-    dgate = torch.empty_like(gate) if gate is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(kv), dgate
+    dgate = gate.new_empty(gate.shape) if gate is not None else q.new_empty(0)
+    return q.new_empty(q.shape), kv.new_empty(kv.shape), dgate
 
 
 def _indexer_setup(ctx, inputs, output):

@@ -76,9 +76,11 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, us
 @torch.library.register_fake("kda_dsa_ops::kda_bwd")
 def _(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
       bf16_products=False):
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=accumulation_dtype(q))
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+    # the kernels return contiguous gradients whatever the inputs' strides (new_empty: contiguous)
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(
+        0, dtype=accumulation_dtype(q))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), dh0)
 
 
 def _kda_setup(ctx, inputs, output):

@@ -89,7 +89,7 @@ def _(logits, bias, k, score_fn, renorm, scale, n_group=1, topk_group=1):
 
 @torch.library.register_fake("kda_dsa_ops::moe_route_bwd")
 def _(grad_weights, logits, ids, score_fn, renorm, scale):
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)
 
 
 @torch.library.register_fake("kda_dsa_ops::moe_permute")
@@ -106,7 +106,7 @@ def _(y_sorted, row_map, weights, num_tokens):
 
 @torch.library.register_fake("kda_dsa_ops::moe_unpermute_bwd")
 def _(grad_y, y_sorted, row_map, weights):
-    return torch.empty_like(y_sorted), torch.empty_like(weights)
+    return y_sorted.new_empty(y_sorted.shape), weights.new_empty(weights.shape)
 
 
 @torch.library.register_fake("kda_dsa_ops::grouped_mm")
