@@ -2,8 +2,8 @@
 
     python -m kda_dsa_ops.plan --config k3-2.8t --devices 128 --memory-gb 141 --link-gbps 400
 
-Lists plans (EP degree, micro-batch, recomputation, offload) that fit, ranked by estimated step
-time, with per-device memory split into sharded bf16 weights, the gathered FSDP unit, trainable
+Lists plans (EP degree, micro-batch, recomputation, offload) that fit, ranked by estimated
+tokens/s per device, with per-device memory split into sharded bf16 weights, the gathered FSDP unit, trainable
 state (fp32 parameters, gradients and Adam moments of the trainable parameters), activations and
 all-to-all buffers; and the all-to-all bytes per step. Rejects plans with expert holes
 (experts % ep != 0) and plans over memory.
