@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -67,8 +68,7 @@ GROUPS = {
 def config_of(name: str):
     if name in GROUPS:
         raw, overrides = GROUPS[name]
-        cfg = onboard.FAMILIES[raw["model_type"]].read_config(raw)
-        cfg = type(cfg)(**{**cfg.__dict__, **overrides})
+        cfg = replace(onboard.FAMILIES[raw["model_type"]].read_config(raw), **overrides)
         cfg.validate()
         return cfg
     return get_config(name)

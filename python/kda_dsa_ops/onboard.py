@@ -1,6 +1,6 @@
 """Real checkpoints: read a Hugging-Face-style checkpoint (config.json + safetensors, single or
-sharded) of the family — `kimi_linear`, `deepseek_v32`, or this package's own `kda_dsa_ops`
-format — into HybridModel, write one back, and say which op each block runs on.
+sharded) of the family — `kimi_linear`, `deepseek_v32`, `glm5_next`, or this package's own
+`kda_dsa_ops` format — into HybridModel, write one back, and say which op each block runs on.
 
     python -m kda_dsa_ops.onboard CHECKPOINT_DIR [--device cuda]
 
@@ -79,10 +79,12 @@ def _check_missing(missing: list, model_type: str) -> None:
         raise CheckpointError(f"config.json ({model_type}) lacks {sorted(set(missing))}")
 
 
-def _moe_fields(raw: dict, missing: list) -> dict:
+def _moe_fields(raw: dict, missing: list, first_dense: int) -> dict:
+    """first_dense: the family's dense first layers when the config says neither mlp_layer_types
+    nor first_k_dense_replace."""
     L = _get(raw, "num_hidden_layers", required=missing) or 0
     mlp_types = raw.get("mlp_layer_types") or [
-        "dense" if i < _get(raw, "first_k_dense_replace", default=1) else "sparse" for i in range(L)]
+        "dense" if i < _get(raw, "first_k_dense_replace", default=first_dense) else "sparse" for i in range(L)]
     ffn = _get(raw, "moe_intermediate_size", required=missing) or 0
     return dict(
         ffn_pattern="".join("F" if t == "dense" else "M" for t in mlp_types),
@@ -140,7 +142,7 @@ def kimi_linear_config(raw: dict) -> HybridConfig:
     types = types or ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(L)]
     heads = la.get("num_heads", _get(raw, "linear_num_heads", default=32))
     head_dim = la.get("head_dim", _get(raw, "linear_head_dim", default=128))
-    values = _common_fields(raw, missing) | _mla_fields(raw, missing) | _moe_fields(raw, missing) | dict(
+    values = _common_fields(raw, missing) | _mla_fields(raw, missing) | _moe_fields(raw, missing, 1) | dict(
         pattern="".join("A" if t == "full_attention" else "K" for t in types),
         kda_heads=heads, kda_value_heads=heads, kda_head_dim=head_dim, kda_gate_rank=head_dim,
         kda_conv_size=la.get("short_conv_kernel_size", _get(raw, "linear_conv_kernel_dim", default=4)),
@@ -151,13 +153,11 @@ def kimi_linear_config(raw: dict) -> HybridConfig:
 
 def deepseek_v32_config(raw: dict) -> HybridConfig:
     missing: list = []
-    values = _common_fields(raw, missing) | _mla_fields(raw, missing) | _moe_fields(raw, missing)
+    values = _common_fields(raw, missing) | _mla_fields(raw, missing) | _moe_fields(raw, missing, 3)
     values |= dict(pattern="D", rope=_rope(raw, "interleave"), index_style="deepseek",
                    index_heads=_get(raw, "index_n_heads", required=missing),
                    index_dim=_get(raw, "index_head_dim", required=missing),
                    dsa_topk=_get(raw, "index_topk", required=missing))
-    if raw.get("first_k_dense_replace") is None and raw.get("mlp_layer_types") is None:
-        values["ffn_pattern"] = "".join("F" if i < 3 else "M" for i in range(values["layers"] or 0))
     _check_missing(missing, "deepseek_v32")
     return HybridConfig(**values)
 
@@ -172,11 +172,9 @@ def glm5_next_config(raw: dict) -> HybridConfig:
     la = text.get("linear_attn_config") or {}
     heads = la.get("num_heads", _get(text, "linear_num_heads", default=64))
     head_dim = la.get("head_dim", _get(text, "linear_head_dim", default=128))
-    mlp_types = text.get("mlp_layer_types") or ["dense" if i < 3 else "sparse" for i in range(L)]
     indexer_types = text.get("indexer_types") or ["full"] * L
     eps = float(_get(text, "rms_norm_eps", default=1e-5))
-    values = _common_fields(text, missing) | _mla_fields(text, missing) | _moe_fields(
-        dict(text, mlp_layer_types=mlp_types), missing) | dict(
+    values = _common_fields(text, missing) | _mla_fields(text, missing) | _moe_fields(text, missing, 3) | dict(
         pattern="".join("K" if t == "linear_attention" else "D" for t in types),
         kda_heads=heads, kda_value_heads=heads, kda_head_dim=head_dim, kda_gate_rank=head_dim,
         kda_conv_size=la.get("short_conv_kernel_size", _get(text, "linear_conv_kernel_dim", default=4)),
@@ -185,8 +183,7 @@ def glm5_next_config(raw: dict) -> HybridConfig:
         index_heads=_get(text, "index_n_heads", required=missing), index_dim=_get(text, "index_head_dim", required=missing),
         dsa_topk=_get(text, "index_topk", required=missing), index_kpool=_get(text, "index_kpool", default=16),
         index_kpool_tail=bool(_get(text, "index_kpool_always_select_tail", default=True)),
-        index_pattern="".join("S" if t == "shared" else "F" for t, k in zip(indexer_types, types)
-                              if k != "linear_attention") or "F",
+        index_pattern="".join("S" if t == "shared" else "F" for t in indexer_types) or "F",
         swiglu_limit=float(_get(text, "swiglu_limit", default=0.0)),
         hc_mult=_get(text, "hc_mult", default=1), hc_eps=float(_get(text, "hc_eps", default=1e-6)),
         hc_sinkhorn_iters=_get(text, "hc_sinkhorn_iters", default=20),
@@ -204,12 +201,7 @@ def glm5_next_config(raw: dict) -> HybridConfig:
             swiglu_limit=float(_get(vision, "swiglu_limit", default=10.0)),
             bias=bool(_get(vision, "attention_bias", default=True)))
     _check_missing(missing, "glm5_next")
-    cfg = HybridConfig(**values)
-    # index_pattern above lists the sparse layers only: spread it back over every layer
-    per_layer, sparse = [], iter(values["index_pattern"])
-    for k in cfg.kinds():
-        per_layer.append(next(sparse) if k == "D" else "F")
-    return replace(cfg, index_pattern="".join(per_layer))
+    return HybridConfig(**values)
 
 
 def own_config(raw: dict) -> HybridConfig:
@@ -357,7 +349,7 @@ def _applies(where: str, cfg: HybridConfig, i: int | None) -> bool:
     kind, ffn = cfg.kinds()[i], cfg.ffn_kinds()[i]
     return {"MLA": kind in "DA", "MLAq": kind in "DA" and cfg.dsa_q_rank > 0,
             "MLA0": kind in "DA" and cfg.dsa_q_rank == 0,
-            "DF": kind == "D" and cfg.index_pattern[i % len(cfg.index_pattern)] == "F"}.get(where, where in (kind, ffn))
+            "DF": kind == "D" and cfg.index_kind(i) == "F"}.get(where, where in (kind, ffn))
 
 
 def _expand(cfg: HybridConfig, family: Family, experts: range):
@@ -501,7 +493,7 @@ def fused_ops(cfg: HybridConfig, device: str) -> list[str]:
         elif kind == "A":
             attn = "dense MLA: torch scaled_dot_product_attention (no kernel of ours: dense causal attention)"
         else:
-            if cfg.index_pattern[i % len(cfg.index_pattern)] == "S":
+            if cfg.index_kind(i) == "S":
                 indexer = "the previous layer's choice"
             elif cfg.index_kpool:
                 indexer = "k-pooled indexer: reference (no kernel scores pools yet, issue 25)"
@@ -625,7 +617,7 @@ def from_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
                     backend: str = "native", lora_rank: int = 0, lora_targets: str = "all",
                     allow_nonfinite: bool = False, **overrides) -> HybridModel:
     """A HybridModel with a checkpoint's weights: config.json's model_type picks the family
-    (kimi_linear, deepseek_v32, kda_dsa_ops); overrides replace HybridConfig fields (e.g.
+    (kimi_linear, deepseek_v32, glm5_next, kda_dsa_ops); overrides replace HybridConfig fields (e.g.
     capacity_factor). dtype: the model's (default: the checkpoint's, float32 if unstated).
     lora_rank > 0 adds fresh adapters (the base frozen), ready to fine-tune, on lora_targets
     ("all" projections or "attention" only; see HybridModel). Bad checkpoints raise

@@ -116,7 +116,7 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=0, help="0: train every parameter; > 0: LoRA adapters only")
     p.add_argument("--init-from", default=None,
                    help="checkpoint to start from: one of ours, or a directory with a config.json (kimi_linear, "
-                        "deepseek_v32, kda_dsa_ops), whose shapes then replace --config")
+                        "deepseek_v32, glm5_next, kda_dsa_ops), whose shapes then replace --config")
     p.add_argument("--data", default=None,
                    help="train on these tokens (.npy / .bin of token ids, or .jsonl of texts with the tokenizer.json "
                         "of --init-from) instead of the recall task")

@@ -23,7 +23,7 @@ from ..reference.dsa import MAX_TOPK
 @dataclass(frozen=True)
 class HybridConfig:
     """One model for the whole family: the project's presets and the real checkpoints
-    (kimi_linear, deepseek_v32, ...; onboard.from_pretrained reads their config.json into this)."""
+    (kimi_linear, deepseek_v32, glm5_next; onboard.from_pretrained reads their config.json into this)."""
     vocab: int
     hidden: int
     layers: int
@@ -136,9 +136,13 @@ class HybridConfig:
     def ffn_kinds(self) -> list[str]:
         return [self.ffn_pattern[i % len(self.ffn_pattern)] for i in range(self.layers)]
 
+    def index_kind(self, layer: int) -> str:
+        """F (its own indexer) or S (the last sparse layer's choice), read at sparse (D) layers."""
+        return self.index_pattern[layer % len(self.index_pattern)]
+
     def index_kinds(self) -> list[str]:
         """F or S for each sparse (D) layer, in order."""
-        return [self.index_pattern[i % len(self.index_pattern)] for i, k in enumerate(self.kinds()) if k == "D"]
+        return [self.index_kind(i) for i, k in enumerate(self.kinds()) if k == "D"]
 
 
 PRESETS = {
@@ -192,7 +196,7 @@ class HybridBlock(nn.Module):
                                            cfg.index_kpool_tail)
             self.attn = MLAttention(cfg.hidden, cfg.dsa_heads, cfg.dsa_q_rank, cfg.dsa_kv_rank, cfg.dsa_nope_dim,
                                     cfg.dsa_rope_dim, cfg.dsa_v_dim, rope, indexer, cfg.dsa_gate and kind == "D",
-                                    cfg.latent_norm_eps, lora_rank, shared=kind == "D")
+                                    cfg.latent_norm_eps, lora_rank, sparse=kind == "D")
         if ffn_kind == "M":
             self.mlp = LatentMoE(cfg.hidden, cfg.latent, cfg.experts, cfg.moe_topk, cfg.expert_ffn, cfg.shared_ffn,
                                  cfg.capacity_factor, cfg.drop_policy, lora_rank=mlp_lora_rank,
@@ -268,10 +272,8 @@ class HybridModel(nn.Module):
         self.vision = (VisionTower(cfg.vision, cfg.hidden) if cfg.vision is not None
                        else PatchEmbed(cfg.image_size, cfg.patch, cfg.channels, cfg.hidden) if cfg.image_size else None)
         mlp_lora_rank = lora_rank if lora_targets == "all" else 0
-        own = iter(k == "F" for k in cfg.index_kinds())
-        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank, mlp_lora_rank,
-                                                next(own) if kind == "D" else True)
-                                    for kind, ffn_kind in zip(cfg.kinds(), cfg.ffn_kinds()))
+        self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank, mlp_lora_rank, cfg.index_kind(i) == "F")
+                                    for i, (kind, ffn_kind) in enumerate(zip(cfg.kinds(), cfg.ffn_kinds())))
         self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) / cfg.hidden ** 0.5)
         if lora_rank > 0:

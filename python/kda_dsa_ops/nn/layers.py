@@ -272,16 +272,16 @@ class MLAttention(nn.Module):
     the indexer's topk keys and run the sparse-attention op on the latent rows themselves: kv_up's
     key half is folded into the queries and its value half applied to the latent output (Dqk =
     kv_rank + rope, dv = kv_rank), where the optional sigmoid gate acts. A sparse layer without an
-    indexer of its own (GLM-5.3's "shared" layers, indexer=None and shared=True) takes the previous
+    indexer of its own (GLM-5.3's "shared" layers: sparse, indexer None) takes the previous
     layer's choice. forward returns (y, indexer_loss, indices or None); dense layers give a zero
     loss."""
 
     def __init__(self, hidden: int, heads: int, q_rank: int, kv_rank: int, nope_dim: int, rope_dim: int, v_dim: int,
                  rope: Rope, indexer: LightningIndexer | None = None, gate: bool = False, latent_eps: float = 1e-6,
-                 lora_rank: int = 0, shared: bool = False):
+                 lora_rank: int = 0, sparse: bool = False):
         super().__init__()
         self.H, self.kv_rank, self.nope, self.rope_dim, self.v_dim = heads, kv_rank, nope_dim, rope_dim, v_dim
-        self.rope, self.indexer, self.sparse = rope, indexer, indexer is not None or shared
+        self.rope, self.indexer, self.sparse = rope, indexer, sparse or indexer is not None
         self.scale = (nope_dim + rope_dim) ** -0.5 * rope.softmax_scale_factor
         lin = lambda i, o: LoRALinear(i, o, lora_rank)  # noqa: E731
         qk = heads * (nope_dim + rope_dim)
