@@ -137,6 +137,79 @@ def test_sparse_attention_row_without_keys_gives_zero():
         assert torch.equal(g, torch.zeros_like(g))
 
 
+# (device, dtype, (Hkv, Dqk, dv), portable): the CPU kernel; on CUDA the portable kernel and (sm_90)
+# the Hopper MLA one
+ATTN_PATHS = [("cpu", F64, (2, 16, 16), False), ("cpu", torch.float32, (1, 36, 32), False),
+              pytest.param("cuda", torch.bfloat16, (2, 128, 128), True, marks=pytest.mark.cuda),
+              pytest.param("cuda", torch.bfloat16, (1, 576, 512), False, marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device, dtype, layout, portable", ATTN_PATHS)
+@pytest.mark.parametrize("case", ["q_nan", "kv_nan", "kv_inf_value", "unselected_nan"])
+def test_sparse_attention_nonfinite_inputs_give_the_references_nan(device, dtype, layout, portable, case):
+    """NaN in q: its row's o and lse are NaN (not the no-key marker, o = 0 and lse = -inf); NaN in a
+    selected kv row: the rows that select it; +inf in a selected row's value channel whose logit
+    is -inf: that channel of those rows only; NaN in a row no query selects: nothing. The
+    gradients are non-finite where the reference's are."""
+    Hkv, D, dv = layout
+    T, Tk, G, topk = 6, 40, 2, 64
+    q, kv, idx, _ = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, False)
+    idx[idx == 7] = 8  # row 7 is selected by no query
+    picked = int(idx[0, 0, 0])
+    if case == "q_nan":
+        q[1, 0, 3] = float("nan")
+    elif case == "kv_nan":
+        kv[picked, 0, 2] = float("nan")
+    elif case == "kv_inf_value":
+        q[..., 1] = -q[..., 1].abs() - 0.5  # every logit of the row is -inf: probability 0 meets inf
+        kv[picked, 0, 1] = float("inf")
+    else:
+        kv[7, :, 2] = float("nan")
+    ins = [t.to(device).requires_grad_() for t in (q, kv)]
+    os.environ["KDA_DSA_OPS_PORTABLE_SFA"] = "1" if portable else "0"
+    try:
+        o, lse, _ = K.sparse_attention(*ins, idx.to(device), 0.1, dv)
+        grads = torch.autograd.grad(o, ins, torch.ones_like(o))
+    finally:
+        del os.environ["KDA_DSA_OPS_PORTABLE_SFA"]
+    ref_ins = [t.detach().to(F64).requires_grad_() for t in (q, kv)]
+    o_ref, lse_ref, _ = R.sparse_attn_fwd(*ref_ins, idx, 0.1, dv)
+    ref_grads = torch.autograd.grad(o_ref, ref_ins, torch.ones_like(o_ref))
+    if case == "unselected_nan":
+        assert torch.isfinite(o_ref).all()
+    else:
+        assert not torch.isfinite(o_ref).all()
+    if case == "kv_inf_value":
+        assert torch.isfinite(o_ref[..., 0]).all() and torch.isfinite(lse_ref[0]).all()
+    lse_terms = 0.1 * q.to(F64).nan_to_num(0).norm(dim=-1) * kv.to(F64).nan_to_num(0, 0, 0).norm(dim=-1).max()
+    for name, a, e in [("o", o, o_ref), ("lse", lse, lse_ref)] + list(zip(["dq", "dkv"], grads, ref_grads)):
+        a = a.detach().cpu().to(F64)
+        mask = torch.isfinite(e) | (e == -math.inf) if name == "lse" else torch.isfinite(e)
+        assert torch.equal(torch.isfinite(a) | (a == -math.inf) if name == "lse" else torch.isfinite(a), mask), (
+            f"{name}: non-finite in other places than the reference's")
+        if name in ("o", "lse"):
+            assert_close(a.where(mask, 0.0).nan_to_num(neginf=0), e.where(mask, 0.0).nan_to_num(neginf=0),
+                         dtype, name, scale=None if name == "o" else lse_terms)
+
+
+@pytest.mark.parametrize("device, Di", [("cpu", 8), pytest.param("cuda", 64, marks=pytest.mark.cuda)])
+def test_lightning_indexer_never_selects_a_nan_score(device, Di):
+    """A NaN in key 5 makes every q.k with it NaN: its score is NaN (not 0, which a ReLU that drops
+    NaN would give) and it is never selected, as in the reference; the other keys are ranked as
+    before."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lens = [12, 9]
+    T, Hi = sum(lens), 3
+    q, k, w = small_ints(T, Hi, Di, dtype=dtype), small_ints(T, Di, dtype=dtype), small_ints(T, Hi, dtype=dtype)
+    k[5, 0] = float("nan")
+    cu = cu_of(lens)
+    idx, sc = K.lightning_indexer(q.to(device), k.to(device), w.to(device), cu.to(device), cu.to(device), 16)
+    idx_ref, sc_ref = R.lightning_indexer(q.to(F64), k.to(F64), w.to(F64), cu, cu, 16)
+    assert not (idx_ref == 5).any() and (idx_ref[6:lens[0]] >= 0).sum(-1).lt(torch.arange(7, lens[0] + 1)).all()
+    assert torch.equal(idx.cpu(), idx_ref)
+    assert torch.equal(sc.cpu().to(F64), sc_ref)
+
+
 def test_indexer_kl_loss_trains_the_indexer_through_the_kernels():
     """KL(p || softmax(I_selected)) with p from sparse_attention and I from the indexer kernel:
     the same loss and gradients as the pure reference pipeline."""

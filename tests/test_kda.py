@@ -35,6 +35,9 @@ def make_inputs(B, T, H, HV, Kd, V, dtype, g_dtype, device, decay="normal", l2=T
         g[..., 0] = -160.0
     else:
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, Kd) + 2.0)
+    if decay == "reset":  # g = -inf (decay 0: the state forgotten) at whole steps and on single channels
+        g[:, 3::37] = -torch.inf
+        g[:, 5::11, :, 0] = -torch.inf
     beta = torch.rand(B, T, HV)
     return [t.to(device) for t in (q, k, v, g.to(g_dtype), beta.to(g_dtype if g_dtype != F64 else dtype))]
 
@@ -111,7 +114,7 @@ def dg_scale(ins, grads):
 @pytest.mark.parametrize("device", DEVICES)
 @given(seed=SEEDS, T=st.integers(1, 150), B=st.integers(1, 2), H=st.integers(1, 2), group=st.sampled_from([1, 2]),
        dims=st.sampled_from([(4, 3), (16, 16), (64, 64), (128, 128), (128, 64), (40, 72)]), l2=st.booleans(),
-       with_h0=st.booleans(), decay=st.sampled_from(["normal", "strong"]), data=st.data())
+       with_h0=st.booleans(), decay=st.sampled_from(["normal", "strong", "reset"]), data=st.data())
 def test_kda_matches_reference(seed, device, T, B, H, group, dims, l2, with_h0, decay, data):
     torch.manual_seed(seed)
     dtype = data.draw(st.sampled_from(device_dtypes(device)), label="dtype")
@@ -140,7 +143,7 @@ def test_kda_varlen_matches_reference(seed, device, lens, group, with_h0, data):
 @given(seed=SEEDS, T=st.integers(1, 300), B=st.integers(1, 2), H=st.integers(1, 2), group=st.sampled_from([1, 2]),
        dims=st.sampled_from([(16, 16), (32, 16), (64, 64), (128, 128), (128, 64), (64, 128), (40, 72)]),
        lens=st.none() | seqlens(max_seqs=4, max_len=140, min_len=0), l2=st.booleans(), with_h0=st.booleans(),
-       decay=st.sampled_from(["normal", "strong"]), data=st.data())
+       decay=st.sampled_from(["normal", "strong", "reset"]), data=st.data())
 def test_kda_bf16_products_match_reference(seed, T, B, H, group, dims, lens, l2, with_h0, decay, data):
     """matmul_precision="medium": the bf16-operand kernels (the state kernels at K 64/128 with V a
     multiple of 64, the generic ones otherwise), every output within the bf16 row, any input
@@ -202,6 +205,77 @@ def test_kda_extreme_decay_is_finite(device):
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, ref_grads):
         scale = {"dg": dg_scale, "dbeta": dbeta_scale}.get(name)
         assert_close(a, b, torch.float32, name, scale=scale(ref_ins, ref_grads) if scale else None)
+
+
+# (device, dtype, matmul precision, K, V): the CPU kernel, and on CUDA the generic kernels, the
+# generic intra kernel with the bf16 state kernel, and the bf16 kernels
+KERNEL_PATHS = [("cpu", F64, "highest", 16, 16), ("cpu", torch.float32, "highest", 16, 16),
+                pytest.param("cuda", torch.float32, "highest", 32, 16, marks=pytest.mark.cuda),
+                pytest.param("cuda", torch.float32, "medium", 64, 64, marks=pytest.mark.cuda),
+                pytest.param("cuda", torch.bfloat16, "medium", 64, 64, marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device, dtype, precision, Kd, V", KERNEL_PATHS)
+def test_kda_minus_inf_decay_resets_the_state(device, dtype, precision, Kd, V):
+    """g = -inf (decay 0) at whole steps and on single channels, inside chunks: the reference's
+    outputs, final state and gradients (not NaN for the chunk)."""
+    check_against_reference(device, dtype, torch.float32, 2, 150, 2, 2, Kd, V, None, True, True, "reset", precision)
+
+
+def _poison_step(x, where, t, value):
+    """x with x[0, t] set to value at one channel (q, k, g, v) or head (beta)."""
+    x = x.detach().clone()
+    if where == "beta":
+        x[0, t, 0] = value
+    else:
+        x[0, t, 0, 1] = value
+    return x
+
+
+@pytest.mark.parametrize("device, dtype, precision, Kd, V", KERNEL_PATHS)
+@pytest.mark.parametrize("where, value", [("q", "nan"), ("k", "nan"), ("k", "inf"), ("v", "nan"), ("v", "inf"),
+                                          ("g", "nan"), ("beta", "nan")])
+def test_kda_nonfinite_input_reaches_no_earlier_step(device, dtype, precision, Kd, V, where, value):
+    """A NaN or inf at step 70 of one sequence (inside its second chunk) and at step 120 (the second
+    sequence's first chunk): the outputs and final states are non-finite exactly where the
+    reference's are (from that step on; one column for v, one step for q) and the reference's
+    elsewhere, the steps before it in the same chunk included."""
+    names = ["q", "k", "v", "g", "beta"]
+    ins = make_inputs(1, 150, 2, 4, Kd, V, dtype, torch.float32, device)
+    i = names.index(where)
+    ins[i] = _poison_step(_poison_step(ins[i], where, 70, float(value)), where, 120, float(value))
+    cu = torch.tensor([0, 100, 150], dtype=torch.int32, device=device)
+    o, ht = K.chunk_kda(*ins, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                       matmul_precision=precision)
+    ro, rht = kda_recurrent(*[t.cpu().to(F64) for t in ins], cu_seqlens=cu.cpu(), output_final_state=True,
+                            use_qk_l2norm=True)
+    table = CUDA_KDA_REL_RMS if device == "cuda" else REL_RMS
+    medium = precision == "medium"
+    rows = {"o": torch.bfloat16 if medium else dtype,
+            "final_state": torch.bfloat16 if medium else F64 if dtype == F64 else torch.float32}
+    for name, a, e in [("o", o, ro), ("final_state", ht, rht)]:
+        a = a.cpu().to(F64)
+        mask = torch.isfinite(e)
+        assert name != "o" or ((~mask).any() and mask.any()), "o: the case must have finite and non-finite values"
+        assert torch.equal(torch.isfinite(a), mask), (
+            f"{name}: {int((torch.isfinite(a) != mask).sum())} values finite where the reference's are not or back")
+        assert_close(a.where(mask, 0.0), e.where(mask, 0.0), rows[name], name, table=table)
+    first = ~torch.isfinite(ro[0]).flatten(1).all(-1)
+    assert int(first.nonzero()[0]) == 70, "the first non-finite output is the poisoned step's"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kda_values_outside_the_contract_raise(device, value_checks):
+    """g > 0 and beta outside [0, 2] (where the chunked form overflows) and int64 cu_seqlens past
+    2^31 (which a cast would wrap) are errors naming the value."""
+    q, k, v, g, beta = make_inputs(1, 10, 2, 4, 16, 8, torch.float32, torch.float32, device)
+    with pytest.raises(RuntimeError, match=r"g is a log-decay and must be <= 0 .*1 values above 0, up to 0.5"):
+        K.chunk_kda(q, k, v, _poison_step(g, "g", 3, 0.5), beta)
+    with pytest.raises(RuntimeError, match=r"beta must lie in \[0, 2\], got 1 values outside, in \[1000"):
+        K.chunk_kda(q, k, v, g, _poison_step(beta, "beta", 2, 1e3))
+    with pytest.raises(ValueError, match=r"cu_seqlens values must lie in \[0, 2\^31\)"):
+        K.chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2 ** 32, 10], device=device))
+    K.chunk_kda(q, k, v, g, _poison_step(beta, "beta", 2, float("nan")))  # NaN has its own rule
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -55,7 +55,7 @@ for step in "${steps[@]}"; do
         | head -20 >>"$summary"
       ;;
     test)
-      HYPOTHESIS_PROFILE=gpu run_step tests 300 python3 -m pytest tests -q -p no:cacheprovider \
+      HYPOTHESIS_PROFILE=gpu run_step tests 480 python3 -m pytest tests -q -p no:cacheprovider \
         ${TEST_ARGS:-}
       tail -15 "$OUT/tests.log" | tee -a "$summary"
       ;;

@@ -38,7 +38,8 @@ void indexer_fwd_impl(const IndexerProblem& p, const T* q, const T* k, const T* 
         for (int64_t j = 0; j < visible; ++j) {
           T acc = 0;
           for (int64_t h = 0; h < p.Hi; ++h) {
-            acc += w[t * p.Hi + h] * std::max(T(0), dot(q + (t * p.Hi + h) * p.Di, k + (ks + j) * p.Di, p.Di));
+            const T d = dot(q + (t * p.Hi + h) * p.Di, k + (ks + j) * p.Di, p.Di);
+            acc += w[t * p.Hi + h] * (d < T(0) ? T(0) : d);  // a ReLU that keeps NaN, as torch's
           }
           s[j] = acc;
           if (std::isfinite(acc)) order.push_back(static_cast<int32_t>(j));  // a non-finite score is never selected
@@ -99,18 +100,22 @@ T sigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));
 }
 
-// Softmax probabilities of one (query, head) over its selected keys, from the logits; returns lse.
+// Softmax probabilities of one (query, head) over its selected keys, from the logits; returns lse
+// (-inf for no key, every probability 0; NaN, every probability NaN, for a NaN logit; +inf for a
+// +inf logit, whose probability is NaN).
 template <typename T>
 T softmax_row(const AttnProblem& p, const T* qh, const T* kv, const int32_t* idx, int64_t a, T* prob) {
-  T mx = -std::numeric_limits<T>::infinity();
+  constexpr T kInf = std::numeric_limits<T>::infinity();
+  T mx = -kInf;
+  bool nan = false;
   for (int64_t r = 0; r < p.topk; ++r) {
-    prob[r] = idx[r] >= 0 ? static_cast<T>(p.scale) * dot(qh, kv + (idx[r] * p.Hkv + a) * p.Dqk, p.Dqk)
-                          : -std::numeric_limits<T>::infinity();
+    prob[r] = idx[r] >= 0 ? static_cast<T>(p.scale) * dot(qh, kv + (idx[r] * p.Hkv + a) * p.Dqk, p.Dqk) : -kInf;
+    nan = nan || std::isnan(prob[r]);
     mx = std::max(mx, prob[r]);
   }
-  if (mx == -std::numeric_limits<T>::infinity()) {
-    std::fill(prob, prob + p.topk, T(0));
-    return mx;
+  if (nan || mx == kInf || mx == -kInf) {
+    for (int64_t r = 0; r < p.topk; ++r) prob[r] = nan ? NAN : prob[r] == kInf ? NAN : T(0);
+    return nan ? NAN : mx;
   }
   T sum = 0;
   for (int64_t r = 0; r < p.topk; ++r) sum += idx[r] >= 0 ? std::exp(prob[r] - mx) : T(0);
@@ -134,7 +139,7 @@ void attn_fwd_impl(const AttnProblem& p, const T* q, const T* kv, const int32_t*
         T* oh = o + (t * p.H + h) * p.dv;
         std::fill(oh, oh + p.dv, T(0));
         for (int64_t r = 0; r < p.topk; ++r) {
-          if (prob[r] == T(0)) continue;
+          if (idx[r] < 0) continue;  // (a probability 0 still meets an inf value: NaN, as in the reference)
           const T* v = kv + (idx[r] * p.Hkv + a) * p.Dqk;
           for (int64_t d = 0; d < p.dv; ++d) oh[d] += prob[r] * v[d];
           if (probs != nullptr) probs[b * p.topk + r] += prob[r];
@@ -162,7 +167,7 @@ void attn_bwd_impl(const AttnProblem& p, const T* dout, const T* q, const T* kv,
       const int64_t h = a * G + g, row = t * p.H + h;
       const T* qh = q + row * p.Dqk;
       const T l = lse[row];
-      if (!std::isfinite(l)) {
+      if (l == -std::numeric_limits<T>::infinity()) {  // no key (NaN stays NaN)
         if (dgate != nullptr) std::fill(dgate + row * p.dv, dgate + (row + 1) * p.dv, T(0));
         continue;
       }

@@ -40,6 +40,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
+// max(x, 0) that keeps NaN (fmaxf drops it), as torch's relu: a NaN score is never selected.
+__device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
+// The running maximum that the softmax subtracts: 0 while it is -inf (no key yet), so that a -inf
+// logit gives p = 0 and a NaN one p = NaN (a row of NaN logits is not a row without keys).
+__device__ __forceinline__ float finite_or_zero(float m) { return m == -INFINITY ? 0.f : m; }
 
 __device__ __forceinline__ int round16(int x) { return (x + 15) / 16 * 16; }
 
@@ -445,8 +450,8 @@ __global__ void __launch_bounds__(IdxFwd::kThreads, 1)
       for (int jj = 0; jj < 8; ++jj) {  // heads 8 jj + 2c (+1)
         const float* d = acc + 4 * (8 * qi + jj);
         const float2 wv = *reinterpret_cast<const float2*>(&sh.w[2 * group + qi][8 * jj + 2 * c]);
-        part[qi][0] += fmaxf(d[0], 0.f) * wv.x + fmaxf(d[1], 0.f) * wv.y;
-        part[qi][1] += fmaxf(d[2], 0.f) * wv.x + fmaxf(d[3], 0.f) * wv.y;
+        part[qi][0] += relu(d[0]) * wv.x + relu(d[1]) * wv.y;
+        part[qi][1] += relu(d[2]) * wv.x + relu(d[3]) * wv.y;
       }
     }
 #pragma unroll
@@ -894,11 +899,12 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
       m_new[h] = fmaxf(m_run[h], fmaxf(red_max[rr], red_max[kRows + rr]));
       alpha[h] = m_new[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m_new[h]);
     }
+    const float m_sub[2] = {finite_or_zero(m_new[0]), finite_or_zero(m_new[1])};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = m_new[e / 2] == -INFINITY ? 0.f : exp2f(s[j][e] - m_new[e / 2]);
+        const float p = exp2f(s[j][e] - m_sub[e / 2]);
         s[j][e] = p;
         sum[e / 2] += p;
       }
@@ -947,10 +953,10 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int rr = r0 + 8 * h;
-    lse2[h] = l_run[h] > 0.f ? m_run[h] + log2f(l_run[h]) : INFINITY;
+    lse2[h] = l_run[h] != 0.f ? m_run[h] + log2f(l_run[h]) : INFINITY;
     if (rr >= rows) continue;
     const int64_t row = t * a.H + head0 + rr;
-    const float inv = l_run[h] > 0.f ? 1.f / l_run[h] : 0.f;
+    const float inv = l_run[h] != 0.f ? 1.f / l_run[h] : 0.f;
     // The gate eight value tiles at a time, loaded before their stores (which could alias it, as
     // far as the compiler knows; sigmoid(inf) = 1 where there is no gate).
     constexpr int kBatch = S::kVTiles < 8 ? S::kVTiles : 8;
@@ -972,7 +978,7 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
                    o_acc[n0 + n][2 * h + 1] * inv * sigmoidf(gv[n][1]));
       }
     }
-    if (wc == 0 && c == 0) a.lse[row] = l_run[h] > 0.f ? lse2[h] * kLn2 : -INFINITY;
+    if (wc == 0 && c == 0) a.lse[row] = l_run[h] != 0.f ? lse2[h] * kLn2 : -INFINITY;
   }
   if (a.probs == nullptr) return;
 
@@ -1205,7 +1211,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       float pr[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        pr[e] = m_run[e / 2] == -INFINITY ? 0.f : exp2f(sc[4 * j + e] - m_run[e / 2]);
+        pr[e] = exp2f(sc[4 * j + e] - finite_or_zero(m_run[e / 2]));
         l_run[e / 2] += pr[e];
       }
       const int col = 32 * group + 8 * j + 2 * c;
@@ -1250,7 +1256,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     const int r = r0 + 8 * h;
     if (r >= rows) continue;
     const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l != 0.f ? 1.f / l : 0.f;
     const int64_t row = t * a.H + head0 + r;
     uint32_t gv[32];  // the row's gate pairs, all loads issued before the first store
 #pragma unroll
@@ -1269,7 +1275,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
       }
       *reinterpret_cast<uint32_t*>(out + row * M::kDv + col) = pack2<T>(v0, v1);
     }
-    if (group == 0 && c == 0) a.lse[row] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
+    if (group == 0 && c == 0) a.lse[row] = l != 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
   }
   if (a.probs == nullptr) return;
 
@@ -1280,7 +1286,7 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 8 * h;
     const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
-    lse2[h] = r < rows && l > 0.f ? m_run[h] + log2f(l) : INFINITY;
+    lse2[h] = r < rows && l != 0.f ? m_run[h] + log2f(l) : INFINITY;
   }
   float* colsum = reinterpret_cast<float*>(sP);  // [group][warp][32 keys]; P is done with
   for (int i = tiles; i < 2 * tiles; ++i) {
@@ -1386,7 +1392,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     if (lane == 0) {
       delta[r] = dsum;
       const float l = valid ? a.lse_in[row] : -INFINITY;
-      lse2[r] = isfinite(l) ? l * kLog2e : INFINITY;
+      lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // no key: every p = 0; NaN stays NaN
     }
   }
 

@@ -109,6 +109,18 @@ at::Tensor input_grad(const at::Tensor& d_per_vhead, const Problem& p, const at:
   return d.to(dtype);
 }
 
+// The contract's values (a value check): g <= 0 (-inf allowed) and beta in [0, 2]. NaN passes (its
+// rule is the forward's, see kda_chunk.h).
+void check_values(const at::Tensor& g, const at::Tensor& beta) {
+  if (!run_value_checks(g)) return;
+  const at::Tensor g_over = g > 0, b_out = (beta < 0).logical_or(beta > 2);
+  TORCH_CHECK(!g_over.any().item<bool>(), "kda: g is a log-decay and must be <= 0 (-inf allowed), got ",
+              g_over.sum().item<int64_t>(), " values above 0, up to ", g.masked_select(g_over).max().item<double>());
+  TORCH_CHECK(!b_out.any().item<bool>(), "kda: beta must lie in [0, 2], got ", b_out.sum().item<int64_t>(),
+              " values outside, in [", beta.masked_select(b_out).min().item<double>(), ", ",
+              beta.masked_select(b_out).max().item<double>(), "]");
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -117,6 +129,7 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
                                            bool use_qk_l2norm, bool bf16_products) {
   const Problem p = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
+  check_values(g, beta);
   const auto acc = accumulation_type(q);
   at::Tensor final_state =
       output_final_state ? at::empty({p.N, p.HV, p.K, p.V}, q.options().dtype(acc)) : at::empty({0}, q.options().dtype(acc));

@@ -32,6 +32,23 @@ constexpr int kChunk = 64;  // steps per chunk; A, Aqk and their gradients have 
 
 KDA_HD float exp_of(float x) { return expf(x); }
 KDA_HD double exp_of(double x) { return exp(x); }
+template <typename T>
+KDA_HD bool finite(T x) {
+#if defined(__CUDA_ARCH__)
+  return ::isfinite(x);
+#else
+  return std::isfinite(x);
+#endif
+}
+
+// Log-decays below this count as it: exp(-128) (2.6e-56) is zero in fp32, a reset of the state as
+// g = -inf is, and cumulative sums stay finite (the bf16 kernels' plain fp32 sum keeps its
+// accuracy). NaN stays NaN.
+constexpr float kMinLogDecay = -128.f;
+template <typename T>
+KDA_HD T floor_log_decay(T x) {
+  return x < T(kMinLogDecay) ? T(kMinLogDecay) : x;
+}
 
 // Sizes of one chunk's working set.
 struct ChunkDims {
@@ -58,12 +75,56 @@ KDA_HD void chunk_cumsum(const Team& tm, ChunkDims d, T* G, T* lo) {
   for (int c = tm.rank(); c < d.K; c += tm.size()) {
     T hi = 0, err = 0;
     for (int t = 0; t < d.L; ++t) {
-      const T x = G[t * d.K + c], s = hi + x, xb = s - hi;
+      const T x = floor_log_decay(G[t * d.K + c]), s = hi + x, xb = s - hi;
       err += (hi - (s - xb)) + (x - xb);
       hi = s;
       G[t * d.K + c] = hi;
       lo[t * d.K + c] = err;
     }
+  }
+  tm.sync();
+}
+
+// The forward's rule for non-finite inputs (chunk_kda's docstring): a NaN or inf in k, g (NaN or
+// +inf) or beta at step t makes every output from step t on and the end state NaN; one in v[t, j]
+// those of value column j. The chunk algebra multiplies the zeros above the diagonals of Aqk and
+// Minv with later rows, which would carry such a value to earlier steps, so the forward computes
+// on finite stand-ins: chunk_mark_nonfinite (before chunk_cumsum, on the raw g) zeroes k, g, beta
+// and v from the first such step of k, g, beta on, and v[t, j] from its column's first on, and sets
+// mark[j] to the first step whose output in column j is NaN (L where none); apply_marks then writes
+// the NaNs. q needs no stand-in: its rows only reach their own step's output. flag [L] is scratch.
+template <typename T, typename Team>
+KDA_HD void chunk_mark_nonfinite(const Team& tm, ChunkDims d, T* k, T* g, T* v, T* beta, T* flag,
+                                 unsigned char* mark) {
+  for (int t = tm.rank(); t < d.L; t += tm.size()) {
+    bool bad = !finite(beta[t]);
+    for (int c = 0; c < d.K; ++c) bad = bad || !finite(k[t * d.K + c]) || !(g[t * d.K + c] < T(INFINITY));
+    flag[t] = bad ? T(1) : T(0);
+  }
+  tm.sync();
+  int first = d.L;
+  for (int t = d.L - 1; t >= 0; --t) first = flag[t] != T(0) ? t : first;
+  for (int j = tm.rank(); j < d.V; j += tm.size()) {
+    int m = first;
+    for (int t = 0; t < m; ++t) m = finite(v[t * d.V + j]) ? m : t;
+    for (int t = m; t < d.L; ++t) v[t * d.V + j] = 0;
+    mark[j] = static_cast<unsigned char>(m);
+  }
+  for (int i = first * d.K + tm.rank(); i < d.L * d.K; i += tm.size()) k[i] = g[i] = 0;
+  for (int t = first + tm.rank(); t < d.L; t += tm.size()) beta[t] = 0;
+  tm.sync();
+}
+
+// NaN into the outputs O [L, Vt] (leading dim ldO; skipped for nullptr) from step mark[j] on and
+// into the state columns S [K, Vt] (leading dim ldS) whose mark is below L (marks of the tile's
+// columns).
+template <typename T, typename Team>
+KDA_HD void apply_marks(const Team& tm, ChunkDims d, const unsigned char* mark, T* O, int ldO, T* S, int ldS) {
+  for (int i = tm.rank(); O != nullptr && i < d.L * d.V; i += tm.size()) {
+    if (i / d.V >= mark[i % d.V]) O[(i / d.V) * ldO + i % d.V] = T(NAN);
+  }
+  for (int i = tm.rank(); i < d.K * d.V; i += tm.size()) {
+    if (mark[i % d.V] < d.L) S[(i / d.V) * ldS + i % d.V] = T(NAN);
   }
   tm.sync();
 }
@@ -282,10 +343,12 @@ KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gat
 }
 
 // One chunk of state passing over a tile of Vt state columns (S [K,Vt] with leading dim ldS;
-// Ut, O, U rows with leading dims ldU, ldO, Vt). Writes O (skip with nullptr) and advances S.
+// Ut, O, U rows with leading dims ldU, ldO, Vt). Writes O (skip with nullptr) and advances S;
+// mark (the tile's columns of chunk_mark_nonfinite's marks; nullptr: none) then puts its NaNs.
 template <typename T, typename Team>
 KDA_HD void chunk_state_fwd(const Team& tm, ChunkDims d, T scale, const T* W, const T* Ut, int ldU, const T* Qg,
-                            const T* Kd, const T* Aqk, const T* gC, T* S, int ldS, T* U, T* O, int ldO) {
+                            const T* Kd, const T* Aqk, const T* gC, T* S, int ldS, T* U, T* O, int ldO,
+                            const unsigned char* mark = nullptr) {
   const int L = d.L, K = d.K, Vt = d.V;
   tm.gemm(L, Vt, K, T(-1), rows_of(W, K), rows_of<T>(S, ldS), out_rows(U, Vt), Prior<T>{T(1), nullptr, Ut, ldU});
   if (O != nullptr) tm.gemm(L, Vt, K, scale, rows_of(Qg, K), rows_of<T>(S, ldS), out_rows(O, ldO));
@@ -295,6 +358,7 @@ KDA_HD void chunk_state_fwd(const Team& tm, ChunkDims d, T scale, const T* W, co
   }
   tm.gemm(K, Vt, L, T(1), cols_of(Kd, K), rows_of<T>(U, Vt), out_rows(S, ldS), Prior<T>{T(0), gC, nullptr, 0});
   tm.sync();
+  if (mark != nullptr) apply_marks(tm, d, mark, O, ldO, S, ldS);
 }
 
 // One chunk of the state gradient, backwards, over a tile of Vt columns: dS holds dS1 (the

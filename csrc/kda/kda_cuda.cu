@@ -218,6 +218,7 @@ struct Intra {
   float* A;  // A and Minv: nullptr in the forward, which keeps them in shared memory
   T *Minv, *Aqk, *W, *Ut, *Qg, *Kd;
   float* gC;
+  unsigned char* mark;  // [HV, slots, V] chunk_mark_nonfinite's marks: the forward's, else nullptr
 };
 
 template <typename T>
@@ -237,10 +238,12 @@ struct ChunkSmem {
   static size_t bytes(int64_t K, int64_t V) { return sizeof(T) * (4 * kChunk * K + kChunk * V + kChunk); }
 };
 
-// Load steps [t0, t0+L) of value head hv into shared memory.
+// Load steps [t0, t0+L) of value head hv into shared memory; with mark (the forward's), finite
+// stand-ins for non-finite inputs (flag [L] is scratch).
 template <typename T>
 __device__ void load_chunk(const BlockTeam& tm, const Sizes<T>& z, ChunkDims d, int64_t t0, int64_t hv,
-                           const T* q, const T* k, const T* v, const T* g, const T* beta, const ChunkSmem<T>& s) {
+                           const T* q, const T* k, const T* v, const T* g, const T* beta, const ChunkSmem<T>& s,
+                           T* flag = nullptr, unsigned char* mark = nullptr) {
   T *sq = s.q, *sk = s.k, *sG = s.G, *sv = s.v, *sb = s.beta;
   const int64_t h = hv / (z.HV / z.H);
   for (int i = tm.rank(); i < d.L * d.K; i += tm.size()) {
@@ -254,6 +257,7 @@ __device__ void load_chunk(const BlockTeam& tm, const Sizes<T>& z, ChunkDims d, 
   }
   for (int t = tm.rank(); t < d.L; t += tm.size()) sb[t] = beta[(t0 + t) * z.HV + hv];
   tm.sync();
+  if (mark != nullptr) chunk_mark_nonfinite(tm, d, sk, sG, sv, sb, flag, mark);
   chunk_cumsum(tm, d, sG, s.Glo);
 }
 
@@ -273,7 +277,8 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
   const BlockTeam tm{z.bf16};
   const ChunkDims d{L, static_cast<int>(z.K), static_cast<int>(z.V)};
-  load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
+  load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm, sY,
+             out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * z.V : nullptr);
   const int64_t row = hv * sq_.tokens + t0;
   chunk_intra(tm, d, sm.q, sm.k, sm.gates(), sm.v, sm.beta, out.A != nullptr ? out.A + row * kChunk : sA,
               out.Aqk + row * kChunk, out.Minv != nullptr ? out.Minv + row * kChunk : sMinv,
@@ -438,10 +443,39 @@ struct ChunkTiles16 {
     return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk};
   }
 
+  // chunk_mark_nonfinite on the loaded tiles (G holding the raw g): the forward's finite stand-ins
+  // and its marks of the V columns into mark.
+  __device__ void mark_nonfinite(int L, T* sv, int V, unsigned char* mark) const {
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    for (int t = warp; t < L; t += kThreads / 32) {
+      bool bad = lane == 0 && !isfinite(beta[t]);
+      for (int c = lane; c < kK; c += 32) {
+        bad = bad || !isfinite(to_float(k[t * kLdK + c])) || !(G[t * kLdG + c] < INFINITY);
+      }
+      bad = __any_sync(0xffffffffu, bad);
+      if (lane == 0) part[t] = bad ? 1.f : 0.f;
+    }
+    __syncthreads();
+    int first = L;
+    for (int t = L - 1; t >= 0; --t) first = part[t] != 0.f ? t : first;
+    if (tid < V) {  // a thread per column (V <= kThreads)
+      int m = first;
+      for (int t = 0; t < m; ++t) m = isfinite(to_float(sv[t * kLdV + tid])) ? m : t;
+      for (int t = m; t < L; ++t) sv[t * kLdV + tid] = from_float<T>(0.f);
+      mark[tid] = static_cast<unsigned char>(m);
+    }
+    for (int i = first * kK + tid; i < L * kK; i += kThreads) {
+      k[i / kK * kLdK + i % kK] = from_float<T>(0.f);
+      G[i / kK * kLdG + i % kK] = 0.f;
+    }
+    for (int t = first + tid; t < L; t += kThreads) beta[t] = 0.f;
+    __syncthreads();
+  }
+
   // Fills the tiles (v [kChunk, kLdV] too where sv is given) for the whole block; ends with a
-  // __syncthreads().
+  // __syncthreads(). With mark (the forward's, sv given), finite stand-ins for non-finite inputs.
   __device__ void load(const RawIn<T>& in, int64_t H, int64_t HV, int64_t t0, int L, int64_t hv, T* sv,
-                       int V) const {
+                       int V, unsigned char* mark = nullptr) const {
     constexpr float kLog2e = 1.4426950408889634f;
     const int64_t h = hv / (HV / H);
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
@@ -477,6 +511,7 @@ struct ChunkTiles16 {
     }
     mma::cp_async_wait_all();
     __syncthreads();
+    if (mark != nullptr) mark_nonfinite(L, sv, V, mark);
 
     // 1 / |q_t|, 1 / |k_t| (ones without normalisation); G = log2(e) cumsum(g) by parts of rows.
     for (int task = warp; task < 2 * kChunk; task += kThreads / 32) {
@@ -494,7 +529,7 @@ struct ChunkTiles16 {
       float run = 0.f;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
-        run += G[(p0 * kRows + i) * kLdG + c];
+        run += floor_log_decay(G[(p0 * kRows + i) * kLdG + c]);
         x[i] = run;
       }
       part[p0 * kK + c] = run;
@@ -569,7 +604,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32, g8 = lane / 4, q4 = lane % 4;
 
   const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart};
-  ct.load(in, H, HV, t0, L, hv, sv, V);
+  ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * V : nullptr);
 
   // Blocks left of the diagonal: warp w < 6 takes block (b, j) of A and Aqk, r = 16 b.
   if (warp < 6) {
@@ -894,7 +929,8 @@ __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> 
     tm.sync();
     chunk_state_fwd(tm, ChunkDims{L, st.K, st.Vt}, scale, sm.W, sm.tile, st.Vt, sm.Qg, sm.Kd, sm.Aqk,
                     in.gC + (st.hv * sq_.slots + slot) * st.K, S, st.Vt, sm.U,
-                    o != nullptr ? o + (t0 * z.HV + st.hv) * z.V + st.j0 : nullptr, static_cast<int>(z.HV * z.V));
+                    o != nullptr ? o + (t0 * z.HV + st.hv) * z.V + st.j0 : nullptr, static_cast<int>(z.HV * z.V),
+                    in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * z.V + st.j0 : nullptr);
   }
   if (ht != nullptr) st.store(tm, S, ht + st.matrix(z.HV));
 }
@@ -1163,21 +1199,29 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     sm.round_u(u);
     __syncthreads();
     sm.template mul_u<false>(acc_o, cur.A, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
+    // chunk_mark_nonfinite's marks of the tile's columns (the forward's; else nullptr)
+    const unsigned char* mark = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * V + st.j0 : nullptr;
+    const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
     if (o != nullptr) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int t = sm.urow(2 * h);
+          const int t = sm.urow(2 * h), col = sm.ucol(j, 2 * h);
           if (t < L) {
-            store_pair(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + sm.ucol(j, 2 * h), scale * acc_o[j][2 * h],
-                       scale * acc_o[j][2 * h + 1]);
+            store_pair(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + col, marked(scale * acc_o[j][2 * h], t, col),
+                       marked(scale * acc_o[j][2 * h + 1], t, col + 1));
           }
         }
       }
     }
     sm.scale_state_rows(S, in.gC + (st.hv * sq_.slots + slot) * kK);
     sm.mul_state(S, cur.Kd, sm.bU);
+#pragma unroll
+    for (int j = 0; j < F::kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) S[j][r] = marked(S[j][r], L - 1, sm.scol(j, r));  // NaN where the last step is
+    }
     __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
   }
   mma::cp_async_wait<0>();
@@ -1957,6 +2001,12 @@ void run_intra_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Laun
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The forward's workspace of chunk_mark_nonfinite's marks, [HV, slots, V].
+unsigned char* marks(const Problem& p, const Launch& l, const at::TensorOptions& opts, std::vector<at::Tensor>& keep) {
+  keep.push_back(at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * p.V)}, opts.dtype(at::kByte)));
+  return keep.back().data_ptr<unsigned char>();
+}
+
 // The intra-chunk terms of every chunk from the prepared inputs into fp32 workspaces (A and Minv
 // only for the backward).
 Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool for_bwd,
@@ -1969,7 +2019,7 @@ Intra<float> run_intra(const Problem& p, const Inputs& in, const Launch& l, bool
   };
   Intra<float> out{for_bwd ? ws(rows * kChunk) : nullptr, for_bwd ? ws(rows * kChunk) : nullptr, ws(rows * kChunk),
                    ws(rows * p.K), ws(rows * p.V), ws(rows * p.K), ws(rows * p.K),
-                   ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K))};
+                   ws(std::max<int64_t>(1, p.HV * l.seqs.slots * p.K)), for_bwd ? nullptr : marks(p, l, opts, keep)};
   if (l.seqs.slots == 0) return out;
   const size_t smem =
       ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + intra_scratch(static_cast<int>(p.K)));
@@ -2034,7 +2084,8 @@ Intra<__nv_bfloat16> run_intra_bf16_ws(const Problem& p, const Inputs& raw, bool
                       ws16(rows * p.V),
                       ws16(rows * kK),
                       ws16(rows * kK),
-                      static_cast<float*>(ws(p.HV * l.seqs.slots * kK, at::kFloat))};
+                      static_cast<float*>(ws(p.HV * l.seqs.slots * kK, at::kFloat)),
+                      for_bwd ? nullptr : marks(p, l, raw.q.options(), keep)};
   run_intra_bf16<kK, T>(p, raw, l2norm, l, w);
   return w;
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _C
 from .._dtypes import accumulation_dtype
 
 _ops = torch.ops.kda_dsa_ops
@@ -22,10 +23,18 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     """Gated delta-rule linear attention with a per-channel decay, chunk by chunk.
 
     q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (grouped value heads); g [B, T, HV, K]
-    the log-decay (natural log, <= 0; float32 or the dtype of q); beta [B, T, HV] (float32 or the
-    dtype of q). q, k, v in bfloat16, float16, float32 (or float64 on CPU). K, V <= 128.
+    the log-decay (natural log, <= 0; -inf resets the state; values below -128 count as -128, whose
+    exp is zero in fp32; float32 or the dtype of q); beta [B, T, HV] in [0, 2] (float32 or the dtype
+    of q). q, k, v in bfloat16, float16, float32 (or float64 on CPU). K, V <= 128.
     scale defaults to K ** -0.5. initial_state [N, HV, K, V] float32 (N = B, or the number of
-    sequences). cu_seqlens int32 [N + 1] packs N sequences of any length into B == 1.
+    sequences). cu_seqlens int32 (or int64, below 2^31) [N + 1] packs N sequences of any length
+    into B == 1. g above 0 or beta outside [0, 2] (where the chunked form overflows although short
+    recurrences may not) are an error on CPU tensors, and on CUDA ones with
+    kda_dsa_ops.set_value_checks(True); unchecked, they give undefined (non-finite) outputs.
+
+    Non-finite inputs: a NaN or inf in k, g or beta at step t makes the outputs from step t to the
+    end of its sequence and the final state NaN; one in v[t, j] does so for value column j; one in
+    q[t] for o[t]. The outputs before step t are those of the finite inputs, as in the recurrence.
     use_qk_l2norm_in_kernel normalises q and k per head (x / sqrt(|x|^2 + 1e-6)).
     Returns o [B, T, HV, V] in q's dtype and the final state [N, HV, K, V] float32 (None unless
     output_final_state). Differentiable w.r.t. q, k, v, g, beta and initial_state.
@@ -49,10 +58,21 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     if scale is None:  # K = 0 is left to the op's own check
         scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
     if cu_seqlens is not None and cu_seqlens.dtype == torch.int64:
-        cu_seqlens = cu_seqlens.to(torch.int32)
+        cu_seqlens = _int32_offsets(cu_seqlens)
     o, final_state = _ops.kda_fwd(q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state,
                                   use_qk_l2norm_in_kernel, precision == "medium")
     return o, (final_state if output_final_state else None)
+
+
+def _int32_offsets(cu_seqlens: Tensor) -> Tensor:
+    """int64 cu_seqlens as the op's int32, its values checked first where values are checked (CPU
+    tensors, or kda_dsa_ops.set_value_checks(True)): a cast would wrap those past 2^31."""
+    if cu_seqlens.numel() > 0 and (not cu_seqlens.is_cuda or _C.value_checks()):
+        lo, hi = int(cu_seqlens.min()), int(cu_seqlens.max())
+        if lo < 0 or hi >= 2 ** 31:
+            raise ValueError(f"chunk_kda: cu_seqlens values must lie in [0, 2^31) (int32 offsets), got values in "
+                             f"[{lo}, {hi}]")
+    return cu_seqlens.to(torch.int32)
 
 
 @torch.compiler.assume_constant_result

@@ -141,7 +141,8 @@ def indexer_kl_loss(attn_p: torch.Tensor, scores: torch.Tensor, indices: torch.T
 
 def _selected_logits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, dv: int):
     """Per kv head a: queries qg [T,Hkv,G,Dqk], selected keys [T,Hkv,topk,Dqk] and values
-    [T,Hkv,topk,dv] (the values are kv[..., :dv]) and logits [T,Hkv,G,topk] (-1 entries: -inf)."""
+    [T,Hkv,topk,dv] (the values are kv[..., :dv]; zeros for -1 entries) and logits [T,Hkv,G,topk]
+    (-1 entries: -inf)."""
     T, H, Dqk = q.shape
     Hkv = kv.shape[1]
     acc = accumulation_dtype(q)
@@ -149,6 +150,7 @@ def _selected_logits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
         kv = kv.new_zeros(1, Hkv, kv.shape[2])
     rows = indices.clamp(min=0).long()                                      # [T, Hkv, topk]
     k_sel = kv.to(acc)[rows, torch.arange(Hkv, device=kv.device)[None, :, None]]
+    k_sel = k_sel.masked_fill((indices < 0)[..., None], 0.0)  # a row not selected reaches nothing
     qg = q.to(acc).reshape(T, Hkv, H // Hkv, Dqk)
     logits = torch.einsum("tagd,tasd->tags", qg, k_sel) * scale
     return qg, k_sel, k_sel[..., :dv], logits.masked_fill((indices < 0)[:, :, None, :], -math.inf)
@@ -160,15 +162,16 @@ def sparse_attn_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sc
 
     q [T,H,Dqk], kv [Tk,Hkv,Dqk], indices [T,Hkv,topk] (-1: no key). Query head h reads kv head
     h // (H // Hkv). o = sigmoid(gate) * softmax(scale * q.k_sel) v_sel with v_sel = kv[..., :dv].
-    Returns (o [T,H,dv] in q's dtype, lse [T,H] natural log (-inf for a row with no key),
-    p [T,Hkv,topk] probabilities summed over the heads of each kv head, or None).
+    Returns (o [T,H,dv] in q's dtype, lse [T,H] natural log (-inf for a row with no key, whose o is
+    0), p [T,Hkv,topk] probabilities summed over the heads of each kv head, or None). A NaN logit
+    makes its row's o and lse NaN; an inf value with probability 0 its channel of o.
     """
     T, H, _ = q.shape
     acc = accumulation_dtype(q)
     _, _, v_sel, logits = _selected_logits(q, kv, indices, scale, dv)
     lse = torch.logsumexp(logits, dim=-1)                                   # [T, Hkv, G]
-    probs = torch.where(torch.isfinite(lse)[..., None], torch.exp(logits - lse[..., None]),
-                        torch.zeros((), dtype=acc, device=q.device))
+    probs = torch.where((lse == -math.inf)[..., None], torch.zeros((), dtype=acc, device=q.device),
+                        torch.exp(logits - lse[..., None]))
     attn = torch.einsum("tags,tasd->tagd", probs, v_sel).reshape(T, H, dv)
     o = attn * torch.sigmoid(gate.to(acc)) if gate is not None else attn
     p = probs.sum(2) if return_p else None
@@ -185,7 +188,7 @@ def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices
     acc = accumulation_dtype(q)
     qg, k_sel, v_sel, logits = _selected_logits(q, kv, indices, scale, dv)
     lse_g = lse.to(acc).reshape(T, Hkv, G)
-    live = (indices >= 0)[:, :, None, :] & torch.isfinite(lse_g)[..., None]
+    live = (indices >= 0)[:, :, None, :] & (lse_g != -math.inf)[..., None]
     probs = torch.where(live, torch.exp(logits - lse_g[..., None]), torch.zeros((), dtype=acc, device=q.device))
     attn = torch.einsum("tags,tasd->tagd", probs, v_sel)                    # ungated output
     d_attn = do.to(acc).reshape(T, Hkv, G, dv)
