@@ -29,7 +29,8 @@ def lightning_indexer(q: Tensor, k: Tensor, w: Tensor, cu_seqlens_q: Tensor, cu_
     and Lk keys sees keys j <= i + Lk - Lq). topk in [1, 2048]. The [T, Tk] score matrix is never
     formed. Returns indices [T, topk] int32 (absolute rows of k by score, descending, ties to the
     lower index, -1 past the visible keys) and scores [T, topk] fp32 (-inf where -1),
-    differentiable w.r.t. q, k and w.
+    differentiable w.r.t. q, k and w. A key whose score is not finite (a NaN in q . k included:
+    the ReLU keeps it) is never selected.
     """
     return _ops.lightning_indexer_fwd(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
 
@@ -46,7 +47,9 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     Returns o [T, H, dv] in q's dtype, lse [T, H] fp32 (natural log, -inf for a row with no key)
     and, with return_p, p [T, Hkv, topk] fp32: the probabilities summed over the heads of each kv
     head (for the indexer's KL loss). o is differentiable w.r.t. q, kv and gate; lse and p are
-    not. deterministic: bitwise-reproducible dkv (the CPU kernel always is; the CUDA kernel
+    not. Non-finite inputs give the reference's non-finite outputs: a NaN logit makes its row's o
+    and lse NaN; an inf in a selected value channel reaches that channel (also with probability
+    0); rows no query selects reach nothing. deterministic: bitwise-reproducible dkv (the CPU kernel always is; the CUDA kernel
     otherwise adds dkv with atomics, and with it stores each (query, key) term and sums them
     in index order: slower, more memory traffic). On an sm_90 GPU the MLA layout's forward takes
     a Hopper kernel (wgmma); return_p adds a second pass over the selected keys.

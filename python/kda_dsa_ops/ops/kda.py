@@ -28,9 +28,10 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     of q). q, k, v in bfloat16, float16, float32 (or float64 on CPU). K, V <= 128.
     scale defaults to K ** -0.5. initial_state [N, HV, K, V] float32 (N = B, or the number of
     sequences). cu_seqlens int32 (or int64, below 2^31) [N + 1] packs N sequences of any length
-    into B == 1. g above 0 or beta outside [0, 2] (where the chunked form overflows although short
-    recurrences may not) are an error on CPU tensors, and on CUDA ones with
-    kda_dsa_ops.set_value_checks(True); unchecked, they give undefined (non-finite) outputs.
+    into B == 1. g above 0 and beta outside [0, 2] are outside the contract (the chunk's products
+    grow with exp(g) and beta, and overflow where a short recurrence may not): an error on CPU
+    tensors, and on CUDA ones with kda_dsa_ops.set_value_checks(True); unchecked, the outputs are
+    undefined (typically NaN).
 
     Non-finite inputs: a NaN or inf in k, g or beta at step t makes the outputs from step t to the
     end of its sequence and the final state NaN; one in v[t, j] does so for value column j; one in
