@@ -84,6 +84,10 @@ def test_lora_from_a_checkpoint_under_fsdp_and_ep():
                                                               "--init-from", os.path.join(base, "final"),
                                                               "--out", lora]), nprocs=2)
         assert os.path.isfile(os.path.join(lora, "log.json"))
+        # a checkpoint of --ep 2 in a run of --ep 1: the layout is named, not a missing key
+        with pytest.raises(SystemExit, match=r"saved with --ep 2 .*; this run has --ep 1: run it with --ep 2"):
+            train.main(COMMON + ["--steps", "4", "--init-from", os.path.join(base, "final"), "--out",
+                                 os.path.join(d, "one")])
         saved = train.dcp.FileSystemReader(os.path.join(lora, "final")).read_metadata().state_dict_metadata
         model_keys = [k for k in saved if k.startswith("model.")]
         # LoRA checkpoints hold the adapters and the routers' balancing biases (training state), no base weight

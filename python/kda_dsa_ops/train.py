@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import time
@@ -235,12 +236,23 @@ def complete_checkpoint(path: str) -> str | None:
     return None
 
 
+def _check_expert_layout(path: str, saved: set, tag: str) -> None:
+    """The experts' split over ranks (the @ep<r>of<n> of their keys) is this run's (SystemExit
+    naming the --ep the checkpoint was saved with otherwise)."""
+    layouts = {int(m.group(1)) for m in (re.search(r"@ep\d+of(\d+)$", k) for k in saved) if m}
+    ours = int(tag.rsplit("of", 1)[1])
+    if layouts and layouts != {ours}:
+        raise SystemExit(f"checkpoint {path} was saved with --ep {min(layouts)} (its experts split over that many "
+                         f"ranks); this run has --ep {ours}: run it with --ep {min(layouts)}")
+
+
 def load_checkpoint(path: str, model, opt, tag: str) -> int:
     """Restores what the checkpoint holds (model, and optimizer when opt is given), its files first
     checked against the manifest; returns its step."""
     verify_checkpoint(path)
     model_sd, optim_sd = _state(model, opt, tag, include_frozen=True)
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    _check_expert_layout(path, saved, tag)
     model_sd = {k: v for k, v in model_sd.items() if f"model.{k}" in saved}
     state = {"model": model_sd, "step": torch.tensor(0)}
     if opt is not None:
