@@ -28,6 +28,7 @@ def test_recall_batch_labels_are_the_asked_values():
             assert pairs[key] == value
 
 
+@pytest.mark.filterwarnings("error")  # a single-process save or load says it is one (no_dist), not DCP's guess
 def test_resume_reproduces_the_next_steps_exactly():
     """Also across a learning-rate warmup that the checkpoint falls inside."""
     warmup = ["--warmup-steps", "5"]

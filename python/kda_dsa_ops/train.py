@@ -28,6 +28,7 @@ import re
 import resource
 import shutil
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -174,6 +175,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _dcp(call, *args, **kwargs):
+    """dcp.save or dcp.load; in a single process as such (no_dist), without DCP's warning that it
+    assumes one (which it gives even when told)."""
+    single = not dist.is_initialized()
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        return call(*args, no_dist=single, **kwargs)
+
+
 def _digest(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -194,7 +205,7 @@ def save_checkpoint(path: str, model, opt, step: int, tag: str) -> None:
     if rank0 and os.path.isdir(staging):
         shutil.rmtree(staging)  # what a crash mid-save left
     _barrier()
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=staging)
+    _dcp(dcp.save, {"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=staging)
     _barrier()
     if rank0:
         files = sorted(f for f in os.listdir(staging) if f != MANIFEST)
@@ -257,7 +268,7 @@ def load_checkpoint(path: str, model, opt, tag: str) -> int:
     state = {"model": model_sd, "step": torch.tensor(0)}
     if opt is not None:
         state["optim"] = optim_sd
-    dcp.load(state, checkpoint_id=path)
+    _dcp(dcp.load, state, checkpoint_id=path)
     options = StateDictOptions(strict=False)
     if opt is None:
         set_model_state_dict(model, _unrename(state["model"], tag), options=options)

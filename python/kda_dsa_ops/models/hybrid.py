@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .._dtypes import accumulation_dtype
-from ..nn import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, MLAttention, Rope, SwiGLU,
+from ..nn import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, MLAttention, RMSNorm, Rope, SwiGLU,
                   chunked_linear_cross_entropy, get_backend, positions_in_sequence)
 from ..nn.offload import ActivationOffload
 from ..nn.vision import PatchEmbed, VisionConfig, VisionTower
@@ -178,7 +178,7 @@ class HybridBlock(nn.Module):
         super().__init__()
         self.kind, self.ffn_kind = kind, ffn_kind
         eps = cfg.rms_norm_eps
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=eps), nn.RMSNorm(cfg.hidden, eps=eps)
+        self.attn_norm, self.mlp_norm = RMSNorm(cfg.hidden, eps=eps), RMSNorm(cfg.hidden, eps=eps)
         self.attn_hc = self.ffn_hc = None
         if cfg.hc_mult > 1:
             self.attn_hc, self.ffn_hc = (HyperConnection(cfg.hidden, cfg.hc_mult, cfg.hc_eps, cfg.hc_sinkhorn_iters, eps)
@@ -274,7 +274,7 @@ class HybridModel(nn.Module):
         mlp_lora_rank = lora_rank if lora_targets == "all" else 0
         self.blocks = nn.ModuleList(HybridBlock(cfg, kind, ffn_kind, lora_rank, mlp_lora_rank, cfg.index_kind(i) == "F")
                                     for i, (kind, ffn_kind) in enumerate(zip(cfg.kinds(), cfg.ffn_kinds())))
-        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) / cfg.hidden ** 0.5)
         if lora_rank > 0:
             self.embed.requires_grad_(False)

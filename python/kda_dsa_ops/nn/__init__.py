@@ -1,10 +1,10 @@
 """Layers of the hybrid model on the ops (native kernels or their references)."""
 
 from .backend import BACKENDS, Backend, get_backend
-from .layers import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, LoRALinear, MLAttention, Rope, ShortConv, SwiGLU,
-                     positions_in_sequence, sequence_bounds)
+from .layers import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, LoRALinear, MLAttention, RMSNorm,
+                     Rope, ShortConv, SwiGLU, positions_in_sequence, sequence_bounds)
 from .loss import chunked_linear_cross_entropy
 
-__all__ = ["BACKENDS", "Backend", "HyperConnection", "KDAAttention", "LatentMoE", "LightningIndexer", "LoRALinear", "MLAttention", "Rope",
-           "ShortConv", "SwiGLU", "chunked_linear_cross_entropy", "get_backend", "positions_in_sequence",
-           "sequence_bounds"]
+__all__ = ["BACKENDS", "Backend", "HyperConnection", "KDAAttention", "LatentMoE", "LightningIndexer", "LoRALinear",
+           "MLAttention", "RMSNorm", "Rope", "ShortConv", "SwiGLU", "chunked_linear_cross_entropy", "get_backend",
+           "positions_in_sequence", "sequence_bounds"]

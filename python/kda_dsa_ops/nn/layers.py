@@ -19,6 +19,17 @@ from .._dtypes import accumulation_dtype
 from .backend import Backend
 
 
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm; where the input's dtype is not the weight's (bf16 activations under
+    autocast, fp32 weights) it computes in float32, as autocast does for layer_norm, and returns
+    the input's dtype (torch's fused kernel takes one dtype)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight is None or x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
+
+
 class LoRALinear(nn.Module):
     """y = x W^T (+ b) + (alpha / rank) x A^T B^T with W, b frozen and A [rank, in], B [out, rank]
     trainable (B starts at zero, so a fresh adapter changes nothing). rank 0: a plain trainable
@@ -114,7 +125,7 @@ class KDAAttention(nn.Module):
         dt = torch.exp(torch.empty(self.HV * head_dim).uniform_(math.log(1e-3), math.log(1e-1)))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
         self.b_proj = nn.Linear(hidden, self.HV, bias=False)
-        self.o_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+        self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_gate_down, self.o_gate_up = lin(hidden, gate_rank), lin(gate_rank, self.HV * head_dim)
         self.o_proj = lin(self.HV * head_dim, hidden)
 
@@ -286,10 +297,10 @@ class MLAttention(nn.Module):
         lin = lambda i, o: LoRALinear(i, o, lora_rank)  # noqa: E731
         qk = heads * (nope_dim + rope_dim)
         if q_rank > 0:
-            self.q_down, self.q_norm, self.q_up = lin(hidden, q_rank), nn.RMSNorm(q_rank, eps=latent_eps), lin(q_rank, qk)
+            self.q_down, self.q_norm, self.q_up = lin(hidden, q_rank), RMSNorm(q_rank, eps=latent_eps), lin(q_rank, qk)
         else:
             self.q_proj = lin(hidden, qk)
-        self.kv_down, self.kv_norm = lin(hidden, kv_rank + rope_dim), nn.RMSNorm(kv_rank, eps=latent_eps)
+        self.kv_down, self.kv_norm = lin(hidden, kv_rank + rope_dim), RMSNorm(kv_rank, eps=latent_eps)
         self.kv_up = lin(kv_rank, heads * (nope_dim + v_dim))
         self.gate = lin(hidden, heads * kv_rank) if gate else None
         if gate and not self.sparse:
@@ -428,7 +439,7 @@ class LatentMoE(nn.Module):
         width = latent or hidden
         if latent:
             self.down = LoRALinear(hidden, latent, lora_rank)
-            self.norm = nn.RMSNorm(latent, eps=norm_eps)
+            self.norm = RMSNorm(latent, eps=norm_eps)
             self.up = LoRALinear(latent, hidden, lora_rank)
         self.w_gate_up = nn.Parameter(torch.randn(experts, width, 2 * expert_ffn) / math.sqrt(width))
         self.w_down = nn.Parameter(torch.randn(experts, expert_ffn, width) / math.sqrt(expert_ffn))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import sequence_bounds, swiglu
+from .layers import RMSNorm, sequence_bounds, swiglu
 
 
 class PatchEmbed(nn.Module):
@@ -60,10 +60,10 @@ class VisionBlock(nn.Module):
     def __init__(self, c: VisionConfig):
         super().__init__()
         self.heads, self.head_dim, self.limit = c.heads, c.hidden // c.heads, c.swiglu_limit
-        self.norm1, self.norm2 = nn.RMSNorm(c.hidden, eps=c.norm_eps), nn.RMSNorm(c.hidden, eps=c.norm_eps)
+        self.norm1, self.norm2 = RMSNorm(c.hidden, eps=c.norm_eps), RMSNorm(c.hidden, eps=c.norm_eps)
         self.qkv = nn.Linear(c.hidden, 3 * c.hidden, bias=c.bias)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=c.norm_eps)
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=c.norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=c.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=c.norm_eps)
         self.proj = nn.Linear(c.hidden, c.hidden, bias=c.bias)
         self.gate_up = nn.Linear(c.hidden, 2 * c.ffn, bias=c.bias)
         self.down = nn.Linear(c.ffn, c.hidden, bias=c.bias)
@@ -98,7 +98,7 @@ class VisionTower(nn.Module):
         self.cfg = c
         self.patch_embed = nn.Linear(c.channels * c.temporal_patch * c.patch ** 2, c.hidden)
         self.blocks = nn.ModuleList(VisionBlock(c) for _ in range(c.depth))
-        self.post_norm = nn.RMSNorm(c.hidden, eps=c.norm_eps)
+        self.post_norm = RMSNorm(c.hidden, eps=c.norm_eps)
         self.downsample = nn.Linear(c.merge ** 2 * c.hidden, c.out_hidden)
         self.merger_proj = nn.Linear(c.out_hidden, c.out_hidden, bias=False)
         self.merger_norm = nn.LayerNorm(c.out_hidden)
