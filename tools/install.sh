@@ -28,7 +28,7 @@ else
   if ! MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee "$log" |
        awk '/^ *\[[0-9]+\/[0-9]+\] / && match($0, / -c [^ ]*csrc\/[^ ]+/) {
               f = substr($0, RSTART + 4, RLENGTH - 4); sub(/.*csrc\//, "csrc/", f); print "  " $1 " " f; fflush(); next }
-            /^kda_dsa_ops: / && !seen[$0]++ { print; fflush() }'; then
+            /^ *kda_dsa_ops: / { sub(/^ +/, ""); if (!seen[$0]++) print; fflush() }'; then
     tail -40 "$log" >&2
     echo "kda_dsa_ops: the build failed (the last lines of its log above)" >&2
     exit 1
