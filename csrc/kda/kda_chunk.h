@@ -89,35 +89,50 @@ KDA_HD void chunk_cumsum(const Team& tm, ChunkDims d, T* G, T* lo) {
 // +inf) or beta at step t makes every output from step t on and the end state NaN; one in v[t, j]
 // those of value column j. The chunk algebra multiplies the zeros above the diagonals of Aqk and
 // Minv with later rows, which would carry such a value to earlier steps, so the forward computes
-// on finite stand-ins: chunk_mark_nonfinite (before chunk_cumsum, on the raw g) zeroes k, g, beta
-// and v from the first such step of k, g, beta on, and v[t, j] from its column's first on, and sets
-// mark[j] to the first step whose output in column j is NaN (L where none); apply_marks then writes
-// the NaNs. q needs no stand-in: its rows only reach their own step's output. flag [L] is scratch.
+// on finite stand-ins: chunk_mark_nonfinite (before chunk_cumsum, on the raw g) finds the first
+// such step of k, g, beta and of each column of v in one pass (the members' atomic_min), and only
+// where there is one zeroes k, g, beta and v from it on (v[., j] from its column's); it writes
+// mark[j] = the first step whose output in column j is NaN and mark[V] = the first of all (L where
+// none: the chunk is clean); apply_marks then writes the NaNs. q needs no stand-in: its rows only
+// reach their own step's output. first [V + 2] is int scratch.
 template <typename T, typename Team>
-KDA_HD void chunk_mark_nonfinite(const Team& tm, ChunkDims d, T* k, T* g, T* v, T* beta, T* flag,
+KDA_HD void chunk_mark_nonfinite(const Team& tm, ChunkDims d, T* k, T* g, T* v, T* beta, int* first,
                                  unsigned char* mark) {
-  for (int t = tm.rank(); t < d.L; t += tm.size()) {
-    bool bad = !finite(beta[t]);
-    for (int c = 0; c < d.K; ++c) bad = bad || !finite(k[t * d.K + c]) || !(g[t * d.K + c] < T(INFINITY));
-    flag[t] = bad ? T(1) : T(0);
+  const int L = d.L, K = d.K, V = d.V;  // first[V]: k, g, beta's first step; first[V + 1]: any
+  for (int j = tm.rank(); j < V + 2; j += tm.size()) first[j] = L;
+  tm.sync();
+  for (int i = tm.rank(); i < L * K; i += tm.size()) {
+    if (!finite(k[i]) || !(g[i] < T(INFINITY))) tm.atomic_min(first + V, i / K);
+  }
+  for (int t = tm.rank(); t < L; t += tm.size()) {
+    if (!finite(beta[t])) tm.atomic_min(first + V, t);
+  }
+  for (int i = tm.rank(); i < L * V; i += tm.size()) {
+    if (!finite(v[i])) tm.atomic_min(first + i % V, i / V);
   }
   tm.sync();
-  int first = d.L;
-  for (int t = d.L - 1; t >= 0; --t) first = flag[t] != T(0) ? t : first;
-  for (int j = tm.rank(); j < d.V; j += tm.size()) {
-    int m = first;
-    for (int t = 0; t < m; ++t) m = finite(v[t * d.V + j]) ? m : t;
-    for (int t = m; t < d.L; ++t) v[t * d.V + j] = 0;
+  const int row = first[V];
+  for (int j = tm.rank(); j < V; j += tm.size()) {
+    const int m = first[j] < row ? first[j] : row;
     mark[j] = static_cast<unsigned char>(m);
+    if (m < L) tm.atomic_min(first + V + 1, m);
   }
-  for (int i = first * d.K + tm.rank(); i < d.L * d.K; i += tm.size()) k[i] = g[i] = 0;
-  for (int t = first + tm.rank(); t < d.L; t += tm.size()) beta[t] = 0;
+  tm.sync();
+  const int any = first[V + 1];
+  if (tm.rank() == 0) mark[V] = static_cast<unsigned char>(any);
+  if (any == L) return;  // (no member writes below: the tiles stay as loaded)
+  for (int i = tm.rank(); i < L * V; i += tm.size()) {
+    const int t = i / V, j = i % V;
+    if (t >= (first[j] < row ? first[j] : row)) v[i] = 0;
+  }
+  for (int i = row * K + tm.rank(); i < L * K; i += tm.size()) k[i] = g[i] = 0;
+  for (int t = row + tm.rank(); t < L; t += tm.size()) beta[t] = 0;
   tm.sync();
 }
 
 // NaN into the outputs O [L, Vt] (leading dim ldO; skipped for nullptr) from step mark[j] on and
 // into the state columns S [K, Vt] (leading dim ldS) whose mark is below L (marks of the tile's
-// columns).
+// columns; only for a chunk that is not clean).
 template <typename T, typename Team>
 KDA_HD void apply_marks(const Team& tm, ChunkDims d, const unsigned char* mark, T* O, int ldO, T* S, int ldS) {
   for (int i = tm.rank(); O != nullptr && i < d.L * d.V; i += tm.size()) {
@@ -218,7 +233,8 @@ KDA_HD void team_gemm(const Team& tm, int M, int N, int Kn, T alpha, View<T> A, 
 }
 
 // The CPU kernel's team: one member, nothing to wait for, products by team_gemm. A team (also
-// the CUDA kernels' block team) provides rank(), size(), sync(), gemm(...) with the arguments
+// the CUDA kernels' block team) provides rank(), size(), sync(), atomic_min(int*, int) on memory
+// the team shares, gemm(...) with the arguments
 // of team_gemm after the team, gemm_fp32(...), the same at fp32 accuracy whatever the team's
 // product precision, and pair_exp(x), the exp of the diagonal blocks' pair terms (the bulk of
 // a chunk's exps; a hardware approximation where the products are bf16 anyway).
@@ -226,6 +242,7 @@ struct SerialTeam {
   KDA_HD int rank() const { return 0; }
   KDA_HD int size() const { return 1; }
   KDA_HD void sync() const {}
+  KDA_HD void atomic_min(int* at, int value) const { *at = value < *at ? value : *at; }
   template <typename T>
   KDA_HD void gemm(int M, int N, int Kn, T alpha, View<T> A, View<T> B, Out<T> C, Prior<T> prior = Prior<T>{},
                    const T* kscale = nullptr) const {
@@ -344,7 +361,8 @@ KDA_HD void chunk_intra(const Team& tm, ChunkDims d, const T* q, const T* k, Gat
 
 // One chunk of state passing over a tile of Vt state columns (S [K,Vt] with leading dim ldS;
 // Ut, O, U rows with leading dims ldU, ldO, Vt). Writes O (skip with nullptr) and advances S;
-// mark (the tile's columns of chunk_mark_nonfinite's marks; nullptr: none) then puts its NaNs.
+// mark (the tile's columns of chunk_mark_nonfinite's marks; nullptr for none or a clean chunk)
+// then puts its NaNs.
 template <typename T, typename Team>
 KDA_HD void chunk_state_fwd(const Team& tm, ChunkDims d, T scale, const T* W, const T* Ut, int ldU, const T* Qg,
                             const T* Kd, const T* Aqk, const T* gC, T* S, int ldS, T* U, T* O, int ldO,

@@ -37,7 +37,7 @@ struct ChunkWork {
   Gates<T> gates() const { return {G.data(), Glo.data()}; }
 
   // Load steps [t0, t0 + L) of value head hv (query/key head h) and compute the intra-chunk terms;
-  // for the forward (mark: V entries) with finite stand-ins for non-finite inputs.
+  // for the forward (mark: V + 1 entries) with finite stand-ins for non-finite inputs.
   void load(const Problem& p, const Inputs& in, int64_t t0, int L, int64_t h, int64_t hv,
             unsigned char* mark = nullptr) {
     const T* qp = in.q.data_ptr<T>();
@@ -55,7 +55,9 @@ struct ChunkWork {
     }
     const SerialTeam tm;
     const ChunkDims d{L, K, V};
-    if (mark != nullptr) chunk_mark_nonfinite(tm, d, k.data(), G.data(), v.data(), beta.data(), Y.data(), mark);
+    if (mark != nullptr) {
+      chunk_mark_nonfinite(tm, d, k.data(), G.data(), v.data(), beta.data(), reinterpret_cast<int*>(Y.data()), mark);
+    }
     chunk_cumsum(tm, d, G.data(), Glo.data());
     chunk_intra(tm, d, q.data(), k.data(), gates(), v.data(), beta.data(), A.data(), Aqk.data(), Minv.data(), W.data(),
                 Ut.data(), Qg.data(), Kd.data(), gC.data(), Y.data());
@@ -71,7 +73,7 @@ void fwd_impl(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
   at::parallel_for(0, p.N * p.HV, 1, [&](int64_t begin, int64_t end) {
     ChunkWork<T> w(K, V);
     std::vector<T> S(K * V), U(kChunk * V);
-    std::vector<unsigned char> mark(V);
+    std::vector<unsigned char> mark(V + 1);
     const SerialTeam tm;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / p.HV, hv = task % p.HV;
@@ -86,7 +88,8 @@ void fwd_impl(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fin
         w.load(p, in, bos + t0, L, hv / group, hv, mark.data());
         chunk_state_fwd(tm, ChunkDims{L, K, V}, static_cast<T>(p.scale), w.W.data(), w.Ut.data(), V, w.Qg.data(),
                         w.Kd.data(), w.Aqk.data(), w.gC.data(), S.data(), V, U.data(),
-                        op + ((bos + t0) * p.HV + hv) * V, static_cast<int>(p.HV * V), mark.data());
+                        op + ((bos + t0) * p.HV + hv) * V, static_cast<int>(p.HV * V),
+                        mark[V] < L ? mark.data() : nullptr);
       }
       if (final_state.defined()) std::copy_n(S.data(), K * V, final_state.data_ptr<T>() + task * K * V);
     }

@@ -150,6 +150,7 @@ struct BlockTeam {
   __device__ int rank() const { return static_cast<int>(threadIdx.x); }
   __device__ int size() const { return static_cast<int>(blockDim.x); }
   __device__ void sync() const { __syncthreads(); }
+  __device__ void atomic_min(int* at, int value) const { atomicMin(at, value); }
   __device__ void gemm(int M, int N, int Kn, float alpha, View<float> A, View<float> B, Out<float> C,
                        Prior<float> prior = Prior<float>{}, const float* kscale = nullptr) const {
     warp_gemm(M, N, Kn, alpha, A, B, C, prior, kscale, bf16);
@@ -218,7 +219,7 @@ struct Intra {
   float* A;  // A and Minv: nullptr in the forward, which keeps them in shared memory
   T *Minv, *Aqk, *W, *Ut, *Qg, *Kd;
   float* gC;
-  unsigned char* mark;  // [HV, slots, V] chunk_mark_nonfinite's marks: the forward's, else nullptr
+  unsigned char* mark;  // [HV, slots, V + 1] chunk_mark_nonfinite's marks: the forward's, else nullptr
 };
 
 template <typename T>
@@ -239,11 +240,11 @@ struct ChunkSmem {
 };
 
 // Load steps [t0, t0+L) of value head hv into shared memory; with mark (the forward's), finite
-// stand-ins for non-finite inputs (flag [L] is scratch).
+// stand-ins for non-finite inputs (first [V + 2] is scratch).
 template <typename T>
 __device__ void load_chunk(const BlockTeam& tm, const Sizes<T>& z, ChunkDims d, int64_t t0, int64_t hv,
                            const T* q, const T* k, const T* v, const T* g, const T* beta, const ChunkSmem<T>& s,
-                           T* flag = nullptr, unsigned char* mark = nullptr) {
+                           int* first = nullptr, unsigned char* mark = nullptr) {
   T *sq = s.q, *sk = s.k, *sG = s.G, *sv = s.v, *sb = s.beta;
   const int64_t h = hv / (z.HV / z.H);
   for (int i = tm.rank(); i < d.L * d.K; i += tm.size()) {
@@ -257,7 +258,7 @@ __device__ void load_chunk(const BlockTeam& tm, const Sizes<T>& z, ChunkDims d, 
   }
   for (int t = tm.rank(); t < d.L; t += tm.size()) sb[t] = beta[(t0 + t) * z.HV + hv];
   tm.sync();
-  if (mark != nullptr) chunk_mark_nonfinite(tm, d, sk, sG, sv, sb, flag, mark);
+  if (mark != nullptr) chunk_mark_nonfinite(tm, d, sk, sG, sv, sb, first, mark);
   chunk_cumsum(tm, d, sG, s.Glo);
 }
 
@@ -277,8 +278,8 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
   const BlockTeam tm{z.bf16};
   const ChunkDims d{L, static_cast<int>(z.K), static_cast<int>(z.V)};
-  load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm, sY,
-             out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * z.V : nullptr);
+  load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm, reinterpret_cast<int*>(sY),
+             out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * (z.V + 1) : nullptr);
   const int64_t row = hv * sq_.tokens + t0;
   chunk_intra(tm, d, sm.q, sm.k, sm.gates(), sm.v, sm.beta, out.A != nullptr ? out.A + row * kChunk : sA,
               out.Aqk + row * kChunk, out.Minv != nullptr ? out.Minv + row * kChunk : sMinv,
@@ -432,6 +433,7 @@ struct ChunkTiles16 {
   }
   T *q, *k;
   float *G, *beta, *rq, *rk, *part;
+  int* first;  // [kMaxHeadDim + 2] the forward's scratch of chunk_mark_nonfinite (nullptr elsewhere)
 
   // The tiles laid out from smem on (bytes() of it); *end receives the first byte after them.
   __device__ static ChunkTiles16 carve(unsigned char* smem, unsigned char** end) {
@@ -440,45 +442,57 @@ struct ChunkTiles16 {
     float* G = reinterpret_cast<float*>(k + kChunk * kLdK);
     float* beta = G + kChunk * kLdG;
     *end = reinterpret_cast<unsigned char*>(beta + 3 * kChunk + kThreads);
-    return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk};
+    return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk, nullptr};
   }
 
-  // chunk_mark_nonfinite on the loaded tiles (G holding the raw g): the forward's finite stand-ins
-  // and its marks of the V columns into mark.
-  __device__ void mark_nonfinite(int L, T* sv, int V, unsigned char* mark) const {
-    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-    for (int t = warp; t < L; t += kThreads / 32) {
-      bool bad = lane == 0 && !isfinite(beta[t]);
-      for (int c = lane; c < kK; c += 32) {
-        bad = bad || !isfinite(to_float(k[t * kLdK + c])) || !(G[t * kLdG + c] < INFINITY);
+  // chunk_mark_nonfinite's rule in the passes of load: the first non-finite step of k, g, beta
+  // into first[V], of column j of v into first[j], the first of all into first[V + 1].
+  __device__ void note_nonfinite(int j, int t, int V) const {
+    atomicMin(first + j, t);
+    atomicMin(first + V + 1, t);
+  }
+  __device__ void find_nonfinite_v_beta(int L, const T* sv, int V) const {
+    const int tid = static_cast<int>(threadIdx.x);
+    for (int i = tid; i < L * (V / 8); i += kThreads) {
+      const int t = i / (V / 8), c = i % (V / 8) * 8;
+      float x[8];
+      load_floats(sv + t * kLdV + c, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (!isfinite(x[e])) note_nonfinite(c + e, t, V);
       }
-      bad = __any_sync(0xffffffffu, bad);
-      if (lane == 0) part[t] = bad ? 1.f : 0.f;
     }
-    __syncthreads();
-    int first = L;
-    for (int t = L - 1; t >= 0; --t) first = part[t] != 0.f ? t : first;
-    if (tid < V) {  // a thread per column (V <= kThreads)
-      int m = first;
-      for (int t = 0; t < m; ++t) m = isfinite(to_float(sv[t * kLdV + tid])) ? m : t;
-      for (int t = m; t < L; ++t) sv[t * kLdV + tid] = from_float<T>(0.f);
-      mark[tid] = static_cast<unsigned char>(m);
+    if (tid < L && !isfinite(beta[tid])) note_nonfinite(V, tid, V);
+  }
+  // After load's passes: the marks into mark [V + 1] and, for a chunk that is not clean, finite
+  // stand-ins from the first step of k, g, beta on (k, beta, 1 / |k| zero, G held at its last
+  // value) and for v from its column's first step on (zero).
+  __device__ void put_stand_ins(int L, T* sv, int V, unsigned char* mark) const {
+    const int tid = static_cast<int>(threadIdx.x), any = first[V + 1], row = first[V];
+    if (tid == 0) mark[V] = static_cast<unsigned char>(any);
+    if (any == L) return;  // clean: nothing is written (first is not read again)
+    if (tid < V) mark[tid] = static_cast<unsigned char>(min(first[tid], row));
+    for (int i = tid; i < L * V; i += kThreads) {
+      if (i / V >= min(first[i % V], row)) sv[i / V * kLdV + i % V] = from_float<T>(0.f);
     }
-    for (int i = first * kK + tid; i < L * kK; i += kThreads) {
-      k[i / kK * kLdK + i % kK] = from_float<T>(0.f);
-      G[i / kK * kLdG + i % kK] = 0.f;
+    for (int i = row * kK + tid; i < L * kK; i += kThreads) {
+      const int t = i / kK, c = i % kK;
+      k[t * kLdK + c] = from_float<T>(0.f);
+      G[t * kLdG + c] = row > 0 ? G[(row - 1) * kLdG + c] : 0.f;
     }
-    for (int t = first + tid; t < L; t += kThreads) beta[t] = 0.f;
+    for (int t = row + tid; t < L; t += kThreads) beta[t] = rk[t] = 0.f;
     __syncthreads();
   }
 
   // Fills the tiles (v [kChunk, kLdV] too where sv is given) for the whole block; ends with a
-  // __syncthreads(). With mark (the forward's, sv given), finite stand-ins for non-finite inputs.
+  // __syncthreads(). With mark (the forward's: sv and first given), finite stand-ins for
+  // non-finite inputs and their marks.
   __device__ void load(const RawIn<T>& in, int64_t H, int64_t HV, int64_t t0, int L, int64_t hv, T* sv,
                        int V, unsigned char* mark = nullptr) const {
     constexpr float kLog2e = 1.4426950408889634f;
     const int64_t h = hv / (HV / H);
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    if (mark != nullptr && tid < V + 2) first[tid] = L;  // (V + 2 <= kThreads)
     // Loads; rows from L on are zero (g too: G stays at its last value).
     for (int i = tid; i < kChunk * (kK / 8); i += kThreads) {
       const int t = i / (kK / 8), c = i % (kK / 8) * 8;
@@ -511,7 +525,7 @@ struct ChunkTiles16 {
     }
     mma::cp_async_wait_all();
     __syncthreads();
-    if (mark != nullptr) mark_nonfinite(L, sv, V, mark);
+    if (mark != nullptr) find_nonfinite_v_beta(L, sv, V);
 
     // 1 / |q_t|, 1 / |k_t| (ones without normalisation); G = log2(e) cumsum(g) by parts of rows.
     for (int task = warp; task < 2 * kChunk; task += kThreads / 32) {
@@ -521,6 +535,7 @@ struct ChunkTiles16 {
       for (int c = 0; c < kK / 32; ++c) ss += x[c] * x[c];
       ss = warp_reduce(ss, SumOp{});
       if (lane == 0) (task < kChunk ? rq : rk)[task % kChunk] = in.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+      if (mark != nullptr && lane == 0 && task >= kChunk && !isfinite(ss)) note_nonfinite(V, task - kChunk, V);
     }
     {
       constexpr int kParts = kThreads / kK, kRows = kChunk / kParts;
@@ -529,7 +544,9 @@ struct ChunkTiles16 {
       float run = 0.f;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
-        run += floor_log_decay(G[(p0 * kRows + i) * kLdG + c]);
+        const float g = G[(p0 * kRows + i) * kLdG + c];
+        if (mark != nullptr && !(g < INFINITY)) note_nonfinite(V, p0 * kRows + i, V);  // NaN or +inf
+        run += floor_log_decay(g);
         x[i] = run;
       }
       part[p0 * kK + c] = run;
@@ -540,6 +557,7 @@ struct ChunkTiles16 {
       for (int i = 0; i < kRows; ++i) G[(p0 * kRows + i) * kLdG + c] = (base + x[i]) * kLog2e;
     }
     __syncthreads();
+    if (mark != nullptr) put_stand_ins(L, sv, V, mark);
   }
 };
 
@@ -570,7 +588,8 @@ struct IntraBf16 {
   static constexpr size_t kInvBytes = 4 * kChunk * kLdA + 2 * kChunk * kLdM + 4 * 32 * 32;
   static constexpr size_t kRegion = kGBytes > kInvBytes ? kGBytes : kInvBytes;  // G, later Minv
   static constexpr size_t bytes() {
-    return 2 * (2 * kChunk * kLdK + kChunk * kLdV) + kRegion + 4 * (kChunk * kLdA + 3 * kChunk + 256);
+    return 2 * (2 * kChunk * kLdK + kChunk * kLdV) + kRegion + 4 * (kChunk * kLdA + 3 * kChunk + 256) +
+           4 * (kMaxHeadDim + 2);
   }
   static_assert(kK == 64 || kK == 128, "K 64 or 128");
 };
@@ -595,6 +614,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   float* srq = sbeta + kChunk;
   float* srk = srq + kChunk;
   float* spart = srk + kChunk;
+  int* sfirst = reinterpret_cast<int*>(spart + 256);
 
   const int64_t slot = blockIdx.x, hv = blockIdx.y;
   int64_t t0;
@@ -603,8 +623,8 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   const int64_t row0 = hv * sq_.tokens + t0;  // workspace row of step 0
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32, g8 = lane / 4, q4 = lane % 4;
 
-  const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart};
-  ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * V : nullptr);
+  const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart, sfirst};
+  ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * (V + 1) : nullptr);
 
   // Blocks left of the diagonal: warp w < 6 takes block (b, j) of A and Aqk, r = 16 b.
   if (warp < 6) {
@@ -922,6 +942,9 @@ __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> 
     int64_t slot, t0;
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
+    // this chunk's marks (the forward's), read early: nullptr unless it is not clean
+    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (z.V + 1) : nullptr;
+    const bool dirty = marks != nullptr && marks[z.V] < L;
     if (starts != nullptr) st.store(tm, S, starts + (st.hv * sq_.slots + slot) * st.K * z.V);
     const int64_t row = st.hv * sq_.tokens + t0;
     sm.stage_chunk(tm, in, row, L, st.K);
@@ -930,7 +953,7 @@ __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> 
     chunk_state_fwd(tm, ChunkDims{L, st.K, st.Vt}, scale, sm.W, sm.tile, st.Vt, sm.Qg, sm.Kd, sm.Aqk,
                     in.gC + (st.hv * sq_.slots + slot) * st.K, S, st.Vt, sm.U,
                     o != nullptr ? o + (t0 * z.HV + st.hv) * z.V + st.j0 : nullptr, static_cast<int>(z.HV * z.V),
-                    in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * z.V + st.j0 : nullptr);
+                    dirty ? marks + st.j0 : nullptr);
   }
   if (ht != nullptr) st.store(tm, S, ht + st.matrix(z.HV));
 }
@@ -1167,6 +1190,9 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     int64_t slot, t0;
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
+    // this chunk's marks of the tile's columns (the forward's), read early: nullptr unless it is not clean
+    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (V + 1) : nullptr;
+    const unsigned char* mark = marks != nullptr && marks[V] < L ? marks + st.j0 : nullptr;
     sm.store_state(S, starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr, V, st.j0);
     mma::cp_async_wait<0>();
     __syncthreads();
@@ -1199,8 +1225,6 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     sm.round_u(u);
     __syncthreads();
     sm.template mul_u<false>(acc_o, cur.A, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
-    // chunk_mark_nonfinite's marks of the tile's columns (the forward's; else nullptr)
-    const unsigned char* mark = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * V + st.j0 : nullptr;
     const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
     if (o != nullptr) {
 #pragma unroll
@@ -2001,9 +2025,9 @@ void run_intra_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Laun
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The forward's workspace of chunk_mark_nonfinite's marks, [HV, slots, V].
+// The forward's workspace of chunk_mark_nonfinite's marks, [HV, slots, V + 1].
 unsigned char* marks(const Problem& p, const Launch& l, const at::TensorOptions& opts, std::vector<at::Tensor>& keep) {
-  keep.push_back(at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * p.V)}, opts.dtype(at::kByte)));
+  keep.push_back(at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * (p.V + 1))}, opts.dtype(at::kByte)));
   return keep.back().data_ptr<unsigned char>();
 }
 
