@@ -466,7 +466,8 @@ struct ChunkTiles16 {
   }
   // After load's passes: the marks into mark [V + 1] and, for a chunk that is not clean, finite
   // stand-ins from the first step of k, g, beta on (k, beta, 1 / |k| zero, G held at its last
-  // value) and for v from its column's first step on (zero).
+  // finite value, in the padding rows from L on as well: the products read them) and for v from
+  // its column's first step on (zero).
   __device__ void put_stand_ins(int L, T* sv, int V, unsigned char* mark) const {
     const int tid = static_cast<int>(threadIdx.x), any = first[V + 1], row = first[V];
     if (tid == 0) mark[V] = static_cast<unsigned char>(any);
@@ -475,7 +476,7 @@ struct ChunkTiles16 {
     for (int i = tid; i < L * V; i += kThreads) {
       if (i / V >= min(first[i % V], row)) sv[i / V * kLdV + i % V] = from_float<T>(0.f);
     }
-    for (int i = row * kK + tid; i < L * kK; i += kThreads) {
+    for (int i = row * kK + tid; i < kChunk * kK; i += kThreads) {  // G's rows from L on too (padding)
       const int t = i / kK, c = i % kK;
       k[t * kLdK + c] = from_float<T>(0.f);
       G[t * kLdG + c] = row > 0 ? G[(row - 1) * kLdG + c] : 0.f;
