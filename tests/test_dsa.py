@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import kda_dsa_ops as K
 from kda_dsa_ops import reference as R
+from kda_dsa_ops.nn.loss import indexer_kl_loss
 
 from helpers import BACKWARD_UTILS, opcheck, poison, strided
 from strategies import SEEDS, seqlens
@@ -84,7 +85,7 @@ def test_sparse_attention_matches_reference(seed, T, Tk, layout, G, topk, gated,
     ins = [t.requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
     o, lse, p = K.sparse_attention(q, kv, idx, 0.3, dv, gate, return_p=True)
     ref_ins = [t.detach().to(F64).requires_grad_() for t in ins]
-    o_ref, lse_ref, p_ref = R.sparse_attn_fwd(ref_ins[0], ref_ins[1], idx, 0.3, dv, ref_ins[2] if gated else None,
+    o_ref, lse_ref, p_ref = R.sparse_attention(ref_ins[0], ref_ins[1], idx, 0.3, dv, ref_ins[2] if gated else None,
                                               return_p=True)
     assert o.dtype == dtype and lse.dtype == (F64 if dtype == F64 else torch.float32)
     acc = F64 if dtype == F64 else torch.float32
@@ -173,7 +174,7 @@ def test_sparse_attention_nonfinite_inputs_give_the_references_nan(device, dtype
     finally:
         del os.environ["KDA_DSA_OPS_PORTABLE_SFA"]
     ref_ins = [t.detach().to(F64).requires_grad_() for t in (q, kv)]
-    o_ref, lse_ref, _ = R.sparse_attn_fwd(*ref_ins, idx, 0.1, dv)
+    o_ref, lse_ref, _ = R.sparse_attention(*ref_ins, idx, 0.1, dv)
     ref_grads = torch.autograd.grad(o_ref, ref_ins, torch.ones_like(o_ref))
     if case == "unselected_nan":
         assert torch.isfinite(o_ref).all()
@@ -219,11 +220,11 @@ def test_indexer_kl_loss_trains_the_indexer_through_the_kernels():
     q_i, k_i, w = torch.randn(T, Hi, Di, dtype=F64), torch.randn(T, Di, dtype=F64), torch.randn(T, Hi, dtype=F64)
     q, kv = torch.randn(T, H, D, dtype=F64), torch.randn(T, 1, D, dtype=F64)
     losses, grads = [], []
-    for li, attn in ((K.lightning_indexer, K.sparse_attention), (R.lightning_indexer, R.sparse_attn_fwd)):
+    for li, attn in ((K.lightning_indexer, K.sparse_attention), (R.lightning_indexer, R.sparse_attention)):
         ins = [t.clone().requires_grad_() for t in (q_i, k_i, w)]
         idx, scores = li(*ins, cu_of(lens), cu_of(lens), topk)
         _, _, p = attn(q, kv, idx[:, None], 0.25, D, None, return_p=True)
-        loss = R.indexer_kl_loss(p[:, 0], scores, idx)
+        loss = indexer_kl_loss(p[:, 0], scores, idx)
         losses.append(loss)
         grads.append(torch.autograd.grad(loss, ins))
     assert_close(losses[0], losses[1], F64, "loss")
@@ -401,7 +402,7 @@ def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, g
     finally:
         del os.environ["KDA_DSA_OPS_PORTABLE_SFA"]
     ref_ins = [t.to(F64).requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
-    o_ref, lse_ref, p_ref = R.sparse_attn_fwd(ref_ins[0], ref_ins[1], idx, 0.1, dv, ref_ins[2] if gated else None,
+    o_ref, lse_ref, p_ref = R.sparse_attention(ref_ins[0], ref_ins[1], idx, 0.1, dv, ref_ins[2] if gated else None,
                                               return_p=True)
     assert o.dtype == dtype and lse.dtype == torch.float32 and (p is None) != return_p
     assert_close(o, o_ref, dtype, "o")
@@ -500,7 +501,7 @@ def test_reference_attention_takes_empty_batches(T, Tk):
     q = torch.randn(T, 2, 8, dtype=torch.float64, requires_grad=True)
     kv = torch.randn(Tk, 1, 8, dtype=torch.float64, requires_grad=True)
     idx = torch.full((T, 1, 3), -1, dtype=torch.int32)
-    o, lse, _ = R.sparse_attn_fwd(q, kv, idx, 0.3, 8, None, True)
+    o, lse, _ = R.sparse_attention(q, kv, idx, 0.3, 8, None, True)
     o_op, lse_op, _ = K.sparse_attention(q, kv, idx, 0.3, 8, None, True)
     assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
     do = torch.randn_like(o)

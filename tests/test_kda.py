@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kda_dsa_ops as K
-from kda_dsa_ops.reference.kda import kda_recurrent
+from kda_dsa_ops import reference as R
 
 from conftest import DEVICES
 from helpers import BACKWARD_UTILS, opcheck, poison, strided
@@ -58,8 +58,8 @@ def check_against_reference(device, dtype, g_dtype, B, T, H, group, Kd, V, lens,
                        use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, matmul_precision=precision)
     assert o.dtype == dtype and ht.dtype == state_dtype and ht.shape == (N, HV, Kd, V)
     ref_ins = [t.detach().cpu().to(F64).requires_grad_() for t in ins]
-    ro, rht = kda_recurrent(*ref_ins[:5], initial_state=ref_ins[5] if with_h0 else None, output_final_state=True,
-                            use_qk_l2norm=l2, cu_seqlens=None if cu is None else cu.cpu())
+    ro, rht = R.chunk_kda(*ref_ins[:5], initial_state=ref_ins[5] if with_h0 else None, output_final_state=True,
+                            use_qk_l2norm_in_kernel=l2, cu_seqlens=None if cu is None else cu.cpu())
     table = CUDA_KDA_REL_RMS if device == "cuda" else REL_RMS
     bf16_row = device == "cuda" and precision == "medium"
     assert_close(o, ro, torch.bfloat16 if bf16_row else dtype, "o", table=table)
@@ -198,7 +198,7 @@ def test_kda_extreme_decay_is_finite(device):
     ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
     o, _ = K.chunk_kda(*ins, use_qk_l2norm_in_kernel=True)
     ref_ins = [t.detach().cpu().to(F64).requires_grad_() for t in ins]
-    ro, _ = kda_recurrent(*ref_ins, use_qk_l2norm=True)
+    ro, _ = R.chunk_kda(*ref_ins, use_qk_l2norm_in_kernel=True)
     assert_close(o, ro, torch.float32, "o")
     grads = torch.autograd.grad(o.sum(), ins)
     ref_grads = torch.autograd.grad(ro.sum(), ref_ins)
@@ -247,8 +247,8 @@ def test_kda_nonfinite_input_reaches_no_earlier_step(device, dtype, precision, K
     cu = torch.tensor([0, 100, 150], dtype=torch.int32, device=device)
     o, ht = K.chunk_kda(*ins, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True,
                        matmul_precision=precision)
-    ro, rht = kda_recurrent(*[t.cpu().to(F64) for t in ins], cu_seqlens=cu.cpu(), output_final_state=True,
-                            use_qk_l2norm=True)
+    ro, rht = R.chunk_kda(*[t.cpu().to(F64) for t in ins], cu_seqlens=cu.cpu(), output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
     table = CUDA_KDA_REL_RMS if device == "cuda" else REL_RMS
     medium = precision == "medium"
     rows = {"o": torch.bfloat16 if medium else dtype,

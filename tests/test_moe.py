@@ -50,7 +50,7 @@ def test_route_matches_reference(seed, device, case, score_fn, renorm, with_bias
     poison(device)
     w, ids = K.moe_route(logits, k, bias, score_fn, renorm, 1.5)
     ref_logits = logits.detach().cpu().to(F64).requires_grad_()
-    w_ref, ids_ref = R.moe_route(ref_logits, None if bias is None else bias.cpu(), k, score_fn, renorm, 1.5)
+    w_ref, ids_ref = R.moe_route(ref_logits, k, None if bias is None else bias.cpu(), score_fn, renorm, 1.5)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
     assert torch.equal(ids.cpu(), ids_ref)
     check_route_gradient(w, w_ref, logits, ref_logits, score_fn, 1.5, dtype)
@@ -64,7 +64,7 @@ def check_route_gradient(w, w_ref, logits, ref_logits, score_fn, scale, dtype):
     (grad_ref,) = torch.autograd.grad(w_ref, ref_logits, g.to(F64))
     # Renormalisation cancels most of the gradient (all of it for k = 1): measure the error
     # against the gradient before renormalisation.
-    (unnormalised,) = torch.autograd.grad(R.moe_route(ref_logits, None, w.shape[1], score_fn, False, scale)[0],
+    (unnormalised,) = torch.autograd.grad(R.moe_route(ref_logits, w.shape[1], None, score_fn, False, scale)[0],
                                           ref_logits, g.to(F64))
     assert_close(grad, grad_ref, dtype, "grad_logits", scale=unnormalised)
 
@@ -85,7 +85,7 @@ def test_route_many_tokens(device, dtype, E, offset, score_fn):
     logits.copy_(rows.to(dtype))
     bias = integer_bias(E, device)
     w, ids = K.moe_route(logits, k, bias, score_fn)
-    w_ref, ids_ref = R.moe_route(logits.cpu().to(F64), bias.cpu(), k, score_fn)
+    w_ref, ids_ref = R.moe_route(logits.cpu().to(F64), k, bias.cpu(), score_fn)
     assert torch.equal(ids.cpu(), ids_ref)
     assert_close(w, w_ref, torch.float32, "weights")
 
@@ -122,7 +122,7 @@ def test_group_limited_route(seed, device, T, groups, per_group, k, score_fn, da
     bias = integer_bias(E, device)
     w, ids = K.moe_route(logits, k, bias, score_fn, True, 2.5, n_group, topk_group)
     ref_logits = logits.detach().cpu().to(F64).requires_grad_()
-    w_ref, ids_ref = R.moe_route(ref_logits, bias.cpu(), k, score_fn, True, 2.5, n_group, topk_group)
+    w_ref, ids_ref = R.moe_route(ref_logits, k, bias.cpu(), score_fn, True, 2.5, n_group, topk_group)
     assert torch.equal(ids.cpu(), ids_ref)
     key = R.route_scores(ref_logits.detach(), score_fn) + bias.cpu().to(F64)
     assert [set(r) for r in ids_ref.tolist()] == brute_force_group_routing(key, k, n_group, topk_group)
@@ -175,7 +175,7 @@ def test_route_ties_and_nan(device):
 def routed_case(T, E, k, device):
     """ids, weights (distinct) and fallback ids from a routing of random logits."""
     logits = torch.randn(T, E, dtype=F64)
-    w, ids = R.moe_route(logits, None, k)
+    w, ids = R.moe_route(logits, k)
     ranked = torch.sort(logits, dim=-1, descending=True, stable=True).indices.to(torch.int32)
     fallback = ranked[:, k:] if E > k else torch.full((T, 1), -1, dtype=torch.int32)
     return ids.to(device), w.to(torch.float32).to(device), fallback.contiguous().to(device)
@@ -193,15 +193,15 @@ def test_permute_matches_reference(seed, device, case, policy, capacity, D, data
     x = torch.randn(T, D, device=device).to(dtype).requires_grad_()
     poison(device)
     xs, row_map, offs = K.moe_permute(x, ids, E, w, capacity, policy=policy, fallback_ids=fallback)
-    xs_ref, row_map_ref, offs_ref = R.moe_permute(x.detach().cpu(), ids.cpu(), E, w.cpu(), capacity, policy,
-                                                   fallback.cpu())
+    xs_ref, row_map_ref, offs_ref = R.moe_permute(x.detach().cpu(), ids.cpu(), E, w.cpu(), capacity, policy=policy,
+                                                   fallback_ids=fallback.cpu())
     assert torch.equal(row_map.cpu(), row_map_ref)
     assert torch.equal(offs.cpu(), offs_ref)
     assert torch.equal(xs.detach().cpu(), xs_ref)
     g = torch.randn_like(xs)
     (dx,) = torch.autograd.grad(xs, x, g)
     x_ref = x.detach().cpu().to(F64).requires_grad_()
-    (dx_ref,) = torch.autograd.grad(R.moe_permute(x_ref, ids.cpu(), E, w.cpu(), capacity, policy, fallback.cpu())[0],
+    (dx_ref,) = torch.autograd.grad(R.moe_permute(x_ref, ids.cpu(), E, w.cpu(), capacity, policy=policy, fallback_ids=fallback.cpu())[0],
                                     x_ref, g.cpu().to(F64))
     assert_close(dx, dx_ref, dtype, "dx")
 
@@ -214,7 +214,7 @@ def test_unpermute_matches_reference(seed, device, case, capacity, D, data):
     T, E, k = case
     dtype = data.draw(st.sampled_from(device_dtypes(device)))
     ids, w, _ = routed_case(T, E, k, device)
-    _, row_map, _ = R.moe_permute(torch.zeros(T, 1), ids.cpu(), E, w.cpu(), capacity, "drop_probs")
+    _, row_map, _ = R.moe_permute(torch.zeros(T, 1), ids.cpu(), E, w.cpu(), capacity, policy="drop_probs")
     row_map = row_map.to(device)
     ys = torch.randn(row_map.shape[0], D, device=device).to(dtype).requires_grad_()
     w = w.clone().requires_grad_()
@@ -242,12 +242,12 @@ def test_permute_reroute_many_overflows(device, F):
     of them, fallback lists with -1 and repeated experts, and experts that fill up."""
     torch.manual_seed(F)
     T, E, k = 3000, 32, 4
-    w, ids = R.moe_route((torch.randn(T, E) + torch.linspace(2, -2, E)).to(F64), None, k)  # skewed loads
+    w, ids = R.moe_route((torch.randn(T, E) + torch.linspace(2, -2, E)).to(F64), k)  # skewed loads
     ids, w = ids.to(torch.int32), w.to(torch.float32)
     fallback = torch.randint(-1, E, (T, F), dtype=torch.int32)
     x = torch.randn(T, 24).to(torch.bfloat16)
     capacity = 3 * T * k // (4 * E)
-    expected = R.moe_permute(x, ids, E, w, capacity, "reroute", fallback)
+    expected = R.moe_permute(x, ids, E, w, capacity, policy="reroute", fallback_ids=fallback)
     assert (torch.bincount(ids.view(-1).long(), minlength=E) - capacity).clamp(min=0).sum() > 2048
     got = K.moe_permute(x.to(device), ids.to(device), E, w.to(device), capacity, policy="reroute",
                         fallback_ids=fallback.to(device))
@@ -380,7 +380,7 @@ def opcheck_cases(device):
     ids, w, fallback = routed_case(10, 6, 2, device)
     logits = torch.randn(10, 6, device=device)
     x = torch.randn(10, 16, device=device, dtype=torch.bfloat16)
-    xs, row_map, offs = R.moe_permute(x.cpu(), ids.cpu(), 6, w.cpu(), 3, "drop_probs")
+    xs, row_map, offs = R.moe_permute(x.cpu(), ids.cpu(), 6, w.cpu(), 3, policy="drop_probs")
     xs, row_map, offs = xs.to(device), row_map.to(device), offs.to(device)
     ys = torch.randn(xs.shape, device=device, dtype=torch.bfloat16, requires_grad=True)
     ops = torch.ops.kda_dsa_ops

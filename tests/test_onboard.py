@@ -143,6 +143,8 @@ def test_fused_ops_says_which_blocks_run_native_on_cuda():
     wide = fused_ops(get_config("small", index_heads=96), "cuda")
     assert any("SFA: reference (the CUDA indexer takes up to 64 heads" in line for line in wide)
     assert all("(native)" in line for line in fused_ops(get_config("small", index_heads=96), "cpu"))
+    fp32 = fused_ops(get_config("small"), "cuda", torch.float32)  # what the backend does: the reference
+    assert any("SFA: reference (the CUDA kernels take bf16 / fp16, the model is float32)" in line for line in fp32)
 
 
 def write_raw(path, header: dict | list, data: bytes = b"", header_bytes: bytes | None = None):

@@ -6,6 +6,7 @@ SFA against dense attention under a mask built from the indices, every explicit 
 against autograd, and the MoE ops against loops that follow the definitions one copy at a time.
 """
 
+import inspect
 import math
 
 import pytest
@@ -13,7 +14,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kda_dsa_ops import ops
 from kda_dsa_ops import reference as R
+from kda_dsa_ops.contracts import expert_capacity
+from kda_dsa_ops.nn.loss import indexer_kl_loss
 
 from strategies import SEEDS, expert_counts, routing_case, seqlens
 from tolerances import assert_close
@@ -63,25 +67,25 @@ def kda_inputs(B, T, H, G, K, V):
 
 @given(seed=SEEDS, B=st.integers(1, 2), T=st.integers(1, 9), H=st.integers(1, 2), G=st.integers(1, 2),
        K=st.sampled_from([2, 4, 8]), V=st.sampled_from([2, 4, 8]), l2=st.booleans(), with_state=st.booleans())
-def test_kda_recurrent_matches_householder_form(seed, B, T, H, G, K, V, l2, with_state):
+def test_chunk_kda_recurrence_matches_householder_form(seed, B, T, H, G, K, V, l2, with_state):
     torch.manual_seed(seed)
     q, k, v, g, beta = kda_inputs(B, T, H, G, K, V)
     h0 = torch.randn(B, H * G, K, V, dtype=F64) if with_state else None
-    o, final = R.kda_recurrent(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True,
-                               use_qk_l2norm=l2)
+    o, final = R.chunk_kda(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=l2)
     o_ref, final_ref = kda_householder(q, k, v, g, beta, 0.3, h0, l2, None)
     assert_close(o, o_ref, F64, "o")
     assert_close(final, final_ref, F64, "final_state")
 
 
 @given(seed=SEEDS, lens=seqlens(max_len=7), l2=st.booleans())
-def test_kda_recurrent_varlen_matches_householder_form(seed, lens, l2):
+def test_chunk_kda_recurrence_varlen_matches_householder_form(seed, lens, l2):
     torch.manual_seed(seed)
     T = sum(lens)
     q, k, v, g, beta = kda_inputs(1, T, 2, 2, 4, 4)
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     h0 = torch.randn(len(lens), 4, 4, 4, dtype=F64)
-    o, final = R.kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=l2,
+    o, final = R.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2,
                                cu_seqlens=cu)
     o_ref, final_ref = kda_householder(q, k, v, g, beta, 4 ** -0.5, h0, l2, cu)
     assert_close(o, o_ref, F64, "o")
@@ -90,9 +94,9 @@ def test_kda_recurrent_varlen_matches_householder_form(seed, lens, l2):
 
 def test_kda_state_passing_splits_a_sequence():
     q, k, v, g, beta = kda_inputs(1, 12, 2, 1, 8, 8)
-    o, final = R.kda_recurrent(q, k, v, g, beta, output_final_state=True)
-    o1, mid = R.kda_recurrent(q[:, :5], k[:, :5], v[:, :5], g[:, :5], beta[:, :5], output_final_state=True)
-    o2, final2 = R.kda_recurrent(q[:, 5:], k[:, 5:], v[:, 5:], g[:, 5:], beta[:, 5:], initial_state=mid,
+    o, final = R.chunk_kda(q, k, v, g, beta, output_final_state=True)
+    o1, mid = R.chunk_kda(q[:, :5], k[:, :5], v[:, :5], g[:, :5], beta[:, :5], output_final_state=True)
+    o2, final2 = R.chunk_kda(q[:, 5:], k[:, 5:], v[:, 5:], g[:, 5:], beta[:, 5:], initial_state=mid,
                                  output_final_state=True)
     assert_close(torch.cat([o1, o2], 1), o, F64, "o")
     assert_close(final2, final, F64, "final_state")
@@ -101,7 +105,7 @@ def test_kda_state_passing_splits_a_sequence():
 def test_kda_strong_decay_stays_finite():
     q, k, v, g, beta = kda_inputs(1, 64, 1, 1, 8, 8)
     g = torch.full_like(g, -20.0)
-    o, final = R.kda_recurrent(q.float(), k.float(), v.float(), g.float(), beta.float(), output_final_state=True)
+    o, final = R.chunk_kda(q.float(), k.float(), v.float(), g.float(), beta.float(), output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(final).all()
 
 
@@ -176,14 +180,14 @@ def test_indexer_kl_loss_matches_kl_div():
     idx[1, 3:] = -1
     p = torch.rand(T, topk, dtype=F64)
     s = torch.randn(T, topk, dtype=F64)
-    loss = R.indexer_kl_loss(p, s, idx)
+    loss = indexer_kl_loss(p, s, idx)
     expected = 0.0
     for t in range(T):
         m = idx[t] >= 0
         pt = p[t][m] / p[t][m].sum()
         expected += torch.nn.functional.kl_div(torch.log_softmax(s[t][m], 0), pt, reduction="sum").item()
     assert math.isclose(loss.item(), expected / T, rel_tol=1e-12)
-    assert R.indexer_kl_loss(torch.softmax(s, -1), s, torch.zeros_like(idx)).abs().item() < 1e-12
+    assert indexer_kl_loss(torch.softmax(s, -1), s, torch.zeros_like(idx)).abs().item() < 1e-12
 
 
 # ---- SFA / SFAG ------------------------------------------------------------------------------
@@ -233,7 +237,7 @@ def test_sparse_attn_fwd_matches_dense_masked_attention(seed, T, Tk, Hkv, G, gat
     topk = data.draw(st.integers(1, Tk))
     q, kv, idx, gate = sfa_inputs(T, Tk, Hkv * G, Hkv, 6, 4, topk)
     gate = gate if gated else None
-    o, lse, p = R.sparse_attn_fwd(q, kv, idx, 0.4, 4, gate, return_p=True)
+    o, lse, p = R.sparse_attention(q, kv, idx, 0.4, 4, gate, return_p=True)
     o_ref, lse_ref, p_dense = dense_masked_attention(q, kv, idx, 0.4, 4, gate)
     assert_close(o, o_ref, F64, "o")
     finite = torch.isfinite(lse_ref)
@@ -252,7 +256,7 @@ def test_sparse_attn_bwd_matches_autograd(seed, T, Tk, Hkv, G, gated, data):
     q.requires_grad_()
     kv.requires_grad_()
     gate = gate.requires_grad_() if gated else None
-    o, lse, _ = R.sparse_attn_fwd(q, kv, idx, 0.4, 4, gate)
+    o, lse, _ = R.sparse_attention(q, kv, idx, 0.4, 4, gate)
     do = torch.randn_like(o)
     o.backward(do)
     dq, dkv, dgate = R.sparse_attn_bwd(do, q.detach(), kv.detach(), idx, lse.detach(), 0.4, 4,
@@ -266,7 +270,7 @@ def test_sparse_attn_bwd_matches_autograd(seed, T, Tk, Hkv, G, gated, data):
 def test_sparse_attn_row_without_keys_gives_zero():
     q, kv, idx, gate = sfa_inputs(3, 5, 2, 1, 6, 4, 3)
     idx[1] = -1
-    o, lse, _ = R.sparse_attn_fwd(q, kv, idx, 0.5, 4, gate)
+    o, lse, _ = R.sparse_attention(q, kv, idx, 0.5, 4, gate)
     assert (o[1] == 0).all() and torch.isneginf(lse[1]).all()
     dq, dkv, dgate = R.sparse_attn_bwd(torch.randn_like(o), q, kv, idx, lse, 0.5, 4, gate)
     assert (dq[1] == 0).all() and (dgate[1] == 0).all()
@@ -303,7 +307,7 @@ def test_moe_route_matches_loop(seed, case, score_fn, renorm, with_bias, ties):
     T, E, k = case
     logits = torch.randint(-2, 3, (T, E)).to(F64) if ties else torch.randn(T, E, dtype=F64)
     bias = torch.randn(E, dtype=F64) * 0.1 if with_bias else None
-    w, ids = R.moe_route(logits, bias, k, score_fn, renorm, 2.5)
+    w, ids = R.moe_route(logits, k, bias, score_fn, renorm, 2.5)
     w_ref, ids_ref = loop_route(logits, bias, k, score_fn, renorm, 2.5)
     assert torch.equal(ids, ids_ref)
     assert_close(w, w_ref, F64, "weights")
@@ -353,11 +357,11 @@ def test_moe_permute_matches_queue_loop(seed, case, policy, capacity, data):
     torch.manual_seed(seed)
     T, E, k = case
     logits = torch.randn(T, E, dtype=F64)
-    w, ids = R.moe_route(logits, None, k)
+    w, ids = R.moe_route(logits, k)
     ranked = torch.sort(logits, dim=-1, descending=True, stable=True).indices.to(torch.int32)
     fallback = ranked[:, k:] if E > k else torch.full((T, 1), -1, dtype=torch.int32)
     x = torch.randn(T, 3, dtype=F64)
-    out = R.moe_permute(x, ids, E, w, capacity, policy, fallback)
+    out = R.moe_permute(x, ids, E, w, capacity, policy=policy, fallback_ids=fallback)
     ref = loop_permute(x, ids, E, w, capacity, policy, fallback)
     assert torch.equal(out[1], ref[1]), (out[1], ref[1])
     assert torch.equal(out[2], ref[2])
@@ -368,9 +372,9 @@ def test_moe_permute_matches_queue_loop(seed, case, policy, capacity, data):
 def test_moe_unpermute_matches_loop(seed, case, capacity):
     torch.manual_seed(seed)
     T, E, k = case
-    w, ids = R.moe_route(torch.randn(T, E, dtype=F64), None, k)
+    w, ids = R.moe_route(torch.randn(T, E, dtype=F64), k)
     x = torch.randn(T, 4, dtype=F64)
-    xs, row_map, _ = R.moe_permute(x, ids, E, w, capacity, "drop_probs")
+    xs, row_map, _ = R.moe_permute(x, ids, E, w, capacity, policy="drop_probs")
     ys = torch.randn_like(xs)
     y = R.moe_unpermute(ys, row_map, w, T)
     y_ref = torch.zeros(T, 4, dtype=F64)
@@ -411,7 +415,16 @@ def test_grouped_mm_wgrad_matches_autograd(seed, counts, K, N):
 
 
 def test_expert_capacity():
-    assert R.expert_capacity(100, 2, 8, 1.0) == 25
-    assert R.expert_capacity(100, 2, 8, 1.25) == 32
+    assert expert_capacity(100, 2, 8, 1.0) == 25
+    assert expert_capacity(100, 2, 8, 1.25) == 32
     with pytest.raises(ValueError, match="capacity_factor"):
-        R.expert_capacity(10, 1, 2, 0.0)
+        expert_capacity(10, 1, 2, 0.0)
+
+
+@pytest.mark.parametrize("op", ops.__all__)
+def test_each_reference_op_has_the_ops_name_and_signature(op):
+    """kda_dsa_ops.reference.<op> takes kda_dsa_ops.<op>'s parameters, in order, with its defaults
+    (a model switches between kernels and references by switching modules)."""
+    ours = [p for p in inspect.signature(getattr(ops, op)).parameters.values() if p.kind != p.VAR_KEYWORD]
+    theirs = list(inspect.signature(getattr(R, op)).parameters.values())
+    assert [(p.name, p.default) for p in theirs] == [(p.name, p.default) for p in ours]

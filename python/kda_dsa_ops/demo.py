@@ -49,47 +49,30 @@ KDA_CONFIGS = {
 }
 
 
-class NativeOps:
-    name = "native"
-    route = staticmethod(lambda logits, k, bias: K.moe_route(logits, k, bias))
-    permute = staticmethod(lambda x, ids, E, w, cap, policy, fb: K.moe_permute(x, ids, E, w, cap, policy=policy,
-                                                                              fallback_ids=fb))
-    grouped_mm = staticmethod(K.grouped_mm)
-    unpermute = staticmethod(K.moe_unpermute)
-
-
-class ReferenceOps:
-    name = "reference"
-    route = staticmethod(lambda logits, k, bias: R.moe_route(logits, bias, k))
-    permute = staticmethod(lambda x, ids, E, w, cap, policy, fb: R.moe_permute(x, ids, E, w, cap, policy, fb))
-    grouped_mm = staticmethod(R.grouped_mm)
-    unpermute = staticmethod(R.moe_unpermute)
-
-
 def moe_block(ops, x, router, bias, w_gate_up, w_down, cfg: MoEDemoConfig, policy: str, timings: dict):
-    """One routed-expert layer; records each op's time into timings[op]."""
+    """One routed-expert layer on ops (kda_dsa_ops or kda_dsa_ops.reference: the same names and
+    signatures); records each op's time into timings[op]."""
 
-    def timed(name, fn, *args):
+    def timed(name, fn, *args, **kwargs):
         if x.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         if x.is_cuda:
             torch.cuda.synchronize()
         timings[name] = timings.get(name, 0.0) + (time.perf_counter() - start) * 1e3
         return out
 
     logits = x.to(router.dtype) @ router  # the router runs in fp32 (fp64 for the reference)
-    weights, ids = timed("moe_route", ops.route, logits, cfg.topk, bias)
-    capacity = R.expert_capacity(cfg.tokens, cfg.topk, cfg.experts, cfg.capacity_factor)
+    weights, ids = timed("moe_route", ops.moe_route, logits, cfg.topk, bias)
     fallback = torch.topk(logits.detach(), min(cfg.experts, cfg.topk + 4), dim=-1).indices[:, cfg.topk:]
     fallback = fallback.to(torch.int32).contiguous()
-    xs, row_map, offs = timed("moe_permute", ops.permute, x, ids, cfg.experts, weights.detach(), capacity, policy,
-                              fallback)
+    xs, row_map, offs = timed("moe_permute", ops.moe_permute, x, ids, cfg.experts, weights.detach(),
+                              capacity_factor=cfg.capacity_factor, policy=policy, fallback_ids=fallback)
     h = timed("grouped_mm (gate+up)", ops.grouped_mm, xs, w_gate_up, offs)
     gate, up = h.chunk(2, dim=-1)
     ys = timed("grouped_mm (down)", ops.grouped_mm, (F.silu(gate) * up).contiguous(), w_down, offs)
-    y = timed("moe_unpermute", ops.unpermute, ys, row_map, weights, cfg.tokens)
+    y = timed("moe_unpermute", ops.moe_unpermute, ys, row_map, weights, cfg.tokens)
     return y, offs
 
 
@@ -116,7 +99,7 @@ def run(cfg: MoEDemoConfig, device: str, policy: str, seed: int = 0) -> None:
     print(f"kda_dsa_ops {K.__version__} {K.build_info()['backends']} | config {cfg} | device {device} "
           f"({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}) | {dtype} | policy {policy}")
     results = {}
-    for ops, p in ((NativeOps, native), (ReferenceOps, ref)):
+    for ops, p in ((K, native), (R, ref)):
         # One untimed pass first: times exclude one-off costs (CUDA module loading, allocator growth).
         moe_block(ops, p["x"], p["router"], p["bias"], p["w_gate_up"], p["w_down"], cfg, policy, {})[0].sum().backward()
         for k in ("x", "router", "w_gate_up", "w_down"):
@@ -130,7 +113,7 @@ def run(cfg: MoEDemoConfig, device: str, policy: str, seed: int = 0) -> None:
             torch.cuda.synchronize()
         timings["backward (all ops)"] = (time.perf_counter() - start) * 1e3
         grads = {k: p[k].grad for k in ("x", "router", "w_gate_up", "w_down")}
-        results[ops.name] = (y.detach(), loss.item(), grads, timings, offs)
+        results["native" if ops is K else "reference"] = (y.detach(), loss.item(), grads, timings, offs)
 
     y, loss, grads, t_native, offs = results["native"]
     y_ref, loss_ref, grads_ref, t_ref, _ = results["reference"]
@@ -184,7 +167,7 @@ def run_kda(cfg: KDADemoConfig, device: str, seed: int = 0) -> None:
         return out, (time.perf_counter() - start) * 1e3
 
     (o, ht, grads), ms = timed(lambda: step(K.chunk_kda, native, cu.to(device), use_qk_l2norm_in_kernel=True))
-    (o_ref, ht_ref, grads_ref), ms_ref = timed(lambda: step(R.kda_recurrent, ref, cu, use_qk_l2norm=True))
+    (o_ref, ht_ref, grads_ref), ms_ref = timed(lambda: step(R.chunk_kda, ref, cu, use_qk_l2norm_in_kernel=True))
 
     def rel(a, b):
         a, b = a.detach().cpu().double(), b.detach().cpu().double()

@@ -29,7 +29,7 @@ from .models import HybridConfig, HybridModel
 from .nn.vision import VisionConfig
 from .models.hybrid import PRESETS
 from .nn import LoRALinear, Rope
-from .reference.dsa import MAX_TOPK
+from .contracts import MAX_TOPK, dsa_kernels_take
 from .safetensors_io import CheckpointError, Reader, write_file, write_sharded
 
 FP8_BLOCK = 128
@@ -482,8 +482,9 @@ def dsa_cuda_limits(cfg: HybridConfig) -> str | None:
     return None
 
 
-def fused_ops(cfg: HybridConfig, device: str) -> list[str]:
-    """Which op each block will run on, or why it falls back to reference/ or to torch."""
+def fused_ops(cfg: HybridConfig, device: str, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Which op each block will run on (for a model of dtype on device), or why it falls back to
+    reference/ or to torch (the DSA calls by contracts.dsa_kernels_take, which the backend reads)."""
     cuda = device == "cuda"
     lines = []
     width = cfg.dsa_topk + (cfg.index_kpool - 1 if cfg.index_kpool and cfg.index_kpool_tail else 0)
@@ -502,6 +503,8 @@ def fused_ops(cfg: HybridConfig, device: str) -> list[str]:
             why = dsa_cuda_limits(cfg) if cuda else None
             if width > MAX_TOPK:
                 why = f"{width} keys per query (top-k + the pool tail) exceed the kernels' {MAX_TOPK}"
+            elif not dsa_kernels_take(device, dtype, width):
+                why = f"the CUDA kernels take bf16 / fp16, the model is {str(dtype).removeprefix('torch.')}"
             attn = f"{indexer} + SFA: " + (f"reference ({why})" if why else "sparse_attn (native)")
         if ffn == "F":
             mlp = "dense SwiGLU: torch matmuls"
@@ -544,7 +547,7 @@ def load(model: HybridModel, directory: str, device: str = "cpu", allow_nonfinit
     cfg = model.cfg
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     experts = _expert_range(model)
-    report, staged, used = Report(family=raw["model_type"], ops=fused_ops(cfg, device)), [], set()
+    report, staged, used = Report(family=raw["model_type"], ops=fused_ops(cfg, device, next(model.parameters()).dtype)), [], set()
     for names, target, slot, how in _expand(cfg, family, experts):
         if target not in params:
             raise CheckpointError(f"family {raw['model_type']!r} maps {names} to {target}, which the model lacks")

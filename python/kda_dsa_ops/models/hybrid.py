@@ -17,7 +17,7 @@ from ..nn import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, ML
                   chunked_linear_cross_entropy, get_backend, positions_in_sequence)
 from ..nn.offload import ActivationOffload
 from ..nn.vision import PatchEmbed, VisionConfig, VisionTower
-from ..reference.dsa import MAX_TOPK
+from ..contracts import MAX_TOPK
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 from .backend import BACKENDS, Backend, get_backend
 from .layers import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, LoRALinear, MLAttention, RMSNorm,
                      Rope, ShortConv, SwiGLU, positions_in_sequence, sequence_bounds)
-from .loss import chunked_linear_cross_entropy
+from .loss import chunked_linear_cross_entropy, indexer_kl_loss
 
 __all__ = ["BACKENDS", "Backend", "HyperConnection", "KDAAttention", "LatentMoE", "LightningIndexer", "LoRALinear",
            "MLAttention", "RMSNorm", "Rope", "ShortConv", "SwiGLU", "chunked_linear_cross_entropy", "get_backend",
-           "positions_in_sequence", "sequence_bounds"]
+           "indexer_kl_loss", "positions_in_sequence", "sequence_bounds"]

@@ -1,78 +1,40 @@
 """The ops a layer calls, native or reference, behind one interface: switching a model between
-the kernels and the pure-PyTorch definitions is one argument (`backend="native"|"reference"`)."""
+the kernels and the pure-PyTorch definitions is one argument (`backend="native"|"reference"`).
+A backend is a module of ops under their public names and signatures: kda_dsa_ops (the kernels)
+or kda_dsa_ops.reference; the native one sends the DSA calls its kernels do not take
+(contracts.dsa_kernels_take: fp32 on a GPU, more than MAX_TOPK keys per query) to the reference.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from types import SimpleNamespace
 
 from .. import ops
 from .. import reference as R
+from ..contracts import dsa_kernels_take
+
+OPS = ("chunk_kda", "lightning_indexer", "sparse_attention", "moe_route", "moe_permute", "moe_unpermute",
+       "grouped_mm")
 
 
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    # o [B,T,HV,V] = kda(q, k, v, g, beta, cu_seqlens); q/k L2-normalised inside.
-    kda: Callable
-    # (indices [T,topk], scores [T,topk]) = indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
-    indexer: Callable
-    # (o [T,H,dv], p [T,Hkv,topk]) = sparse_attn(q, kv, indices, scale, dv, gate)
-    sparse_attn: Callable
-    # (weights [T,k], ids [T,k]) = route(logits, k, bias, renorm, scale, n_group, topk_group), sigmoid scores
-    route: Callable
-    # (x_sorted, row_map, offs) = permute(x, ids, num_experts, weights, capacity, policy)
-    permute: Callable
-    grouped_mm: Callable
-    unpermute: Callable
+class Backend(SimpleNamespace):
+    """name and the OPS, each with kda_dsa_ops.<op>'s signature."""
 
 
-def _native_kda(q, k, v, g, beta, cu_seqlens):
-    return ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0]
-
-
-def _reference_kda(q, k, v, g, beta, cu_seqlens):
-    return R.kda_recurrent(q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens)[0]
-
-
-def _reference_sparse_attn(q, kv, indices, scale, dv, gate):
-    o, _, p = R.sparse_attn_fwd(q, kv, indices, scale, dv, gate, return_p=True)
-    return o, p
-
-
-# The DSA CUDA kernels take bf16/fp16 operands: a model run in fp32 on a GPU takes their
-# reference definitions (same interface, same results) for those two ops.
-def _dsa_native(q):
-    return not q.is_cuda or q.dtype in (torch.bfloat16, torch.float16)
-
-
-def _native_indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
-    fn = ops.lightning_indexer if _dsa_native(q) else R.lightning_indexer
+def _lightning_indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
+    fn = ops.lightning_indexer if dsa_kernels_take(q.device.type, q.dtype, topk) else R.lightning_indexer
     return fn(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
 
 
-def _native_sparse_attn(q, kv, indices, scale, dv, gate):
-    if not _dsa_native(q) or indices.shape[-1] > R.dsa.MAX_TOPK:  # wider choices (GLM's pools + tail): reference
-        return _reference_sparse_attn(q, kv, indices, scale, dv, gate)
-    o, _, p = ops.sparse_attention(q, kv, indices, scale, dv, gate, return_p=True)
-    return o, p
+def _sparse_attention(q, kv, indices, scale=None, dv=None, gate=None, return_p=False, deterministic=False):
+    taken = dsa_kernels_take(q.device.type, q.dtype, indices.shape[-1])
+    return (ops.sparse_attention if taken else R.sparse_attention)(q, kv, indices, scale, dv, gate, return_p,
+                                                                  deterministic)
 
 
-NATIVE = Backend(
-    name="native", kda=_native_kda, indexer=_native_indexer, sparse_attn=_native_sparse_attn,
-    route=lambda logits, k, bias, renorm, scale, n_group, topk_group: ops.moe_route(
-        logits, k, bias, "sigmoid", renorm, scale, n_group, topk_group),
-    permute=lambda x, ids, E, w, cap, policy: ops.moe_permute(x, ids, E, w, cap, policy=policy),
-    grouped_mm=ops.grouped_mm, unpermute=ops.moe_unpermute)
-
-REFERENCE = Backend(
-    name="reference", kda=_reference_kda, indexer=R.lightning_indexer, sparse_attn=_reference_sparse_attn,
-    route=lambda logits, k, bias, renorm, scale, n_group, topk_group: R.moe_route(
-        logits, bias, k, "sigmoid", renorm, scale, n_group, topk_group),
-    permute=lambda x, ids, E, w, cap, policy: R.moe_permute(x, ids, E, w, cap, policy),
-    grouped_mm=R.grouped_mm, unpermute=R.moe_unpermute)
+NATIVE = Backend(name="native", **dict({op: getattr(ops, op) for op in OPS}, lightning_indexer=_lightning_indexer,
+                                       sparse_attention=_sparse_attention))
+REFERENCE = Backend(name="reference", **{op: getattr(R, op) for op in OPS})
 
 BACKENDS = {"native": NATIVE, "reference": REFERENCE}
 

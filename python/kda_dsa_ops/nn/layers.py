@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .. import reference as R
 from .._dtypes import accumulation_dtype
 from .backend import Backend
+from .loss import indexer_kl_loss
 
 
 class RMSNorm(nn.RMSNorm):
@@ -145,7 +146,7 @@ class KDAAttention(nn.Module):
         v = self.v_conv(self.v_proj(x), pos).view(1, T, self.HV, self.D)
         g = self.decay(x).view(1, T, self.HV, self.D)
         beta = torch.sigmoid(self.b_proj(x).to(accumulation_dtype(x))).view(1, T, self.HV)
-        o = backend.kda(q, k, v, g, beta, cu_seqlens)[0]  # [T, HV, D]
+        o = backend.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0][0]  # [T,HV,D]
         o = self.o_norm(o) * torch.sigmoid(self.o_gate_up(self.o_gate_down(x)).view(T, self.HV, self.D))
         return self.o_proj(o.reshape(T, self.HV * self.D))
 
@@ -270,7 +271,7 @@ class LightningIndexer(nn.Module):
             gate = F.linear(x, self.kpool_gate.to(x.dtype))
             return R.kpool_indexer(q, k, gate, self.kpool_ape, w, cu_seqlens, self.topk, self.kpool,
                                    self.kpool_tail), None
-        return backend.indexer(q, k, w, cu_seqlens, cu_seqlens, self.topk)
+        return backend.lightning_indexer(q, k, w, cu_seqlens, cu_seqlens, self.topk)
 
 
 class MLAttention(nn.Module):
@@ -344,10 +345,11 @@ class MLAttention(nn.Module):
             q_abs = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_k), q_rot], dim=-1)
             kv_rows = torch.cat([c, k_rot], dim=-1)[:, None]
             gate = self.gate(x).view(T, H, self.kv_rank) if self.gate is not None else None
-            o_latent, p = backend.sparse_attn(q_abs, kv_rows, indices[:, None], self.scale, self.kv_rank, gate)
+            o_latent, _, p = backend.sparse_attention(q_abs, kv_rows, indices[:, None], self.scale, self.kv_rank, gate,
+                                                      return_p=True)
             o = torch.einsum("thc,hvc->thv", o_latent, w_v)
             if scores is not None:
-                loss = R.indexer_kl_loss(p[:, 0].detach(), scores, indices)
+                loss = indexer_kl_loss(p[:, 0].detach(), scores, indices)
         return self.o_proj(o.reshape(T, H * self.v_dim)), loss, indices
 
 
@@ -457,14 +459,13 @@ class LatentMoE(nn.Module):
                        else contextlib.nullcontext())
         with no_autocast:
             logits = x.to(acc) @ self.router.to(acc)
-        weights, ids = backend.route(logits, self.topk, self.router_bias.to(acc), self.renorm, self.routed_scale,
-                                     self.n_group, self.topk_group)
+        weights, ids = backend.moe_route(logits, self.topk, self.router_bias.to(acc), "sigmoid", self.renorm,
+                                         self.routed_scale, self.n_group, self.topk_group)
         z = self.down(x) if hasattr(self, "down") else x
         if self.expert_group is None:
-            capacity = (None if self.capacity_factor is None
-                        else R.expert_capacity(T, self.topk, self.E, self.capacity_factor))
-            zs, row_map, offs = backend.permute(z, ids, self.E, weights.detach(), capacity, self.policy)
-            y = backend.unpermute(self.experts(zs, offs, backend), row_map, weights, T)
+            zs, row_map, offs = backend.moe_permute(z, ids, self.E, weights.detach(),
+                                                    capacity_factor=self.capacity_factor, policy=self.policy)
+            y = backend.moe_unpermute(self.experts(zs, offs, backend), row_map, weights, T)
         else:
             y = self.expert_group.dispatch_combine(z, ids, weights, self, backend)
         if not ids.is_meta:  # meta tensors (memory planning) have no values to count

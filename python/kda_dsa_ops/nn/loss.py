@@ -1,11 +1,16 @@
-"""Chunked linear cross-entropy: mean CE of (h W^T) against labels without the [T, vocab] logits
-ever existing whole; each chunk's logits are recomputed in the backward."""
+"""The model's losses: chunked linear cross-entropy (mean CE of (h W^T) against labels without the
+[T, vocab] logits ever existing whole; each chunk's logits are recomputed in the backward) and
+the DSA indexer's KL loss."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .._dtypes import accumulation_dtype
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -47,3 +52,19 @@ def chunked_linear_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chun
     not ignore_index. h [T, hidden], weight [vocab, hidden], labels [T] int64. Peak memory holds
     one [chunk, vocab] block of logits (fp32), in the forward and in the backward."""
     return _ChunkedLinearCE.apply(h, weight, labels, chunk, ignore_index)
+
+
+def indexer_kl_loss(attn_p: Tensor, scores: Tensor, indices: Tensor) -> Tensor:
+    """Mean over queries of KL(p || softmax(scores)) on each query's selected keys.
+
+    attn_p [T,topk] is the main attention's probability mass on the selected keys (summed over
+    heads); it is renormalised over the valid (index >= 0) entries here. Queries with no valid
+    entry contribute zero.
+    """
+    acc = accumulation_dtype(scores)
+    valid = indices >= 0
+    p = torch.where(valid, attn_p.to(acc), torch.zeros((), dtype=acc, device=scores.device))
+    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+    logq = torch.log_softmax(scores.to(acc).masked_fill(~valid, -math.inf), dim=-1)
+    terms = torch.where(p > 0, p * (torch.log(p) - logq), torch.zeros((), dtype=acc, device=scores.device))
+    return terms.sum(-1).mean()

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .._dtypes import accumulation_dtype
+from ..contracts import attention_defaults
 
 _ops = torch.ops.kda_dsa_ops
 
@@ -56,12 +57,8 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     KDA_DSA_OPS_PORTABLE_SFA=1 in the environment keeps it on the portable kernel that other
     GPUs take (for comparison and testing).
     """
-    Dqk = q.shape[-1]
-    if scale is None:  # Dqk = 0 is left to the op's own check
-        scale = Dqk ** -0.5 if Dqk > 0 else 1.0
-    if dv is None:
-        dv = 512 if Dqk == 576 else Dqk
-    o, lse, p = _ops.sparse_attn_fwd(q, kv, indices, float(scale), dv, gate, return_p, deterministic)
+    scale, dv = attention_defaults(q, scale, dv)
+    o, lse, p = _ops.sparse_attn_fwd(q, kv, indices, scale, dv, gate, return_p, deterministic)
     return o, lse, (p if return_p else None)
 
 

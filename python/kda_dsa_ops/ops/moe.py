@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._dtypes import accumulation_dtype
-from ..reference.moe import expert_capacity
+from ..contracts import permute_capacity
 
 _ops = torch.ops.kda_dsa_ops
 
@@ -44,13 +44,7 @@ def moe_permute(x: Tensor, ids: Tensor, num_experts: int, weights: Tensor | None
     rows) and offs [E] int32 (cumulative rows per expert), ready for grouped_mm. M = T*k, or
     min(T*k, E*capacity) with a capacity. Differentiable w.r.t. x.
     """
-    if capacity is not None and capacity_factor is not None:
-        raise ValueError("pass capacity or capacity_factor, not both")
-    if capacity_factor is not None:
-        if ids.dim() != 2 or num_experts < 1:
-            capacity = 0  # the op rejects such ids / num_experts in its own words
-        else:
-            capacity = expert_capacity(ids.shape[0], ids.shape[1], num_experts, capacity_factor)
+    capacity = permute_capacity(ids, num_experts, capacity, capacity_factor)
     return _ops.moe_permute(x, ids, weights, num_experts, -1 if capacity is None else capacity, policy,
                             fallback_ids)
 

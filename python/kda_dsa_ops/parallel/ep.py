@@ -110,10 +110,9 @@ class ExpertGroup:
         rows = received.shape[0]
         if not rows:  # nothing routed here: an empty result that still ties the experts into the graph
             return received + 0 * (moe.w_gate_up.sum() + moe.w_down.sum()).to(received.dtype)
-        xs, row_map, offs = backend.permute(received, route.received_ids[:, None], self.local, None, None,
-                                            "drop_probs")
+        xs, row_map, offs = backend.moe_permute(received, route.received_ids[:, None], self.local)
         ones = torch.ones(rows, 1, dtype=dtype, device=received.device)
-        return backend.unpermute(moe.experts(xs, offs, backend), row_map, ones, rows)
+        return backend.moe_unpermute(moe.experts(xs, offs, backend), row_map, ones, rows)
 
     def dispatch_combine(self, z: Tensor, ids: Tensor, weights: Tensor, moe: nn.Module, backend) -> Tensor:
         """y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(z[t]), the experts spread over the group."""
@@ -131,7 +130,7 @@ class ExpertGroup:
             out = self._experts(_AllToAllWait.apply(received, pending), r, moe, backend, weights.dtype)
             back = _Pending()
             combined.append((_AllToAllStart.apply(out, r.send, r.recv, self.group, back), back))
-        ys = [backend.unpermute(_AllToAllWait.apply(back, pending), r.order.to(torch.int32), weights[a:b], b - a)
+        ys = [backend.moe_unpermute(_AllToAllWait.apply(back, pending), r.order.to(torch.int32), weights[a:b], b - a)
               for (back, pending), r, (a, b) in zip(combined, routes, parts)]
         return torch.cat(ys) if len(ys) > 1 else ys[0]
 

@@ -1,13 +1,17 @@
-"""Pure-PyTorch, float64-capable definitions of every op: the ground truth for tests and benchmarks."""
+"""Pure-PyTorch, float64-capable definitions of every op: the ground truth for tests and benchmarks.
 
-from .dsa import (indexer_kl_loss, indexer_scores, kpool_indexer, lightning_indexer, lightning_indexer_bwd,
-                  sparse_attn_bwd, sparse_attn_fwd)
-from .kda import kda_recurrent, l2norm
-from .moe import (expert_capacity, grouped_mm, grouped_mm_wgrad, moe_permute, moe_route, moe_unpermute,
-                  route_scores)
+Each public op has the name and signature of kda_dsa_ops.<op> (a model switches between the
+kernels and these by switching modules); the backward references and the building blocks
+(kda's l2norm, the indexer's scores, the k-pooled indexer, the routing scores) come beside them.
+"""
+
+from .dsa import (indexer_scores, kpool_indexer, lightning_indexer, lightning_indexer_bwd, sparse_attention,
+                  sparse_attn_bwd)
+from .kda import chunk_kda, l2norm
+from .moe import grouped_mm, grouped_mm_wgrad, moe_permute, moe_route, moe_unpermute, route_scores
 
 __all__ = [
-    "expert_capacity", "grouped_mm", "grouped_mm_wgrad", "indexer_kl_loss", "indexer_scores", "kda_recurrent",
-    "kpool_indexer", "l2norm", "lightning_indexer", "lightning_indexer_bwd", "moe_permute", "moe_route", "moe_unpermute",
-    "route_scores", "sparse_attn_bwd", "sparse_attn_fwd",
+    "chunk_kda", "grouped_mm", "grouped_mm_wgrad", "indexer_scores", "kpool_indexer", "l2norm", "lightning_indexer",
+    "lightning_indexer_bwd", "moe_permute", "moe_route", "moe_unpermute", "route_scores", "sparse_attention",
+    "sparse_attn_bwd",
 ]

@@ -1,5 +1,4 @@
-"""Pure-PyTorch DSA: the lightning indexer (LI), sparse attention (SFA) and its gradient (SFAG),
-and the indexer's KL training loss.
+"""Pure-PyTorch DSA: the lightning indexer (LI), sparse attention (SFA) and its gradient (SFAG).
 
 Causality within a packed sequence of Lq queries and Lk keys is bottom-right aligned: query i
 (0-based in its sequence) sees keys j <= i + Lk - Lq.
@@ -12,8 +11,7 @@ import math
 import torch
 
 from .._dtypes import accumulation_dtype
-
-MAX_TOPK = 2048
+from ..contracts import MAX_TOPK, attention_defaults
 
 
 def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
@@ -123,22 +121,6 @@ def lightning_indexer_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ind
     return dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)
 
 
-def indexer_kl_loss(attn_p: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Mean over queries of KL(p || softmax(scores)) on each query's selected keys.
-
-    attn_p [T,topk] is the main attention's probability mass on the selected keys (summed over
-    heads); it is renormalised over the valid (index >= 0) entries here. Queries with no valid
-    entry contribute zero.
-    """
-    acc = accumulation_dtype(scores)
-    valid = indices >= 0
-    p = torch.where(valid, attn_p.to(acc), torch.zeros((), dtype=acc, device=scores.device))
-    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
-    logq = torch.log_softmax(scores.to(acc).masked_fill(~valid, -math.inf), dim=-1)
-    terms = torch.where(p > 0, p * (torch.log(p) - logq), torch.zeros((), dtype=acc, device=scores.device))
-    return terms.sum(-1).mean()
-
-
 def _selected_logits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, dv: int):
     """Per kv head a: queries qg [T,Hkv,G,Dqk], selected keys [T,Hkv,topk,Dqk] and values
     [T,Hkv,topk,dv] (the values are kv[..., :dv]; zeros for -1 entries) and logits [T,Hkv,G,topk]
@@ -156,18 +138,22 @@ def _selected_logits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     return qg, k_sel, k_sel[..., :dv], logits.masked_fill((indices < 0)[:, :, None, :], -math.inf)
 
 
-def sparse_attn_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, dv: int,
-                    gate: torch.Tensor | None = None, return_p: bool = False):
-    """Attention of each query over its selected keys.
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float | None = None,
+                     dv: int | None = None, gate: torch.Tensor | None = None, return_p: bool = False,
+                     deterministic: bool = False):
+    """Attention of each query over its selected keys (kda_dsa_ops.sparse_attention's contract;
+    deterministic changes nothing here).
 
     q [T,H,Dqk], kv [Tk,Hkv,Dqk], indices [T,Hkv,topk] (-1: no key). Query head h reads kv head
-    h // (H // Hkv). o = sigmoid(gate) * softmax(scale * q.k_sel) v_sel with v_sel = kv[..., :dv].
+    h // (H // Hkv). o = sigmoid(gate) * softmax(scale * q.k_sel) v_sel with v_sel = kv[..., :dv];
+    scale defaults to Dqk ** -0.5, dv to 512 for Dqk = 576, else Dqk.
     Returns (o [T,H,dv] in q's dtype, lse [T,H] natural log (-inf for a row with no key, whose o is
     0), p [T,Hkv,topk] probabilities summed over the heads of each kv head, or None). A NaN logit
     makes its row's o and lse NaN; an inf value with probability 0 its channel of o.
     """
     T, H, _ = q.shape
     acc = accumulation_dtype(q)
+    scale, dv = attention_defaults(q, scale, dv)
     _, _, v_sel, logits = _selected_logits(q, kv, indices, scale, dv)
     lse = torch.logsumexp(logits, dim=-1)                                   # [T, Hkv, G]
     probs = torch.where((lse == -math.inf)[..., None], torch.zeros((), dtype=acc, device=q.device),
@@ -180,7 +166,7 @@ def sparse_attn_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sc
 
 def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                     lse: torch.Tensor, scale: float, dv: int, gate: torch.Tensor | None = None):
-    """(dq, dkv, dgate) of sparse_attn_fwd, written out explicitly. dkv [Tk,Hkv,Dqk] collects the
+    """(dq, dkv, dgate) of sparse_attention, written out explicitly. dkv [Tk,Hkv,Dqk] collects the
     key gradient and, in its first dv channels, the value gradient; dgate is None without a gate."""
     T, H, Dqk = q.shape
     Hkv = kv.shape[1]

@@ -31,11 +31,13 @@ def _sequences(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[in
     return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
 
-def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  scale: float | None = None, initial_state: torch.Tensor | None = None,
-                  output_final_state: bool = False, use_qk_l2norm: bool = False,
-                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """o [B,T,HV,V] (input dtype) and the final state [N,HV,K,V] (fp32/fp64) or None.
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+              use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
+              matmul_precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """o [B,T,HV,V] (input dtype) and the final state [N,HV,K,V] (fp32/fp64) or None, by the
+    recurrence step by step (kda_dsa_ops.chunk_kda's contract; matmul_precision changes nothing
+    here: every product is in the accumulation dtype).
 
     q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] log-decay; beta [B,T,HV];
     initial_state [N,HV,K,V] with N the number of sequences (B, or len(cu_seqlens) - 1).
@@ -48,7 +50,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     scale = K ** -0.5 if scale is None else scale
     group = HV // H
     qa, ka = q.to(acc), k.to(acc)
-    if use_qk_l2norm:
+    if use_qk_l2norm_in_kernel:
         qa, ka = l2norm(qa), l2norm(ka)
     qa = qa.repeat_interleave(group, dim=2)
     ka = ka.repeat_interleave(group, dim=2)

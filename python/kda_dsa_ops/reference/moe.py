@@ -11,17 +11,11 @@ import math
 import torch
 
 from .._dtypes import accumulation_dtype
+from ..contracts import permute_capacity
 
 POLICIES = ("drop_probs", "drop_position", "reroute")
 SCORE_FNS = ("sigmoid", "softmax")
 RENORM_EPS = 1e-20
-
-
-def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows each expert may take: ceil(capacity_factor * num_tokens * topk / num_experts)."""
-    if not 0 < capacity_factor < math.inf:
-        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
-    return int(math.ceil(capacity_factor * num_tokens * topk / num_experts))
 
 
 def route_scores(logits: torch.Tensor, score_fn: str) -> torch.Tensor:
@@ -45,7 +39,7 @@ def group_limited_mask(key: torch.Tensor, n_group: int, topk_group: int) -> torc
     return open_groups.repeat_interleave(E // n_group, dim=1)
 
 
-def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, score_fn: str = "sigmoid",
+def moe_route(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None, score_fn: str = "sigmoid",
               renorm: bool = True, scale: float = 1.0, n_group: int = 1,
               topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert selection.
@@ -85,7 +79,7 @@ def _rank_order(ids: torch.Tensor, weights: torch.Tensor | None, num_experts: in
 
 
 def moe_permute(x: torch.Tensor, ids: torch.Tensor, num_experts: int, weights: torch.Tensor | None = None,
-                capacity: int | None = None, policy: str = "drop_probs",
+                capacity: int | None = None, capacity_factor: float | None = None, policy: str = "drop_probs",
                 fallback_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort token copies by expert.
 
@@ -99,8 +93,9 @@ def moe_permute(x: torch.Tensor, ids: torch.Tensor, num_experts: int, weights: t
     Within an expert: kept copies in priority order, then rerouted copies in the order they came.
     Returns x_sorted [M, D] (M = T*k, or min(T*k, E*C) with a capacity; rows past offs[-1] are
     zero), row_map [M] int32 (the copy index of each row, -1 past offs[-1]) and offs [E] int32
-    (cumulative row counts).
+    (cumulative row counts). capacity_factor: capacity = ceil(cf * T * k / E), as the op.
     """
+    capacity = permute_capacity(ids, num_experts, capacity, capacity_factor)
     T, k = ids.shape
     n = T * k
     E = num_experts
