@@ -198,7 +198,7 @@ def save_checkpoint(path: str, model, opt, step: int, tag: str) -> None:
     puts it in path's place: the previous checkpoint moves to <path>.previous first and is removed
     only once the new one is in place, so a crash at any moment leaves a complete checkpoint at
     path or at <path>.previous (complete_checkpoint finds it)."""
-    lora = any("lora_" in name for name, _ in model.named_parameters())  # LoRA checkpoints: adapters only
+    lora = model.lora_rank > 0  # LoRA checkpoints: adapters only
     model_sd, optim_sd = _state(model, opt, tag, include_frozen=not lora)
     staging, previous = f"{path}.partial", f"{path}.previous"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0

@@ -13,11 +13,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .._dtypes import accumulation_dtype
+from ..contracts import MAX_TOPK
 from ..nn import (HyperConnection, KDAAttention, LatentMoE, LightningIndexer, MLAttention, RMSNorm, Rope, SwiGLU,
-                  chunked_linear_cross_entropy, get_backend, positions_in_sequence)
+                  chunked_linear_cross_entropy, freeze_all_but_adapters, get_backend, positions_in_sequence)
 from ..nn.offload import ActivationOffload
 from ..nn.vision import PatchEmbed, VisionConfig, VisionTower
-from ..contracts import MAX_TOPK
 
 
 @dataclass(frozen=True)
@@ -276,12 +276,9 @@ class HybridModel(nn.Module):
                                     for i, (kind, ffn_kind) in enumerate(zip(cfg.kinds(), cfg.ffn_kinds())))
         self.norm = RMSNorm(cfg.hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) / cfg.hidden ** 0.5)
+        self.lora_rank = lora_rank
         if lora_rank > 0:
-            self.embed.requires_grad_(False)
-            self.lm_head.requires_grad_(False)
-            for name, p in self.named_parameters():
-                if "lora_" not in name:
-                    p.requires_grad_(False)
+            freeze_all_but_adapters(self)
 
     def set_backend(self, name: str) -> None:
         self.backend = get_backend(name)

@@ -31,6 +31,15 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
 
 
+def freeze_all_but_adapters(module: nn.Module) -> None:
+    """LoRA's rule, in one place: every parameter of module is frozen but the adapters (A, B) of
+    its LoRALinear layers."""
+    adapters = {id(p) for m in module.modules() if isinstance(m, LoRALinear) and m.rank > 0
+                for p in (m.lora_a, m.lora_b)}
+    for p in module.parameters():
+        p.requires_grad_(id(p) in adapters)
+
+
 class LoRALinear(nn.Module):
     """y = x W^T (+ b) + (alpha / rank) x A^T B^T with W, b frozen and A [rank, in], B [out, rank]
     trainable (B starts at zero, so a fresh adapter changes nothing). rank 0: a plain trainable
@@ -43,10 +52,10 @@ class LoRALinear(nn.Module):
         self.rank = rank
         self.merged = False
         if rank > 0:
-            self.base.requires_grad_(False)
             self.lora_a = nn.Parameter(torch.randn(rank, in_features) / math.sqrt(in_features))
             self.lora_b = nn.Parameter(torch.zeros(out_features, rank))
             self.scaling = (alpha if alpha is not None else rank) / rank
+            freeze_all_but_adapters(self)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
@@ -447,9 +456,7 @@ class LatentMoE(nn.Module):
         self.w_down = nn.Parameter(torch.randn(experts, expert_ffn, width) / math.sqrt(expert_ffn))
         self.shared = SwiGLU(hidden, shared_ffn, lora_rank, swiglu_limit) if shared_ffn else None
         if lora_rank > 0:  # experts and router stay frozen under LoRA
-            self.router.requires_grad_(False)
-            self.w_gate_up.requires_grad_(False)
-            self.w_down.requires_grad_(False)
+            freeze_all_but_adapters(self)
 
     def forward(self, x: Tensor, backend: Backend) -> Tensor:
         T = x.shape[0]
