@@ -125,9 +125,6 @@ __device__ __forceinline__ void warp_sort64_ascending(uint64_t& lo, uint64_t& hi
   }
 }
 
-// k rounds of a warp arg-max over the token's keys (score + bias, NaN ranking last), computed
-// here so that the rare path keeps its registers out of the common one; ids[j] receives the
-// j-th pick (any k <= E). The row may be in shared or global memory.
 // The warp's best (value, index) pair, ties to the lower index; index INT_MAX: a lane with none.
 // Every lane returns the winner.
 __device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
@@ -189,6 +186,9 @@ __device__ __forceinline__ Groups open_groups(const T* row, const float* bias_s,
   return groups;
 }
 
+// k rounds of a warp arg-max over the token's keys (score + bias, NaN ranking last), computed
+// here so that the rare path keeps its registers out of the common one; ids[j] receives the
+// j-th pick (any k <= E). The row may be in shared or global memory.
 template <typename T, int kPerLane, ScoreFn kFn>
 __device__ __noinline__ void select_by_rounds(const T* row, const float* bias, int E, int k, Groups groups,
                                               int* __restrict__ ids) {

@@ -45,6 +45,7 @@ def set_value_checks(enabled: bool) -> None:
 
 
 __all__ = [
-    "build_info", "chunk_kda", "cuda_available", "from_pretrained", "grouped_mm", "grouped_mm_wgrad", "lightning_indexer", "moe_permute",
-    "moe_route", "moe_unpermute", "set_value_checks", "sparse_attention", "value_checks_enabled",
+    "build_info", "chunk_kda", "cuda_available", "from_pretrained", "grouped_mm", "grouped_mm_wgrad",
+    "lightning_indexer", "moe_permute", "moe_route", "moe_unpermute", "set_value_checks", "sparse_attention",
+    "value_checks_enabled",
 ]

@@ -594,7 +594,7 @@ def load(model: HybridModel, directory: str, device: str = "cpu", allow_nonfinit
         for f, s in zip(found, scales):
             t = reader.read(f)
             if t.is_floating_point() and not allow_nonfinite:
-                count = int((~torch.isfinite(t.float())).sum())
+                count = int((~torch.isfinite(t if t.element_size() > 1 else t.float())).sum())  # (fp8: no isfinite)
                 if count:
                     nonfinite.append(f"{f}: {count} of {t.numel()}")
             if s is not None:

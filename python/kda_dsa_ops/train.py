@@ -395,10 +395,11 @@ def main(argv=None) -> dict:
         with precision:
             out = model(tokens.to(device), cu.to(device), labels.to(device))
         out["loss"].backward()
-        finite = torch.isfinite(out["loss"].detach()).to(torch.float32)
+        stats = torch.stack([out["loss"].detach().float(), out["accuracy"].float()])
         if world > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if not finite.item():  # every rank stops here, before the update touches the weights
+            dist.all_reduce(stats)
+            stats /= world
+        if not torch.isfinite(stats[0]):  # every rank sees the mean: all stop here, before the update
             raise SystemExit(f"step {step + 1}: the loss is not finite (on at least one rank); stopped before "
                              f"the optimizer step (checkpoints in {args.out} hold the last good weights)")
         if mesh is not None:
@@ -410,10 +411,6 @@ def main(argv=None) -> dict:
         opt.zero_grad()
         model.update_router_biases()
         tokens_seen += tokens.numel() * world
-        stats = torch.stack([out["loss"].detach().float(), out["accuracy"].float()])
-        if world > 1:
-            dist.all_reduce(stats)
-            stats /= world
         load = next(b.mlp for b in model.blocks if b.ffn_kind == "M").expert_load
         record = {"step": step + 1, "loss": stats[0].item(), "recall": stats[1].item(), "grad_norm": grad_norm}
         history.append(record)

@@ -32,8 +32,8 @@ def _sparse_attention(q, kv, indices, scale=None, dv=None, gate=None, return_p=F
                                                                   deterministic)
 
 
-NATIVE = Backend(name="native", **dict({op: getattr(ops, op) for op in OPS}, lightning_indexer=_lightning_indexer,
-                                       sparse_attention=_sparse_attention))
+NATIVE = Backend(name="native", **{op: getattr(ops, op) for op in OPS}
+                 | {"lightning_indexer": _lightning_indexer, "sparse_attention": _sparse_attention})
 REFERENCE = Backend(name="reference", **{op: getattr(R, op) for op in OPS})
 
 BACKENDS = {"native": NATIVE, "reference": REFERENCE}

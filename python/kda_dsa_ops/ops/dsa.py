@@ -50,9 +50,9 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     head (for the indexer's KL loss). o is differentiable w.r.t. q, kv and gate; lse and p are
     not. Non-finite inputs give the reference's non-finite outputs: a NaN logit makes its row's o
     and lse NaN; an inf in a selected value channel reaches that channel (also with probability
-    0); rows no query selects reach nothing. deterministic: bitwise-reproducible dkv (the CPU kernel always is; the CUDA kernel
-    otherwise adds dkv with atomics, and with it stores each (query, key) term and sums them
-    in index order: slower, more memory traffic). On an sm_90 GPU the MLA layout's forward takes
+    0); rows no query selects reach nothing. deterministic: bitwise-reproducible dkv (the CPU
+    kernel always is; the CUDA kernel otherwise adds dkv with atomics, and with it stores each
+    (query, key) term and sums them in index order: slower, more memory traffic). On an sm_90 GPU the MLA layout's forward takes
     a Hopper kernel (wgmma); return_p adds a second pass over the selected keys.
     KDA_DSA_OPS_PORTABLE_SFA=1 in the environment keeps it on the portable kernel that other
     GPUs take (for comparison and testing).
