@@ -1,4 +1,4 @@
-"""DSA benchmarks on the GPU (BENCH.md shapes), each beside the PyTorch composition a user would
+"""DSA benchmarks on the GPU (docs/benchmarks.md shapes), each beside the PyTorch composition a user would
 otherwise write, measured in the same run; the outputs are compared before timing.
 
 LI       T = Tk = 8192, Hi = 64, Di = 128, topk = 2048, causal: fused scoring + top-k vs chunked

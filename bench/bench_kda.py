@@ -1,4 +1,4 @@
-"""KDA benchmarks on the GPU (BENCH.md shapes): chunk_kda forward and forward+backward beside
+"""KDA benchmarks on the GPU (docs/benchmarks.md shapes): chunk_kda forward and forward+backward beside
 flash-linear-attention's chunk_kda (when installed; warmed up first, its Triton compile and
 autotuning kept out of the figures) and beside causal SDPA (flash) at the same shape.
 

@@ -1,4 +1,4 @@
-"""MoE benchmarks on the GPU (BENCH.md shapes).
+"""MoE benchmarks on the GPU (docs/benchmarks.md shapes).
 
 grouped GEMM: E = 112 local experts, (K, N) = (3584, 6144) and (3072, 3584), 128 / 512 / 2048
 tokens per expert, uniform and skewed (log-normal) loads; forward with b row-major [E,K,N] and

@@ -1,4 +1,4 @@
-"""Benchmark harness (see BENCH.md): median device time, ceilings measured in the same run,
+"""Benchmark harness (see docs/benchmarks.md): median device time, ceilings measured in the same run,
 floors from counted FLOPs and bytes, JSON + markdown + PNG results under bench/results/."""
 
 from __future__ import annotations

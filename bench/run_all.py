@@ -1,4 +1,4 @@
-"""Runs every benchmark family and writes their results (see BENCH.md).
+"""Runs every benchmark family and writes their results (see docs/benchmarks.md).
 
     python bench/run_all.py [--quick] [--only FAMILY ...] [--fla-cases N] [--out DIR]
 """

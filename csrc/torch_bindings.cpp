@@ -15,17 +15,37 @@
 namespace kda_dsa_ops {
 
 namespace {
-std::atomic<bool>& value_checks_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* env = std::getenv("KDA_DSA_OPS_CHECK_VALUES");
-    return env != nullptr && std::strcmp(env, "0") != 0 && env[0] != '\0';
-  }()};
-  return flag;
+struct SwitchEntry {
+  const char* name;
+  const char* env;
+  std::atomic<bool> on;
+};
+// In the order of Switch; each starts from its environment variable ("" and "0" are off).
+SwitchEntry* switches() {
+  static SwitchEntry table[] = {{"value_checks", "KDA_DSA_OPS_CHECK_VALUES", {false}},
+                                {"portable_sfa", "KDA_DSA_OPS_PORTABLE_SFA", {false}}};
+  static const bool read = [] {
+    for (auto& e : table) {
+      const char* v = std::getenv(e.env);
+      e.on = v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+    }
+    return true;
+  }();
+  (void)read;
+  return table;
+}
+constexpr int kSwitches = 2;
+
+SwitchEntry* switch_named(const char* name) {
+  for (int i = 0; i < kSwitches; ++i) {
+    if (std::strcmp(switches()[i].name, name) == 0) return &switches()[i];
+  }
+  return nullptr;
 }
 }  // namespace
 
-bool value_checks_enabled() { return value_checks_flag().load(std::memory_order_relaxed); }
-void set_value_checks(bool enabled) { value_checks_flag().store(enabled, std::memory_order_relaxed); }
+bool switch_on(Switch s) { return switches()[static_cast<int>(s)].on.load(std::memory_order_relaxed); }
+void set_switch(Switch s, bool on) { switches()[static_cast<int>(s)].on.store(on, std::memory_order_relaxed); }
 
 }  // namespace kda_dsa_ops
 
@@ -64,42 +84,40 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   m.def("grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs) -> Tensor");
 }
 
-namespace {
-// Entry points that check their arguments once and pick the backend by the inputs' device:
-// the same functions serve the CPU and the CUDA keys.
-void register_device_dispatching(torch::Library& m) {
-  m.impl("kda_fwd", &kda_dsa_ops::kda::kda_fwd);
-  m.impl("kda_bwd", &kda_dsa_ops::kda::kda_bwd);
-  m.impl("lightning_indexer_fwd", &kda_dsa_ops::dsa::lightning_indexer_fwd);
-  m.impl("lightning_indexer_bwd", &kda_dsa_ops::dsa::lightning_indexer_bwd);
-  m.impl("sparse_attn_fwd", &kda_dsa_ops::dsa::sparse_attn_fwd);
-  m.impl("sparse_attn_bwd", &kda_dsa_ops::dsa::sparse_attn_bwd);
-}
-}  // namespace
-
+// One implementation per dispatch key, each checking its arguments (kda.cpp, dsa.cpp, moe_args.cpp).
 TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
-  using namespace kda_dsa_ops::moe;
-  register_device_dispatching(m);
-  m.impl("moe_route", &route_cpu);
-  m.impl("moe_route_bwd", &route_bwd_cpu);
-  m.impl("moe_permute", &permute_cpu);
-  m.impl("moe_unpermute", &unpermute_cpu);
-  m.impl("moe_unpermute_bwd", &unpermute_bwd_cpu);
-  m.impl("grouped_mm", &grouped_mm_cpu);
-  m.impl("grouped_mm_wgrad", &grouped_mm_wgrad_cpu);
+  using namespace kda_dsa_ops;
+  m.impl("kda_fwd", &kda::kda_fwd_cpu);
+  m.impl("kda_bwd", &kda::kda_bwd_cpu);
+  m.impl("lightning_indexer_fwd", &dsa::lightning_indexer_fwd_cpu);
+  m.impl("lightning_indexer_bwd", &dsa::lightning_indexer_bwd_cpu);
+  m.impl("sparse_attn_fwd", &dsa::sparse_attn_fwd_cpu);
+  m.impl("sparse_attn_bwd", &dsa::sparse_attn_bwd_cpu);
+  m.impl("moe_route", &moe::route_cpu);
+  m.impl("moe_route_bwd", &moe::route_bwd_cpu);
+  m.impl("moe_permute", &moe::permute_cpu);
+  m.impl("moe_unpermute", &moe::unpermute_cpu);
+  m.impl("moe_unpermute_bwd", &moe::unpermute_bwd_cpu);
+  m.impl("grouped_mm", &moe::grouped_mm_cpu);
+  m.impl("grouped_mm_wgrad", &moe::grouped_mm_wgrad_cpu);
 }
 
 #ifdef KDA_DSA_OPS_WITH_CUDA
 TORCH_LIBRARY_IMPL(kda_dsa_ops, CUDA, m) {
-  using namespace kda_dsa_ops::moe;
-  register_device_dispatching(m);
-  m.impl("moe_route", &route_cuda);
-  m.impl("moe_route_bwd", &route_bwd_cuda);
-  m.impl("moe_permute", &permute_cuda);
-  m.impl("moe_unpermute", &unpermute_cuda);
-  m.impl("moe_unpermute_bwd", &unpermute_bwd_cuda);
-  m.impl("grouped_mm", &grouped_mm_cuda);
-  m.impl("grouped_mm_wgrad", &grouped_mm_wgrad_cuda);
+  using namespace kda_dsa_ops;
+  m.impl("kda_fwd", &kda::kda_fwd_cuda);
+  m.impl("kda_bwd", &kda::kda_bwd_cuda);
+  m.impl("lightning_indexer_fwd", &dsa::lightning_indexer_fwd_cuda);
+  m.impl("lightning_indexer_bwd", &dsa::lightning_indexer_bwd_cuda);
+  m.impl("sparse_attn_fwd", &dsa::sparse_attn_fwd_cuda);
+  m.impl("sparse_attn_bwd", &dsa::sparse_attn_bwd_cuda);
+  m.impl("moe_route", &moe::route_cuda);
+  m.impl("moe_route_bwd", &moe::route_bwd_cuda);
+  m.impl("moe_permute", &moe::permute_cuda);
+  m.impl("moe_unpermute", &moe::unpermute_cuda);
+  m.impl("moe_unpermute_bwd", &moe::unpermute_bwd_cuda);
+  m.impl("grouped_mm", &moe::grouped_mm_cuda);
+  m.impl("grouped_mm_wgrad", &moe::grouped_mm_wgrad_cuda);
 }
 #endif
 
@@ -116,19 +134,36 @@ PyObject* build_info(PyObject*, PyObject*) {
                        KDA_DSA_OPS_CUDA_ARCHS);
 }
 
-PyObject* get_value_checks(PyObject*, PyObject*) { return PyBool_FromLong(kda_dsa_ops::value_checks_enabled()); }
+// _C.switch(name) -> bool and _C.set_switch(name, on): the switches of common/switches.h.
+kda_dsa_ops::SwitchEntry* switch_arg(PyObject* name) {
+  PyObject* ascii = PyUnicode_Check(name) ? PyUnicode_AsASCIIString(name) : nullptr;  // the limited API's way
+  PyErr_Clear();
+  kda_dsa_ops::SwitchEntry* e = ascii != nullptr ? kda_dsa_ops::switch_named(PyBytes_AsString(ascii)) : nullptr;
+  Py_XDECREF(ascii);
+  if (e == nullptr) PyErr_SetString(PyExc_ValueError, "unknown switch: the switches are 'value_checks', 'portable_sfa'");
+  return e;
+}
 
-PyObject* set_value_checks(PyObject*, PyObject* arg) {
-  const int enabled = PyObject_IsTrue(arg);
-  if (enabled < 0) return nullptr;
-  kda_dsa_ops::set_value_checks(enabled != 0);
+PyObject* get_switch(PyObject*, PyObject* name) {
+  kda_dsa_ops::SwitchEntry* e = switch_arg(name);
+  if (e == nullptr) return nullptr;
+  return PyBool_FromLong(e->on.load());
+}
+
+PyObject* set_switch(PyObject*, PyObject* args) {
+  PyObject *name, *value;
+  if (!PyArg_UnpackTuple(args, "set_switch", 2, 2, &name, &value)) return nullptr;
+  kda_dsa_ops::SwitchEntry* e = switch_arg(name);
+  const int on = e != nullptr ? PyObject_IsTrue(value) : -1;
+  if (on < 0) return nullptr;
+  e->on.store(on != 0);
   Py_RETURN_NONE;
 }
 
 PyMethodDef kMethods[] = {
     {"build_info", build_info, METH_NOARGS, "Version, backends and CUDA archs this build holds."},
-    {"value_checks", get_value_checks, METH_NOARGS, "Whether value checks run on CUDA tensors."},
-    {"set_value_checks", set_value_checks, METH_O, "Turn value checks on CUDA tensors on or off."},
+    {"switch", get_switch, METH_O, "Whether the named run-time switch is on."},
+    {"set_switch", set_switch, METH_VARARGS, "Turn the named run-time switch on or off."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "kda_dsa_ops native library", -1, kMethods,

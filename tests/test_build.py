@@ -1,6 +1,8 @@
 """The build itself: what it reports, and (in CI) that the CUDA kernels were compiled."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +24,34 @@ def test_cuda_kernels_were_built():
     assert "cuda" in kda_dsa_ops.build_info()["backends"]
     assert "9.0a" in kda_dsa_ops.build_info()["cuda_archs"]
     assert torch.ops.kda_dsa_ops.grouped_mm.default.has_kernel_for_dispatch_key("CUDA")
+
+
+@pytest.mark.parametrize("name, env", [("value_checks", "KDA_DSA_OPS_CHECK_VALUES"),
+                                       ("portable_sfa", "KDA_DSA_OPS_PORTABLE_SFA")])
+def test_switches_start_from_their_environment_variable(name, env):
+    code = f"import kda_dsa_ops; print(kda_dsa_ops._C.switch({name!r}))"
+    for value, on in (("1", True), ("0", False), ("", False)):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, env: value}, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == str(on), (env, value, out)
+
+
+def test_an_unknown_switch_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown switch"):
+        kda_dsa_ops._C.switch("fast_math")
+    with pytest.raises(ValueError, match="unknown switch"):
+        kda_dsa_ops._C.set_switch("fast_math", True)
+
+
+def test_portable_sfa_switch():
+    before = kda_dsa_ops.portable_sfa_enabled()
+    try:
+        kda_dsa_ops.set_portable_sfa(True)
+        assert kda_dsa_ops.portable_sfa_enabled()
+        kda_dsa_ops.set_portable_sfa(False)
+        assert not kda_dsa_ops.portable_sfa_enabled()
+    finally:
+        kda_dsa_ops.set_portable_sfa(before)
 
 
 def test_value_checks_switch():

@@ -4,8 +4,8 @@ without keys, GQA and MQA layouts, opcheck, torch.compile(fullgraph=True), the i
 and bad inputs; the CUDA kernels (bf16/fp16) against the same reference, their deterministic dkv
 and their limits."""
 
+import contextlib
 import math
-import os
 
 import pytest
 import torch
@@ -22,6 +22,16 @@ from tolerances import assert_close
 
 F64 = torch.float64
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+@contextlib.contextmanager
+def portable_sfa(on):
+    before = K.portable_sfa_enabled()
+    K.set_portable_sfa(on)
+    try:
+        yield
+    finally:
+        K.set_portable_sfa(before)
 
 
 def cu_of(lens):
@@ -167,12 +177,9 @@ def test_sparse_attention_nonfinite_inputs_give_the_references_nan(device, dtype
     else:
         kv[7, :, 2] = float("nan")
     ins = [t.to(device).requires_grad_() for t in (q, kv)]
-    os.environ["KDA_DSA_OPS_PORTABLE_SFA"] = "1" if portable else "0"
-    try:
+    with portable_sfa(portable):
         o, lse, _ = K.sparse_attention(*ins, idx.to(device), 0.1, dv)
         grads = torch.autograd.grad(o, ins, torch.ones_like(o))
-    finally:
-        del os.environ["KDA_DSA_OPS_PORTABLE_SFA"]
     ref_ins = [t.detach().to(F64).requires_grad_() for t in (q, kv)]
     o_ref, lse_ref, _ = R.sparse_attention(*ref_ins, idx, 0.1, dv)
     ref_grads = torch.autograd.grad(o_ref, ref_ins, torch.ones_like(o_ref))
@@ -389,18 +396,15 @@ MLA = (1, 576, 512)
 def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, gated, return_p, portable,
                                                  dtype):
     """On sm_90 the MLA layout takes the Hopper forward kernel (p from its second pass) unless
-    KDA_DSA_OPS_PORTABLE_SFA=1 keeps it on the portable one, which other GPUs take."""
+    set_portable_sfa(True) keeps it on the portable one, which other GPUs take."""
     torch.manual_seed(seed)
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated)
     ins = [t.cuda().requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
     poison("cuda")
-    os.environ["KDA_DSA_OPS_PORTABLE_SFA"] = "1" if portable else "0"
-    try:
+    with portable_sfa(portable):
         o, lse, p = K.sparse_attention(ins[0], ins[1], idx.cuda(), 0.1, dv, ins[2] if gated else None,
                                        return_p=return_p)
-    finally:
-        del os.environ["KDA_DSA_OPS_PORTABLE_SFA"]
     ref_ins = [t.to(F64).requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
     o_ref, lse_ref, p_ref = R.sparse_attention(ref_ins[0], ref_ins[1], idx, 0.1, dv, ref_ins[2] if gated else None,
                                               return_p=True)

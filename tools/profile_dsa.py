@@ -1,4 +1,4 @@
-"""One sparse attention forward and backward at the BENCH.md shape (T 4096, Tk 8192, H 64, MLA
+"""One sparse attention forward and backward at the docs/benchmarks.md shape (T 4096, Tk 8192, H 64, MLA
 576/512, topk 2048, gated) with per-kernel device times (torch.profiler); to read a kernel's
 hardware counters, run it under Nsight Compute, e.g.
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:mla_fwd \

@@ -5,8 +5,6 @@ atomic and deterministic dkv) on small awkward shapes, for compute-sanitizer:
     compute-sanitizer --tool racecheck python tools/sanitize_dsa.py
 """
 
-import os
-
 import torch
 
 import kda_dsa_ops as K
@@ -34,10 +32,11 @@ def main():
         gate = torch.randn(T, H, dv, device=dev, dtype=bf16, requires_grad=True)
         idx = torch.randint(-1, Tk, (T, Hkv, topk), device=dev, dtype=torch.int32)
         # MLA: the Hopper forward with and without p, and the portable one
-        for det, want_p, portable in ((False, True, "0"), (True, False, "0"), (False, True, "1")):
-            os.environ["KDA_DSA_OPS_PORTABLE_SFA"] = portable
+        for det, want_p, portable in ((False, True, False), (True, False, False), (False, True, True)):
+            K.set_portable_sfa(portable)
             o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, return_p=want_p, deterministic=det)
             torch.autograd.grad(o.float().sum(), (q, kv, gate))
+    K.set_portable_sfa(False)
     torch.cuda.synchronize()
     print("sanitize_dsa: done")
 

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "common/switches.h"
+
 namespace kda_dsa_ops {
 
 // Checks on the *values* of device tensors (index ranges, monotone offsets) need a copy to
@@ -16,9 +18,7 @@ namespace kda_dsa_ops {
 // only while enabled (KDA_DSA_OPS_CHECK_VALUES=1 or kda_dsa_ops.set_value_checks(True)).
 // Disabled, CUDA kernels stay safe on bad values: they never touch memory out of bounds
 // (see each op's documentation for what such values produce).
-bool value_checks_enabled();
-void set_value_checks(bool enabled);
-inline bool run_value_checks(const at::Tensor& t) { return !t.is_cuda() || value_checks_enabled(); }
+inline bool run_value_checks(const at::Tensor& t) { return !t.is_cuda() || switch_on(Switch::kValueChecks); }
 
 inline std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
 

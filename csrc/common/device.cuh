@@ -1,5 +1,5 @@
-// Small device primitives shared by the CUDA kernels: launch helpers, warp/block scans and
-// 16-bit conversions. Hopper-only instructions live in hopper.cuh.
+// Small device primitives shared by the CUDA kernels: launch helpers, warp/block scans, 16-bit
+// conversions and the fast exp2 / reciprocal. Hopper-only instructions live in hopper.cuh.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -41,6 +41,21 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x and 1/x on the MUFU unit with denormals flushed (exp2f / __fdividef add a range check
+// and rescale around every call to honour denormals, ~4 instructions each).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Float -> uint32 whose unsigned order is the descending order of the float (NaN ranks last,
 // -0 equals +0).

@@ -1,5 +1,6 @@
-// Warp-level tensor-core primitives for 16-bit operands (sm_80+): mma.sync m16n8k16 with fp32
-// accumulation, ldmatrix fragment loads from shared memory and cp.async row gathers.
+// Warp-level tensor-core primitives (sm_80+): mma.sync m16n8k16 on 16-bit operands and m16n8k8
+// on tf32 ones (split into hi + lo for fp32 accuracy), both with fp32 accumulation; ldmatrix
+// fragment loads from shared memory, stores of accumulator pairs and cp.async row gathers.
 //
 // Fragment layout (g = lane / 4, c = lane % 4): an accumulator tile of 16 x 8 holds
 // (row g, cols 2c, 2c+1) in d[0], d[1] and (row g + 8, same cols) in d[2], d[3].
@@ -13,6 +14,8 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#include "common/device.cuh"
 
 namespace kda_dsa_ops::mma {
 
@@ -107,6 +110,21 @@ __device__ __forceinline__ float2 unpack2(uint32_t v) {
   }
 }
 
+// Two adjacent elements (p 2-element aligned: an even column) from fp32, one store.
+__device__ __forceinline__ void store_pair(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <typename T>
+__device__ __forceinline__ void store_pair(T* p, float a, float b) {
+  *reinterpret_cast<uint32_t*>(p) = pack2<T>(a, b);
+}
+// Columns col, col + 1 of a row of `width` elements (col even), each only where it is inside.
+template <typename T>
+__device__ __forceinline__ void store_pair_within(T* row, int col, int width, float a, float b) {
+  if (col < width) row[col] = from_float<T>(a);
+  if (col + 1 < width) row[col + 1] = from_float<T>(b);
+}
+
 // A fragment (16 x 16 over k) from two accumulator tiles (cols k0.. and k0 + 8..): the
 // probabilities of one key block feed the next product without a trip through shared memory.
 template <typename T>
@@ -115,6 +133,31 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4],
   a[1] = pack2<T>(lo[2], lo[3]);
   a[2] = pack2<T>(hi[0], hi[1]);
   a[3] = pack2<T>(hi[2], hi[3]);
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d += a b for one m16n8k8 tile with tf32 operands (fp32 accumulation).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// x = hi + lo with hi, lo tf32: products of the parts recover fp32 accuracy (3 MMAs: hi hi,
+// hi lo, lo hi; lo lo is below fp32 rounding).
+template <int N>
+__device__ __forceinline__ void split_tf32(const float (&x)[N], uint32_t (&hi)[N], uint32_t (&lo)[N]) {
+  for (int i = 0; i < N; ++i) {
+    hi[i] = to_tf32(x[i]);
+    lo[i] = to_tf32(x[i] - __uint_as_float(hi[i]));
+  }
 }
 
 // 16 bytes global -> shared, asynchronously.

@@ -1,5 +1,6 @@
-// DSA on the CPU. The indexer scores one query's visible keys at a time (the [T, Tk] score
-// matrix never exists) and keeps the top-k; attention runs over the selected keys only.
+// DSA on the CPU: the op entry points for the CPU dispatch key. The indexer scores one query's
+// visible keys at a time (the [T, Tk] score matrix never exists) and keeps the top-k; attention
+// runs over the selected keys only. Inputs in the accumulation type (fp32, fp64 for fp64).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/dispatch.h"
 #include "dsa/dsa.h"
 
 namespace kda_dsa_ops::dsa {
@@ -216,8 +218,6 @@ const T* ptr_or_null(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
-}  // namespace
-
 void indexer_fwd_cpu(const IndexerProblem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,
                      at::Tensor& indices, at::Tensor& scores) {
   by_acc_type(q, [&](auto zero) {
@@ -255,6 +255,66 @@ void attn_bwd_cpu(const AttnProblem& p, const at::Tensor& grad_o, const at::Tens
                      o.data_ptr<T>(), lse.data_ptr<T>(), ptr_or_null<T>(gate), dq.data_ptr<T>(), dkv.data_ptr<T>(),
                      dgate.defined() ? dgate.data_ptr<T>() : nullptr);
   });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> lightning_indexer_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& w, const at::Tensor& cu_seqlens_q,
+                                                             const at::Tensor& cu_seqlens_k, int64_t topk) {
+  const IndexerProblem p = check_indexer_fwd(q, k, w, cu_seqlens_q, cu_seqlens_k, topk);
+  const auto acc = accumulation_type(q);
+  at::Tensor indices = at::empty({p.T, topk}, q.options().dtype(at::kInt));
+  at::Tensor scores = at::empty({p.T, topk}, q.options().dtype(acc));
+  indexer_fwd_cpu(p, contiguous_as(q, acc), contiguous_as(k, acc), contiguous_as(w, acc), indices, scores);
+  return {indices, scores};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lightning_indexer_bwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                                         const at::Tensor& w, const at::Tensor& indices,
+                                                                         const at::Tensor& grad_scores) {
+  const IndexerShapes s = check_indexer_bwd(q, k, w, indices, grad_scores);
+  const auto acc = accumulation_type(q);
+  at::Tensor dq = at::zeros({s.T, s.Hi, s.Di}, q.options().dtype(acc));
+  at::Tensor dk = at::zeros({s.Tk, s.Di}, q.options().dtype(acc));
+  at::Tensor dw = at::zeros({s.T, s.Hi}, q.options().dtype(acc));
+  indexer_bwd_cpu(contiguous_as(q, acc), contiguous_as(k, acc), contiguous_as(w, acc), indices.contiguous(),
+                  contiguous_as(grad_scores, acc), dq, dk, dw);
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dw.to(w.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd_cpu(const at::Tensor& q, const at::Tensor& kv,
+                                                                   const at::Tensor& indices, double scale, int64_t dv,
+                                                                   const std::optional<at::Tensor>& gate,
+                                                                   bool return_p, bool deterministic) {
+  const AttnProblem p = check_attn_fwd(q, kv, indices, scale, dv, gate);
+  (void)deterministic;  // a flag for the backward (autograd keeps it); the forward always is
+  const auto acc = accumulation_type(q);
+  at::Tensor o = at::empty({p.T, p.H, dv}, q.options().dtype(acc));
+  at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(acc));
+  at::Tensor probs = return_p ? at::zeros({p.T, p.Hkv, p.topk}, q.options().dtype(acc)) : at::Tensor();
+  attn_fwd_cpu(p, contiguous_as(q, acc), contiguous_as(kv, acc), indices.contiguous(),
+               gate.has_value() ? contiguous_as(*gate, acc) : at::Tensor(), o, lse, probs);
+  return {o.to(q.scalar_type()), lse, return_p ? probs : at::empty({0}, q.options().dtype(acc))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd_cpu(const at::Tensor& grad_o, const at::Tensor& q,
+                                                                   const at::Tensor& kv, const at::Tensor& indices,
+                                                                   const at::Tensor& o, const at::Tensor& lse,
+                                                                   double scale, int64_t dv,
+                                                                   const std::optional<at::Tensor>& gate,
+                                                                   bool deterministic) {
+  const AttnProblem p = check_attn_bwd(grad_o, q, kv, indices, o, lse, scale, dv, gate);
+  (void)deterministic;  // the CPU kernel accumulates dkv in one fixed order: always deterministic
+  const auto acc = accumulation_type(q);
+  at::Tensor dq = at::zeros({p.T, p.H, p.Dqk}, q.options().dtype(acc));
+  at::Tensor dkv = at::zeros({p.Tk, p.Hkv, p.Dqk}, q.options().dtype(acc));
+  at::Tensor dgate = gate.has_value() ? at::empty({p.T, p.H, dv}, q.options().dtype(acc)) : at::Tensor();
+  attn_bwd_cpu(p, contiguous_as(grad_o, acc), contiguous_as(q, acc), contiguous_as(kv, acc), indices.contiguous(),
+               contiguous_as(o, acc), contiguous_as(lse, acc),
+               gate.has_value() ? contiguous_as(*gate, acc) : at::Tensor(), dq, dkv, dgate);
+  return {dq.to(q.scalar_type()), dkv.to(kv.scalar_type()),
+          gate.has_value() ? dgate.to(gate->scalar_type()) : at::empty({0}, q.options())};
 }
 
 }  // namespace kda_dsa_ops::dsa

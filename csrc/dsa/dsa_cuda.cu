@@ -19,10 +19,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string_view>
 #include <type_traits>
 
+#include "common/checks.h"
 #include "common/device.cuh"
 #include "common/dispatch.h"
 #include "common/hopper.cuh"
@@ -36,7 +35,6 @@ namespace {
 
 using namespace kda_dsa_ops::mma;
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
@@ -47,13 +45,6 @@ __device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
 __device__ __forceinline__ float finite_or_zero(float m) { return m == -INFINITY ? 0.f : m; }
 
 __device__ __forceinline__ int round16(int x) { return (x + 15) / 16 * 16; }
-
-// Stores two adjacent values of a row (cols col, col + 1; col even, width even or col + 1 checked).
-template <typename T>
-__device__ __forceinline__ void store_pair(T* row, int col, int width, float a, float b) {
-  if (col < width) row[col] = from_float<T>(a);
-  if (col + 1 < width) row[col + 1] = from_float<T>(b);
-}
 
 // s += Q K^T for rows row0.. (16) and keys key0.. (32) of row-major shared tiles (leading
 // dimension ld), over the first kd columns (a multiple of 16): four 16 x 8 accumulator tiles.
@@ -733,7 +724,7 @@ __global__ void __launch_bounds__(kIdxThreads) indexer_bwd_kernel(IndexerBwdArgs
     if (row >= a.Hi) continue;
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
-      store_pair(dq_out + (t * a.Hi + row) * a.Di, wc * 64 + n * 8 + 2 * c, a.Di, dq[n][2 * h], dq[n][2 * h + 1]);
+      store_pair_within(dq_out + (t * a.Hi + row) * a.Di, wc * 64 + n * 8 + 2 * c, a.Di, dq[n][2 * h], dq[n][2 * h + 1]);
     }
   }
 #pragma unroll
@@ -974,7 +965,7 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 #pragma unroll
       for (int n = 0; n < kBatch; ++n) {
         const int col = wc * (kDv / 2) + (n0 + n) * 8 + 2 * c;
-        store_pair(out + row * a.dv, col, a.dv, o_acc[n0 + n][2 * h] * inv * sigmoidf(gv[n][0]),
+        store_pair_within(out + row * a.dv, col, a.dv, o_acc[n0 + n][2 * h] * inv * sigmoidf(gv[n][0]),
                    o_acc[n0 + n][2 * h + 1] * inv * sigmoidf(gv[n][1]));
       }
     }
@@ -1518,7 +1509,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     T* dst = dq_out + (t * a.H + head0 + rr) * a.Dqk;
 #pragma unroll
     for (int n = 0; n < S::kQTiles; ++n) {
-      store_pair(dst, wc * (kDqk / 2) + n * 8 + 2 * c, a.Dqk, dq[n][2 * h], dq[n][2 * h + 1]);
+      store_pair_within(dst, wc * (kDqk / 2) + n * 8 + 2 * c, a.Dqk, dq[n][2 * h], dq[n][2 * h + 1]);
     }
   }
 }
@@ -1572,7 +1563,33 @@ AttnArgs attn_args(const AttnProblem& p, const at::Tensor& q, const at::Tensor& 
   return a;
 }
 
-}  // namespace
+// Contiguous rows starting on a 16-byte boundary: the CUDA kernels copy rows in 16-byte pieces
+// (a contiguous view at an odd element offset is copied).
+at::Tensor rows16(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+// The CUDA kernels take 16-bit operands (fp32 accumulation) and these head sizes.
+void check_cuda_dtype(const at::Tensor& q, const char* op) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, op,
+              ": the CUDA kernel takes bfloat16 or float16 inputs, got ", q.scalar_type(),
+              " (float32/float64 run on CPU tensors or through kda_dsa_ops.reference)");
+}
+
+void check_indexer_cuda(const IndexerShapes& s, const at::Tensor& q, const char* op) {
+  check_cuda_dtype(q, op);
+  TORCH_CHECK(s.Hi <= 64, op, ": the CUDA kernel takes up to 64 indexer heads, got Hi = ", s.Hi);
+  TORCH_CHECK(s.Di % 8 == 0 && s.Di >= 8 && s.Di <= 128, op,
+              ": the CUDA kernel takes Di a multiple of 8 from 8 to 128, got Di = ", s.Di);
+}
+
+void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) {
+  check_cuda_dtype(q, op);
+  TORCH_CHECK(p.Dqk % 8 == 0 && (p.Dqk <= 128 || (p.Dqk <= 576 && p.dv <= 512)), op,
+              ": the CUDA kernel takes Dqk a multiple of 8, up to 128 (GQA) or up to 576 with dv <= 512 (MLA), "
+              "got Dqk = ", p.Dqk, ", dv = ", p.dv);
+}
 
 void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,
                       at::Tensor& indices, at::Tensor& scores) {
@@ -1636,11 +1653,10 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
                    const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
   const c10::cuda::CUDAGuard guard(q.device());
-  // KDA_DSA_OPS_PORTABLE_SFA=1 keeps the MLA layout on the portable kernel, the one other GPUs
-  // take (read at each call: the tests compare both on Hopper).
-  const char* portable = std::getenv("KDA_DSA_OPS_PORTABLE_SFA");
+  // The portable_sfa switch keeps the MLA layout on the portable kernel, the one other GPUs take
+  // (the tests compare both on Hopper).
   const bool mla_hopper = p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && is_sm90(q) &&
-                          !(portable != nullptr && std::string_view(portable) == "1");
+                          !switch_on(Switch::kPortableSfa);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
     if (mla_hopper) {
       AttnArgs a = attn_args(p, q, kv, indices, gate, MlaFwd::kRows);
@@ -1701,6 +1717,67 @@ void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Ten
       }
     });
   });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> lightning_indexer_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& w, const at::Tensor& cu_seqlens_q,
+                                                              const at::Tensor& cu_seqlens_k, int64_t topk) {
+  const IndexerProblem p = check_indexer_fwd(q, k, w, cu_seqlens_q, cu_seqlens_k, topk);
+  check_indexer_cuda(IndexerShapes{p.T, p.Tk, p.Hi, p.Di}, q, "lightning_indexer");
+  at::Tensor indices = at::empty({p.T, topk}, q.options().dtype(at::kInt));
+  at::Tensor scores = at::empty({p.T, topk}, q.options().dtype(at::kFloat));
+  indexer_fwd_cuda(p, rows16(q), rows16(k), contiguous_as(w, at::kFloat), indices, scores);
+  return {indices, scores};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lightning_indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                                          const at::Tensor& w,
+                                                                          const at::Tensor& indices,
+                                                                          const at::Tensor& grad_scores) {
+  const IndexerShapes s = check_indexer_bwd(q, k, w, indices, grad_scores);
+  check_indexer_cuda(s, q, "lightning_indexer_bwd");
+  at::Tensor dq = at::empty({s.T, s.Hi, s.Di}, q.options());
+  at::Tensor dk = at::zeros({s.Tk, s.Di}, q.options().dtype(at::kFloat));
+  at::Tensor dw = at::zeros({s.T, s.Hi}, q.options().dtype(at::kFloat));
+  indexer_bwd_cuda(rows16(q), rows16(k), contiguous_as(w, at::kFloat), indices.contiguous(),
+                   contiguous_as(grad_scores, at::kFloat), dq, dk, dw);
+  return {dq, dk.to(k.scalar_type()), dw.to(w.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd_cuda(const at::Tensor& q, const at::Tensor& kv,
+                                                                    const at::Tensor& indices, double scale,
+                                                                    int64_t dv, const std::optional<at::Tensor>& gate,
+                                                                    bool return_p, bool deterministic) {
+  const AttnProblem p = check_attn_fwd(q, kv, indices, scale, dv, gate);
+  (void)deterministic;  // a flag for the backward (autograd keeps it); the forward always is
+  check_attn_cuda(p, q, "sparse_attn_fwd");
+  at::Tensor o = at::empty({p.T, p.H, dv}, q.options());
+  at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(at::kFloat));
+  at::Tensor probs = return_p ? at::zeros({p.T, p.Hkv, p.topk}, q.options().dtype(at::kFloat)) : at::Tensor();
+  attn_fwd_cuda(p, rows16(q), rows16(kv), indices.contiguous(),
+                gate.has_value() ? gate->to(q.scalar_type()).contiguous() : at::Tensor(), o, lse, probs);
+  return {o, lse, return_p ? probs : at::empty({0}, q.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd_cuda(const at::Tensor& grad_o, const at::Tensor& q,
+                                                                    const at::Tensor& kv, const at::Tensor& indices,
+                                                                    const at::Tensor& o, const at::Tensor& lse,
+                                                                    double scale, int64_t dv,
+                                                                    const std::optional<at::Tensor>& gate,
+                                                                    bool deterministic) {
+  const AttnProblem p = check_attn_bwd(grad_o, q, kv, indices, o, lse, scale, dv, gate);
+  check_attn_cuda(p, q, "sparse_attn_bwd");
+  const auto half = q.scalar_type();
+  at::Tensor dq = at::empty({p.T, p.H, p.Dqk}, q.options());
+  at::Tensor dkv = at::zeros({p.Tk * p.Hkv + 1, p.Dqk}, q.options().dtype(at::kFloat));
+  at::Tensor dgate = gate.has_value() ? at::empty({p.T, p.H, dv}, q.options()) : at::Tensor();
+  attn_bwd_cuda(p, grad_o.to(half).contiguous(), rows16(q), rows16(kv), indices.contiguous(), o.to(half).contiguous(),
+                lse.to(at::kFloat).contiguous(), gate.has_value() ? gate->to(half).contiguous() : at::Tensor(),
+                deterministic, dq, dkv, dgate);
+  return {dq, dkv.narrow(0, 0, p.Tk * p.Hkv).view({p.Tk, p.Hkv, p.Dqk}).to(kv.scalar_type()),
+          gate.has_value() ? dgate.to(gate->scalar_type()) : at::empty({0}, q.options())};
 }
 
 }  // namespace kda_dsa_ops::dsa

@@ -1,10 +1,11 @@
 // KDA on the CPU: the chunked algorithm of kda_chunk.h, one task per (sequence, value head),
-// chunks in order, the state in host memory.
+// chunks in order, the state in host memory; the op entry points for the CPU dispatch key.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "common/dispatch.h"
 #include "kda/kda.h"
 #include "kda/kda_chunk.h"
 
@@ -163,9 +164,7 @@ void bwd_impl(const Problem& p, const Inputs& in, const at::Tensor& grad_o, cons
   });
 }
 
-}  // namespace
-
-void fwd_cpu(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& final_state) {
+void fwd_kernel(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& final_state) {
   if (o.scalar_type() == at::kDouble) {
     fwd_impl<double>(p, in, o, final_state);
   } else {
@@ -173,13 +172,75 @@ void fwd_cpu(const Problem& p, const Inputs& in, at::Tensor& o, at::Tensor& fina
   }
 }
 
-void bwd_cpu(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
+void bwd_kernel(const Problem& p, const Inputs& in, const at::Tensor& grad_o, const at::Tensor& grad_final_state,
              Grads& grads) {
   if (grads.dq.scalar_type() == at::kDouble) {
     bwd_impl<double>(p, in, grad_o, grad_final_state, grads);
   } else {
     bwd_impl<float>(p, in, grad_o, grad_final_state, grads);
   }
+}
+
+constexpr double kL2NormEps = 1e-6;  // x / sqrt(sum(x^2) + eps), as reference/kda.py
+
+// x in the accumulation type, divided by its norm per row when l2norm (rinv: 1 / norm).
+at::Tensor normalised(const at::Tensor& x, bool l2norm, at::Tensor* rinv) {
+  const at::Tensor xa = x.to(accumulation_type(x));
+  if (!l2norm) return xa.contiguous();
+  *rinv = at::rsqrt((xa * xa).sum(-1, true) + kL2NormEps);
+  return (xa * *rinv).contiguous();
+}
+
+// Gradient w.r.t. the raw q (or k) from the per-value-head gradients w.r.t. the normalised one.
+at::Tensor input_grad(const at::Tensor& d_per_vhead, const Problem& p, const at::Tensor& normed,
+                      const at::Tensor& rinv, bool use_qk_l2norm, at::ScalarType dtype) {
+  at::Tensor d = d_per_vhead.view({p.B, p.T, p.H, p.HV / p.H, p.K}).sum(3);
+  if (use_qk_l2norm) d = (d - normed * (normed * d).sum(-1, true)) * rinv;
+  return d.to(dtype);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> kda_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& g, const at::Tensor& beta, double scale,
+                                               const std::optional<at::Tensor>& initial_state,
+                                               const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
+                                               bool use_qk_l2norm, bool bf16_products) {
+  const Problem p = check_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
+  at::Tensor final_state = final_state_for(p, q, output_final_state);
+  at::Tensor ht = output_final_state ? final_state : at::Tensor(), rinv_q, rinv_k;
+  const Inputs in = accumulation_inputs(normalised(q, use_qk_l2norm, &rinv_q), normalised(k, use_qk_l2norm, &rinv_k),
+                                        v, g, beta, initial_state);
+  at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, in.q.options());
+  fwd_kernel(p, in, o, ht);
+  return {o.to(q.scalar_type()), final_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_bwd_cpu(
+    const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
+    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm,
+    bool bf16_products) {
+  at::Tensor dht, rinv_q, rinv_k;
+  const Problem p = check_bwd(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                              bf16_products, dht);
+  const Inputs in = accumulation_inputs(normalised(q, use_qk_l2norm, &rinv_q), normalised(k, use_qk_l2norm, &rinv_k),
+                                        v, g, beta, initial_state);
+  const auto opts = in.q.options();
+  Grads gr;
+  gr.dinitial_state = at::empty({p.N, p.HV, p.K, p.V}, opts);
+  gr.dv = at::empty({p.B, p.T, p.HV, p.V}, opts);
+  gr.dq = at::empty({p.B, p.T, p.HV, p.K}, opts);
+  gr.dk = at::empty({p.B, p.T, p.HV, p.K}, opts);
+  gr.dg = at::empty({p.B, p.T, p.HV, p.K}, opts);
+  gr.dbeta = at::empty({p.B, p.T, p.HV}, opts);
+  bwd_kernel(p, in, grad_o.to(opts.dtype()).contiguous(), dht, gr);
+  return {input_grad(gr.dq, p, in.q, rinv_q, use_qk_l2norm, q.scalar_type()),
+          input_grad(gr.dk, p, in.k, rinv_k, use_qk_l2norm, k.scalar_type()),
+          gr.dv.to(v.scalar_type()),
+          gr.dg.to(g.scalar_type()),
+          gr.dbeta.to(beta.scalar_type()),
+          initial_state.has_value() ? gr.dinitial_state : at::empty({0}, opts)};
 }
 
 }  // namespace kda_dsa_ops::kda

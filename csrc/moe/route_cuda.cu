@@ -26,24 +26,10 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxExperts = 2048;
 constexpr int kCandidates = 64;  // per warp: keys at or above the bound, sorted 2 per lane
-constexpr float kLog2e = 1.4426950408889634f;
 
 struct SoftmaxStats {
   float max = 0.f, inv_sum = 1.f;  // the row's maximum logit and 1 / sum(exp(x - max))
 };
-
-// 2^x and 1/x on the MUFU unit with denormals flushed (exp2f / __fdividef add a range check
-// and rescale around every call to honour denormals, ~4 instructions per score).
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_ftz(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // The score of one logit, computed exactly as warp_scores computes it: hardware exp2 and
 // reciprocal (relative error near 1e-6 for |x| <= 16, far below what separates experts; the

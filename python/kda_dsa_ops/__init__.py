@@ -36,16 +36,29 @@ def value_checks_enabled() -> bool:
     unless KDA_DSA_OPS_CHECK_VALUES=1 is set or set_value_checks(True) is called; when off, the
     CUDA kernels still never read or write out of bounds on bad values.
     """
-    return _C.value_checks()
+    return _C.switch("value_checks")
 
 
 def set_value_checks(enabled: bool) -> None:
     """Turn value checks on CUDA tensors on or off (see value_checks_enabled)."""
-    _C.set_value_checks(bool(enabled))
+    _C.set_switch("value_checks", bool(enabled))
+
+
+def portable_sfa_enabled() -> bool:
+    """Whether sparse_attention's MLA layout (Dqk 576, dv 512, one kv head) takes the portable
+    mma.sync kernel on Hopper too, instead of its wgmma kernel; other GPUs always take it.
+
+    Off unless KDA_DSA_OPS_PORTABLE_SFA=1 is set or set_portable_sfa(True) is called."""
+    return _C.switch("portable_sfa")
+
+
+def set_portable_sfa(enabled: bool) -> None:
+    """Turn the portable sparse-attention kernel on Hopper on or off (see portable_sfa_enabled)."""
+    _C.set_switch("portable_sfa", bool(enabled))
 
 
 __all__ = [
     "build_info", "chunk_kda", "cuda_available", "from_pretrained", "grouped_mm", "grouped_mm_wgrad",
-    "lightning_indexer", "moe_permute", "moe_route", "moe_unpermute", "set_value_checks", "sparse_attention",
-    "value_checks_enabled",
+    "lightning_indexer", "moe_permute", "moe_route", "moe_unpermute", "portable_sfa_enabled", "set_portable_sfa",
+    "set_value_checks", "sparse_attention", "value_checks_enabled",
 ]

@@ -54,8 +54,8 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     kernel always is; the CUDA kernel otherwise adds dkv with atomics, and with it stores each
     (query, key) term and sums them in index order: slower, more memory traffic). On an sm_90 GPU the MLA layout's forward takes
     a Hopper kernel (wgmma); return_p adds a second pass over the selected keys.
-    KDA_DSA_OPS_PORTABLE_SFA=1 in the environment keeps it on the portable kernel that other
-    GPUs take (for comparison and testing).
+    kda_dsa_ops.set_portable_sfa(True) (or KDA_DSA_OPS_PORTABLE_SFA=1 in the environment) keeps
+    it on the portable kernel that other GPUs take (for comparison and testing).
     """
     scale, dv = attention_defaults(q, scale, dv)
     o, lse, p = _ops.sparse_attn_fwd(q, kv, indices, scale, dv, gate, return_p, deterministic)

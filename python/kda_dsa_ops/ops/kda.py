@@ -68,7 +68,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
 def _int32_offsets(cu_seqlens: Tensor) -> Tensor:
     """int64 cu_seqlens as the op's int32, its values checked first where values are checked (CPU
     tensors, or kda_dsa_ops.set_value_checks(True)): a cast would wrap those past 2^31."""
-    if cu_seqlens.numel() > 0 and (not cu_seqlens.is_cuda or _C.value_checks()):
+    if cu_seqlens.numel() > 0 and (not cu_seqlens.is_cuda or _C.switch("value_checks")):
         lo, hi = int(cu_seqlens.min()), int(cu_seqlens.max())
         if lo < 0 or hi >= 2 ** 31:
             raise ValueError(f"chunk_kda: cu_seqlens values must lie in [0, 2^31) (int32 offsets), got values in "

@@ -1,0 +1,688 @@
+// KDA's backward stage: per (chunk, value head), from the chunk's start state S0, end-state
+// gradient dS1 (the state stage's) and the intra stage's terms, every gradient of the chunk,
+// differentiating kda_chunk.h's steps exactly (chunk_bwd there): the dense part (dU, dW, the
+// gradients of Qg, Kd, Aqk, A through Minv, dv, dbeta's share) and the pair part (the gradients
+// of A, Aqk back to q, k and the cumulative log-decay G, whose reverse cumsum is dg). Then the
+// finishing pass: each head's value heads summed, the L2 normalisation's gradient, token-major
+// outputs in the op's dtypes.
+//   chunk_bwd_kernel           the generic family: kda_chunk.h's chunk_bwd on the block team
+//   bwd_dense_bf16_kernel      the bf16 family, dense part: every product an mma.sync
+//   bwd_pairs_diag_kernel      the bf16 family, pairs inside the diagonal 16 x 16 blocks
+//   bwd_pairs_offdiag_kernel   the bf16 family, pairs across blocks and the reverse cumsum
+//   finish_grads_kernel        the finishing pass, a warp per (token, head task)
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "kda/kda_cuda.cuh"
+#include "kda/tiles16.cuh"
+
+namespace kda_dsa_ops::kda {
+
+namespace {
+
+// The chunk backward (both parts of chunk_bwd) on the prepared fp32 inputs.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> z, T scale, const T* __restrict__ q,
+                                                             const T* __restrict__ k, const T* __restrict__ v,
+                                                             const T* __restrict__ g, const T* __restrict__ beta,
+                                                             Intra<T> in, const T* __restrict__ starts,
+                                                             const T* __restrict__ dends, const T* __restrict__ dO,
+                                                             BwdWork<T> w, T* dv) {
+  extern __shared__ unsigned char smem_raw[];
+  const ChunkSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K, z.V);
+  const int64_t slot = blockIdx.x, hv = blockIdx.y;
+  int64_t t0;
+  int L;
+  if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
+  const BlockTeam tm{z.bf16};
+  const int K = static_cast<int>(z.K), V = static_cast<int>(z.V);
+  const ChunkDims d{L, K, V};
+  load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm);
+  const int64_t row = hv * sq_.tokens + t0, state = (hv * sq_.slots + slot) * K * V;
+  T* sdAqk = sm.end;
+  T* sdA = sdAqk + kChunk * kChunk;
+  T* sY = sdA + kChunk * kChunk;  // [2 kSub, K]
+  T* slast = sY + 2 * kSub * K;
+  const ChunkBwdScratch<T> sc{w.U + row * V, w.dU + row * V, w.dW + row * K, w.ZW + row * K, w.ZU + row * V,
+                              sdAqk,         sdA,            slast,          w.kE + row * K, w.qE + row * K,
+                              sY};
+  const int64_t gc = (hv * sq_.slots + slot) * K;
+  chunk_bwd(tm, d, scale, sm.q, sm.k, sm.gates(), sm.v, sm.beta, in.A + row * kChunk, in.Aqk + row * kChunk,
+            in.Minv + row * kChunk, in.W + row * K, in.Ut + row * V, in.Qg + row * K, in.Kd + row * K, in.gC + gc,
+            starts + state, dends + state, dO + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), sc, w.dq + row * K,
+            w.dk + row * K, w.dg + row * K, dv + (t0 * z.HV + hv) * V, static_cast<int>(z.HV * V), w.dbeta + row);
+}
+
+// chunk_bwd_dense in bf16-product mode for K, V in {64, 128}: one block of 8 warps per (chunk,
+// value head), every product an mma.sync on bf16 tiles in shared memory (fp32 accumulation),
+// warp w taking rows 16 (w % 4).. and half of the columns. It takes the intra kernel's bf16
+// terms, dO as scale dO in bf16, and v, beta as given. Results into w's dq (dQg), dk (dKd), ZW,
+// dA, dAqk, last and dbeta, and dv (in v's type), as chunk_bwd_dense leaves them.
+template <int kK>
+struct BwdDenseBf16 {
+  static constexpr int kThreads = 256;
+  static constexpr int kLd = kMaxHeadDim + 8;  // bf16 rows of the [*, K] and [*, V] tiles
+  static constexpr int kLdC = kChunk + 8;      // bf16 rows of Aqk and Minv
+  static constexpr size_t bytes() {
+    return 2 * (2 * kK * kLd + 7 * kChunk * kLd + 2 * kChunk * kLdC) + 4 * 2 * kChunk;
+  }
+};
+
+template <int kK, typename T>
+__global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
+    bwd_dense_bf16_kernel(Seqs sq_, int64_t HV, int V, Intra<__nv_bfloat16> in, const float* __restrict__ starts,
+                          const float* __restrict__ dends, const __nv_bfloat16* __restrict__ dOs, RawIn<T> raw,
+                          BwdWork<float> w, T* dv) {
+  using bf16 = __nv_bfloat16;
+  using Z = BwdDenseBf16<kK>;
+  constexpr int kLd = Z::kLd, kLdC = Z::kLdC;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sS0 = reinterpret_cast<bf16*>(smem_raw);  // [kK, V]
+  bf16* sdS1 = sS0 + kK * kLd;                     // [kK, V]
+  bf16* sW = sdS1 + kK * kLd;                      // [64, K]
+  bf16* sKd = sW + kChunk * kLd;                   // [64, K], then ZW
+  bf16* sUt = sKd + kChunk * kLd;                  // [64, V]
+  bf16* sdO = sUt + kChunk * kLd;                  // [64, V] (scale dO), then ZU
+  bf16* sU = sdO + kChunk * kLd;                   // [64, V]
+  bf16* sdU = sU + kChunk * kLd;                   // [64, V]
+  bf16* sdW = sdU + kChunk * kLd;                  // [64, K]
+  bf16* sAqk = sdW + kChunk * kLd;                 // [64, 64]
+  bf16* sMinv = sAqk + kChunk * kLdC;              // [64, 64]
+  float* sdb = reinterpret_cast<float*>(sMinv + kChunk * kLdC);  // [2, 64] halves of dbeta's first term
+
+  const int64_t slot = blockIdx.x, hv = blockIdx.y;
+  int64_t t0;
+  int L;
+  if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int rt = warp % 4, half = warp / 4;
+  const int64_t row0 = hv * sq_.tokens + t0, gc = (hv * sq_.slots + slot) * kK, state = gc * V;
+  const int64_t ldv = HV * V;  // token-major rows of dO, v, dv
+
+  // The chunk's terms and dO (rows from L on zero) by bulk copies; the states (and sum_j dS1 S0
+  // per row, in fp32) rounded to bf16 meanwhile.
+  const auto rows = [&](const bf16* base, int64_t ld) {
+    return [=](int r) { return r < L ? base + r * ld : nullptr; };
+  };
+  mma::gather_rows(sW, kLd, kChunk, kK, kK, rows(in.W + row0 * kK, kK));
+  mma::gather_rows(sKd, kLd, kChunk, kK, kK, rows(in.Kd + row0 * kK, kK));
+  mma::gather_rows(sUt, kLd, kChunk, V, V, rows(in.Ut + row0 * V, V));
+  mma::gather_rows(sAqk, kLdC, kChunk, kChunk, kChunk, rows(in.Aqk + row0 * kChunk, kChunk));
+  mma::gather_rows(sMinv, kLdC, kChunk, kChunk, kChunk, rows(in.Minv + row0 * kChunk, kChunk));
+  mma::gather_rows(sdO, kLd, kChunk, V, V, rows(dOs + (t0 * HV + hv) * V, ldv));
+  mma::cp_async_commit();
+  constexpr int kRowsPerWarp = kK / (Z::kThreads / 32), kBatch = 4;
+  for (int c0 = warp * kRowsPerWarp; c0 < (warp + 1) * kRowsPerWarp; c0 += kBatch) {
+    float4 a[kBatch], b[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const bool in_row = lane * 4 < V;
+      a[j] = in_row ? __ldg(reinterpret_cast<const float4*>(starts + state + (c0 + j) * V + lane * 4)) : float4{};
+      b[j] = in_row ? __ldg(reinterpret_cast<const float4*>(dends + state + (c0 + j) * V + lane * 4)) : float4{};
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int c = c0 + j;
+      if (lane * 4 < V) {
+        *reinterpret_cast<uint2*>(sS0 + c * kLd + lane * 4) =
+            make_uint2(mma::pack2<bf16>(a[j].x, a[j].y), mma::pack2<bf16>(a[j].z, a[j].w));
+        *reinterpret_cast<uint2*>(sdS1 + c * kLd + lane * 4) =
+            make_uint2(mma::pack2<bf16>(b[j].x, b[j].y), mma::pack2<bf16>(b[j].z, b[j].w));
+      }
+      const float dot = warp_reduce(a[j].x * b[j].x + a[j].y * b[j].y + a[j].z * b[j].z + a[j].w * b[j].w, SumOp{});
+      if (lane == 0) w.last[gc + c] = dot;
+    }
+  }
+  mma::cp_async_wait<0>();
+  __syncthreads();
+
+  float acc[8][4] = {};
+  {  // U = Ut - W S0, dU = Aqk^T (scale dO) + Kd dS1 (rows from L on are zero in both)
+    const int n0 = half * V / 2;
+    warp_tile_product<false, false>(acc, sW, kLd, sS0, kLd, rt, n0, V, 0, kK / 16);
+    drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) {
+      mma::store_pair(sU + t * kLd + col, to_float(sUt[t * kLd + col]) - x0, to_float(sUt[t * kLd + col + 1]) - x1);
+    });
+    warp_tile_product<true, false>(acc, sAqk, kLdC, sdO, kLd, rt, n0, V, 0, kChunk / 16);
+    warp_tile_product<false, false>(acc, sKd, kLd, sdS1, kLd, rt, n0, V, 0, kK / 16);
+    drain_tile(acc, rt, n0, V, [&](int t, int col, float x0, float x1) { mma::store_pair(sdU + t * kLd + col, x0, x1); });
+  }
+  __syncthreads();
+  {  // dQg = (scale dO) S0^T, dKd = U dS1^T, dW = -dU S0^T, dAqk = (scale dO) U^T (s <= t)
+    const int n0 = half * kK / 2;
+    warp_tile_product<false, true>(acc, sdO, kLd, sS0, kLd, rt, n0, kK, 0, V / 16);
+    drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) {
+      if (t < L) mma::store_pair(w.dq + (row0 + t) * kK + col, x0, x1);
+    });
+    warp_tile_product<false, true>(acc, sU, kLd, sdS1, kLd, rt, n0, kK, 0, V / 16);
+    drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) {
+      if (t < L) mma::store_pair(w.dk + (row0 + t) * kK + col, x0, x1);
+    });
+    warp_tile_product<false, true>(acc, sdU, kLd, sS0, kLd, rt, n0, kK, 0, V / 16);
+    drain_tile(acc, rt, n0, kK, [&](int t, int col, float x0, float x1) { mma::store_pair(sdW + t * kLd + col, -x0, -x1); });
+    warp_tile_product<false, true>(acc, sdO, kLd, sU, kLd, rt, half * kChunk / 2, kChunk, 0, V / 16);
+    drain_tile(acc, rt, half * kChunk / 2, kChunk, [&](int t, int col, float x0, float x1) {
+      if (t < L) mma::store_pair(w.dAqk + (row0 + t) * kChunk + col, col <= t ? x0 : 0.f, col + 1 <= t ? x1 : 0.f);
+    });
+  }
+  __syncthreads();
+  {  // ZW = Minv^T dW (out, and over Kd), ZU = Minv^T dU (over dO), dv = diag(beta) ZU, sum_j ZU v
+    warp_tile_product<true, false>(acc, sMinv, kLdC, sdW, kLd, rt, half * kK / 2, kK, 0, kChunk / 16);
+    drain_tile(acc, rt, half * kK / 2, kK, [&](int t, int col, float x0, float x1) {
+      mma::store_pair(sKd + t * kLd + col, x0, x1);
+      if (t < L) mma::store_pair(w.ZW + (row0 + t) * kK + col, x0, x1);
+    });
+    warp_tile_product<true, false>(acc, sMinv, kLdC, sdU, kLd, rt, half * V / 2, V, 0, kChunk / 16);
+    float part[2] = {0.f, 0.f};
+    drain_tile(acc, rt, half * V / 2, V, [&](int t, int col, float x0, float x1) {
+      mma::store_pair(sdO + t * kLd + col, x0, x1);
+      if (t < L) {
+        const int64_t e = (t0 + t) * ldv + hv * V + col, eb = (t0 + t) * HV + hv;
+        const float b = raw.beta_f32 ? __ldg(static_cast<const float*>(raw.beta) + eb)
+                                     : to_float(__ldg(static_cast<const T*>(raw.beta) + eb));
+        const float v0 = to_float(__ldg(raw.v + e)), v1 = to_float(__ldg(raw.v + e + 1));
+        mma::store_pair(dv + e, b * x0, b * x1);
+        part[(t / 8) % 2] += x0 * v0 + x1 * v1;
+      }
+    });
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      part[hh] += __shfl_xor_sync(0xffffffffu, part[hh], 1);
+      part[hh] += __shfl_xor_sync(0xffffffffu, part[hh], 2);
+      if (lane % 4 == 0) sdb[half * kChunk + 16 * rt + lane / 4 + 8 * hh] = part[hh];
+    }
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < L) w.dbeta[row0 + threadIdx.x] = sdb[threadIdx.x] + sdb[kChunk + threadIdx.x];
+  {  // dA = -(ZW W^T + ZU Ut^T), kept for s < t
+    warp_tile_product<false, true>(acc, sKd, kLd, sW, kLd, rt, half * kChunk / 2, kChunk, 0, kK / 16);
+    warp_tile_product<false, true>(acc, sdO, kLd, sUt, kLd, rt, half * kChunk / 2, kChunk, 0, V / 16);
+    drain_tile(acc, rt, half * kChunk / 2, kChunk, [&](int t, int col, float x0, float x1) {
+      if (t < L) mma::store_pair(w.dA + (row0 + t) * kChunk + col, col < t ? -x0 : 0.f, col + 1 < t ? -x1 : 0.f);
+    });
+  }
+}
+
+// This block's chunk for the bf16 backward kernels: its tiles laid out from the front of shared
+// memory (rest: the first byte after them), its first token t0 and length L.
+template <int kK, typename T>
+struct Chunk16 {
+  ChunkTiles16<kK, T> ct;
+  unsigned char* rest;
+  int64_t t0, row0, gc;  // row0: the workspaces' row of step 0; gc: the [HV, slots, K] offset
+  int L;
+  // false for an unused slot, else the chunk is loaded.
+  __device__ bool begin(const Seqs& sq_, int64_t H, int64_t HV, const RawIn<T>& in, unsigned char* smem) {
+    ct = ChunkTiles16<kK, T>::carve(smem, &rest);
+    if (!sq_.locate(blockIdx.x, t0, L) || !sq_.valid(blockIdx.x, t0, L)) return false;
+    row0 = blockIdx.y * sq_.tokens + t0;
+    gc = (blockIdx.y * sq_.slots + blockIdx.x) * kK;
+    ct.load(in, H, HV, t0, L, blockIdx.y, nullptr, 0);
+    return true;
+  }
+};
+
+// bwd_pairs_diag_kernel's results for the rows i < n (up to 16) of one channel of a diagonal
+// block (element i at at + i ld), the loads of kGroup rows issued together. ra[i] is replaced by
+// row i's term of dbeta, ZW k exp(G) (its registers are free then); the return value is the
+// channel's term of G_last's extra gradient over these rows, sum Kd dKd.
+template <typename QN>
+__device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const float* beta, float gl,
+                                                const float (&kn)[16], QN qn, const float (&G)[16],
+                                                float (&ra)[16], const float (&rq)[16], const float (&cl)[16],
+                                                const float* zw, float* dq, float* dk, float* dg) {
+  constexpr int kGroup = 2;
+  float last = 0.f;
+#pragma unroll
+  for (int i0 = 0; i0 < 16; i0 += kGroup) {
+    float dqg[kGroup], dkd[kGroup], z[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      const int64_t e = at + (i0 + i) * ld;
+      dqg[i] = i0 + i < n ? dq[e] : 0.f;
+      dkd[i] = i0 + i < n ? dk[e] : 0.f;
+      z[i] = i0 + i < n ? __ldg(zw + e) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      const int i = i0 + j;
+      const float eg = exp2_ftz(G[i]), ed = exp2_ftz(gl - G[i]), zg = z[j] * eg;
+      last += kn[i] * ed * dkd[j];
+      if (i < n) {
+        const int64_t e = at + i * ld;
+        const float bz = beta[i] * zg;
+        dq[e] = dqg[j] * eg + rq[i];
+        dk[e] = dkd[j] * ed + ra[i] + cl[i] + bz;
+        const float qi = qn(i);
+        dg[e] = dqg[j] * qi * eg - dkd[j] * kn[i] * ed + kn[i] * (ra[i] - cl[i] + bz) + qi * rq[i];
+      }
+      ra[i] = zg * kn[i];
+    }
+  }
+  return last;
+}
+
+// chunk_bwd_pairs in bf16-product mode (bf16 / fp16 inputs, K 64 or 128), part 1 of 2, after
+// bwd_dense_bf16_kernel: dbeta's other terms, G_last's extra gradient into w.last, and per element
+// (t, c) the terms from dQg, dKd and ZW and the pairs inside the diagonal 16 x 16 blocks. A thread
+// per (channel, diagonal block) walks the block's 136 pairs once, each pair's exp serving the row
+// terms of t and the column term of s; the sums over channels and rows (dbeta, w.last) go
+// through shared memory. dq, dk, dg into w (over dQg, dKd); part 2
+// (bwd_pairs_offdiag_kernel) adds the pairs across blocks and the reverse cumsum.
+template <int kK, typename T>
+struct PairsDiag {
+  using C = ChunkTiles16<kK, T>;
+  static constexpr size_t bytes() { return C::bytes() + 4 * (2 * kChunk * kChunk + kChunk + kK); }
+};
+
+template <int kK, typename T>
+__global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
+    bwd_pairs_diag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, const float* __restrict__ A, BwdWork<float> w,
+                          GradOut out) {
+  using C = ChunkTiles16<kK, T>;
+  constexpr int kLdK = C::kLdK, kLdG = C::kLdG;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Chunk16<kK, T> ch;
+  if (!ch.begin(sq_, H, HV, in, smem_raw)) return;
+  const C& ct = ch.ct;
+  const int L = ch.L;
+  const int64_t row0 = ch.row0, gc = ch.gc;
+  const T *sq = ct.q, *sk = ct.k;
+  const float *sG = ct.G, *sbeta = ct.beta, *srq = ct.rq, *srk = ct.rk;
+  float* sdA = reinterpret_cast<float*>(ch.rest);  // [kChunk, kChunk]: beta_t dA_ts
+  float* sdAqk = sdA + kChunk * kChunk;            // [kChunk, kChunk]
+  float* sdb = sdAqk + kChunk * kChunk;            // [kChunk]: dbeta's terms here
+  float* slast = sdb + kChunk;                     // [kK]: sum_t Kd dKd
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const float* Gl = sG + (L - 1) * kLdG;
+  if (tid < kChunk) sdb[tid] = 0.f;
+  if (tid < kK) slast[tid] = 0.f;
+  __syncthreads();
+
+  {  // dA (times beta_t) and dAqk staged; dbeta_t += sum_{s<t} dA A (iteration j: rows warp / 2 + 4 j)
+    constexpr int kIters = kChunk * kChunk / C::kThreads;
+    static_assert(kIters == 16, "a transposed sum over 16 rows");
+#pragma unroll 8
+    for (int j = 0; j < kIters; ++j) {
+      const int i = tid + j * C::kThreads, t = i / kChunk;
+      sdA[i] = t < L ? sbeta[t] * __ldg(w.dA + row0 * kChunk + i) : 0.f;
+      sdAqk[i] = t < L ? __ldg(w.dAqk + row0 * kChunk + i) : 0.f;
+    }
+    float da_a[kIters];
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int i = tid + j * C::kThreads, t = i / kChunk;
+      da_a[j] = t < L ? __ldg(w.dA + row0 * kChunk + i) * __ldg(A + row0 * kChunk + i) : 0.f;
+    }
+    const float sum = warp_sum_transposed(da_a);
+    if (lane < kIters) atomicAdd(sdb + warp / 2 + 4 * lane, sum);
+  }
+  __syncthreads();
+
+  // Per (channel, diagonal block), a warp sharing its block: the block's pairs, then the outputs,
+  // dbeta's ZW k exp(G) summed over the warp's channels, sum_t Kd dKd over the block's rows.
+  for (int task = tid; task < 4 * kK; task += C::kThreads) {
+    const int c = task % kK, b0 = task / kK * 16;
+    if (b0 >= L) continue;
+    // q's normalised row i of the block, from shared memory where needed (not held in registers)
+    const auto qn = [&](int i) { return to_float(sq[(b0 + i) * kLdK + c]) * srq[b0 + i]; };
+    float kn[16], G[16], ra[16], rq[16], cl[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      kn[i] = to_float(sk[(b0 + i) * kLdK + c]) * srk[b0 + i];
+      G[i] = sG[(b0 + i) * kLdG + c];
+      ra[i] = rq[i] = cl[i] = 0.f;
+    }
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      const float qt = qn(t);
+#pragma unroll
+      for (int s = 0; s <= t; ++s) {
+        const float e = exp2_ftz(G[t] - G[s]), x = kn[s] * e;
+        const float da = sdA[(b0 + t) * kChunk + b0 + s], dq = sdAqk[(b0 + t) * kChunk + b0 + s];
+        ra[t] += da * x;
+        rq[t] += dq * x;
+        cl[s] += (da * kn[t] + dq * qt) * e;
+      }
+    }
+    const float last = pairs_diag_out(L - b0, (row0 + b0) * kK + c, kK, sbeta + b0, Gl[c], kn, qn, G, ra, rq, cl,
+                                      w.ZW, w.dq, w.dk, w.dg);
+    atomicAdd(slast + c, last);
+    const float zsum = warp_sum_transposed(ra);  // dbeta's terms now
+    if (lane < 16) atomicAdd(sdb + b0 + lane, zsum);
+  }
+  __syncthreads();
+  if (tid < L) {
+    const float db = w.dbeta[row0 + tid] + sdb[tid];
+    if (out.dbeta != nullptr) {
+      store_elem(out.dbeta, (ch.t0 + tid) * HV + blockIdx.y, db, out.eb);
+    } else {
+      w.dbeta[row0 + tid] = db;
+    }
+  }
+  if (tid < kK) w.last[gc + tid] = w.last[gc + tid] * exp2_ftz(Gl[tid]) + slast[tid];
+}
+
+// Part 2 of 2: the pairs across diagonal blocks as mma.sync products on bf16 tiles, the operands
+// scaled to one reference row per warp as in the intra kernel. Warp w owns the rows of block
+// b = w % 4 and half of the columns. Row terms (b >= 1, r = 16 b): exp(G_t - G_r) times
+// (dA Ks_r, dAqk Ks_r) with Ks_r = k_s exp(G_r - G_s) over s < r. Column terms (b <= 2, r' = 16 b
+// + 16): exp(G_r' - G_s) times (dA^T kE_r' + dAqk^T qE_r') over the rows t >= r', kE_r', qE_r' =
+// k_t, q_t exp(G_t - G_r'). Every factor is at most 1. The terms are staged in shared memory (over
+// the spent operands), then one pass adds them to dq, dk, dg and takes dg's reverse cumsum from
+// w.last.
+template <int kK, typename T>
+struct PairsOffdiag {
+  using C = ChunkTiles16<kK, T>;
+  static constexpr int kLdK = C::kLdK, kLdC = kChunk + 8, kLdS = kK + 8;
+  // Ks_16, Ks_32, Ks_48 (16, 32, 48 rows) and kE_16, kE_32, kE_48 (48, 32, 16 rows): 96 rows each.
+  static constexpr int kSlabRows = 96;
+  static constexpr size_t kOperands = 2 * (2 * kChunk * kLdC + 3 * kSlabRows * kLdK);
+  static constexpr size_t kStaging = 4 * 3 * kChunk * kLdS;  // the dq, dk, dg terms in fp32
+  static constexpr size_t bytes() { return C::bytes() + (kOperands > kStaging ? kOperands : kStaging); }
+  // First row of slab j (reference row 16 j + 16) among the Ks and the kE / qE rows.
+  __device__ static int ks_row(int j) { return j == 0 ? 0 : j == 1 ? 16 : 48; }
+  __device__ static int e_row(int j) { return j == 0 ? 0 : j == 1 ? 48 : 80; }
+};
+
+template <int kK, typename T>
+__global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
+    bwd_pairs_offdiag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, BwdWork<float> w, GradOut out) {
+  using bf16 = __nv_bfloat16;
+  using C = ChunkTiles16<kK, T>;
+  using Z = PairsOffdiag<kK, T>;
+  constexpr int kLdK = C::kLdK, kLdG = C::kLdG, kLdC = Z::kLdC, kLdS = Z::kLdS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Chunk16<kK, T> ch;
+  if (!ch.begin(sq_, H, HV, in, smem_raw)) return;
+  const C& ct = ch.ct;
+  const int L = ch.L;
+  const int64_t row0 = ch.row0, gc = ch.gc;
+  bf16* sdA = reinterpret_cast<bf16*>(ch.rest);  // [kChunk, kLdC]: beta_t dA_ts
+  bf16* sdAqk = sdA + kChunk * kLdC;              // [kChunk, kLdC]
+  bf16* sKs = sdAqk + kChunk * kLdC;              // [96, kLdK]
+  bf16* skE = sKs + Z::kSlabRows * kLdK;          // [96, kLdK]
+  bf16* sqE = skE + Z::kSlabRows * kLdK;          // [96, kLdK]
+  float* sSq = reinterpret_cast<float*>(ch.rest);  // [kChunk, kLdS] each, over the operands
+  float* sSk = sSq + kChunk * kLdS;
+  float* sSg = sSk + kChunk * kLdS;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const auto kn = [&](int t, int c) { return to_float(ct.k[t * kLdK + c]) * ct.rk[t]; };
+  const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
+  const auto G = [&](int t, int c) { return ct.G[t * kLdG + c]; };
+
+#pragma unroll 8
+  for (int i = tid; i < kChunk * kChunk / 2; i += C::kThreads) {
+    const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
+    const float b = t < L ? ct.beta[t] : 0.f;
+    const float2 da = t < L ? __ldg(reinterpret_cast<const float2*>(w.dA + (row0 + t) * kChunk + s)) : float2{};
+    const float2 dq = t < L ? __ldg(reinterpret_cast<const float2*>(w.dAqk + (row0 + t) * kChunk + s)) : float2{};
+    mma::store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
+    mma::store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
+  }
+  for (int i = tid; i < Z::kSlabRows * kK; i += C::kThreads) {
+    const int j = i / kK, c = i % kK;
+    {  // Ks_r row s
+      const int slab = j < 16 ? 0 : j < 48 ? 1 : 2, r = 16 * slab + 16, s = j - Z::ks_row(slab);
+      sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_ftz(G(r, c) - G(s, c)));
+    }
+    {  // kE_r, qE_r row t
+      const int slab = j < 48 ? 0 : j < 80 ? 1 : 2, r = 16 * slab + 16, t = r + j - Z::e_row(slab);
+      const float e = exp2_ftz(G(t, c) - G(r, c));
+      skE[j * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
+      sqE[j * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
+    }
+  }
+  __syncthreads();
+
+  const int rt = warp % 4, n0 = warp / 4 * kK / 2;
+  float ya[8][4] = {}, yq[8][4] = {}, x[8][4] = {};
+  if (rt >= 1) {  // block rt's rows from the keys before it
+    const bf16* Ks = sKs + Z::ks_row(rt - 1) * kLdK;
+    warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
+    warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
+  }
+  if (rt <= 2) {  // block rt's rows as keys of the later rows (operand rows t - r' + e_row)
+    const int off = (Z::e_row(rt) - 16 * (rt + 1)) * kLdK;
+    warp_tile_product<true, false>(x, sdA, kLdC, skE + off, kLdK, rt, n0, kK, rt + 1, 4);
+    warp_tile_product<true, false>(x, sdAqk, kLdC, sqE + off, kLdK, rt, n0, kK, rt + 1, 4);
+  }
+  __syncthreads();  // the operands are spent: the staging goes over them
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    if (n < kK / 16) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * rt + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
+        const float fr = rt >= 1 ? exp2_ftz(G(t, c) - G(16 * rt, c)) : 0.f;
+        const float fc = rt <= 2 ? exp2_ftz(G(16 * rt + 16, c) - G(t, c)) : 0.f;
+        const float pa = fr * ya[n][e], pq = fr * yq[n][e], pc = fc * x[n][e];
+        sSq[t * kLdS + c] = pq;
+        sSk[t * kLdS + c] = pa + pc;
+        sSg[t * kLdS + c] = kn(t, c) * (pa - pc) + qn(t, c) * pq;
+      }
+    }
+  }
+  __syncthreads();
+
+  // dq, dk, dg += the staged terms, then dg's reverse cumsum: a thread per channel and part of
+  // the rows, each part's old values loaded together.
+  constexpr int kParts = C::kThreads / kK, kRows = kChunk / kParts;
+  const int c = tid % kK, p0 = tid / kK;
+  float old[kRows];
+  const auto add_staged = [&](float* d, const float* st) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int t = p0 * kRows + i;
+      old[i] = t < L ? d[(row0 + t) * kK + c] : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) old[i] += st[(p0 * kRows + i) * kLdS + c];
+  };
+  const bool direct = out.dq != nullptr;
+  for (int which = 0; which < 2; ++which) {
+    float* d = which == 0 ? w.dq : w.dk;
+    float* st = which == 0 ? sSq : sSk;
+    add_staged(d, st);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int t = p0 * kRows + i;
+      if (direct) {
+        st[t * kLdS + c] = old[i];  // the normalisation's pass below takes them from here
+      } else if (t < L) {
+        d[(row0 + t) * kK + c] = old[i];
+      }
+    }
+  }
+  add_staged(w.dg, sSg);
+  float run = 0.f;
+#pragma unroll
+  for (int i = kRows - 1; i >= 0; --i) {
+    run += old[i];
+    old[i] = run;
+  }
+  ct.part[p0 * kK + c] = run;
+  __syncthreads();
+  float base = w.last[gc + c];
+  for (int p = p0 + 1; p < kParts; ++p) base += ct.part[p * kK + c];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int t = p0 * kRows + i;
+    if (t < L && direct) {
+      store_elem(out.dg, ((ch.t0 + t) * HV + blockIdx.y) * kK + c, old[i] + base, out.eg);
+    } else if (t < L) {
+      w.dg[(row0 + t) * kK + c] = old[i] + base;
+    }
+  }
+  if (!direct) return;
+  // dq, dk w.r.t. the raw q, k (HV == H): through the normalisation, (d - n (n . d)) r; a warp per row.
+  __syncthreads();
+  for (int task = warp; task < 2 * L; task += C::kThreads / 32) {
+    const bool is_k = task >= L;
+    const int t = task % L;
+    const float* d = (is_k ? sSk : sSq) + t * kLdS;
+    const T* x = (is_k ? ct.k : ct.q) + t * kLdK;
+    const float r = (is_k ? ct.rk : ct.rq)[t];
+    float ds[kK / 32], n[kK / 32], nd = 0.f;
+#pragma unroll
+    for (int i = 0; i < kK / 32; ++i) {
+      ds[i] = d[lane + 32 * i];
+      n[i] = to_float(x[lane + 32 * i]) * r;
+      nd += n[i] * ds[i];
+    }
+    nd = in.l2norm ? warp_reduce(nd, SumOp{}) : 0.f;
+#pragma unroll
+    for (int i = 0; i < kK / 32; ++i) {
+      store_elem(is_k ? out.dk : out.dq, ((ch.t0 + t) * HV + blockIdx.y) * kK + lane + 32 * i, (ds[i] - n[i] * nd) * r,
+                 out.eq);
+    }
+  }
+}
+
+// The CUDA backward's last step, a warp per (token, task): the gradients w.r.t. the raw q, k
+// (each head's value heads summed, then through the normalisation: (d - n (n . d)) r with n = x r,
+// r = 1 / sqrt(|x|^2 + eps) from the raw rows x), dg and dbeta token-major, each in its output
+// type. Inputs head-major: [HV, tokens, K], [HV, tokens].
+struct FinishArgs {
+  const float *dq, *dk, *dg, *dbeta;
+  const void *q, *k;  // the raw q, k [tokens, H, K] (element type eqk)
+  Elem eqk;
+  bool l2norm;
+  GradOut o;
+  int64_t tokens;
+  int H, HV, K;
+};
+
+__global__ void __launch_bounds__(32 * kRowWarps) finish_grads_kernel(FinishArgs a) {
+  const int lane = static_cast<int>(threadIdx.x % 32), group = a.HV / a.H;
+  const int64_t t = blockIdx.x;
+  const int task = static_cast<int>(blockIdx.y * kRowWarps + threadIdx.x / 32);
+  if (task >= 2 * a.H + a.HV) return;
+  if (task < 2 * a.H) {
+    const bool is_k = task >= a.H;
+    const int h = task % a.H;
+    const float* d = is_k ? a.dk : a.dq;
+    const int64_t at_row = (t * a.H + h) * a.K;
+    float ds[kMaxHeadDim / 32], x[kMaxHeadDim / 32], nd = 0.f;
+    const float r = load_row(is_k ? a.k : a.q, at_row, a.K, a.eqk, a.l2norm, x);
+#pragma unroll
+    for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+      const int c = lane + 32 * i;
+      ds[i] = 0.f;
+      if (c < a.K) {
+        for (int j = 0; j < group; ++j) ds[i] += d[((h * group + j) * a.tokens + t) * a.K + c];
+      }
+      nd += x[i] * ds[i];
+    }
+    nd = a.l2norm ? warp_reduce(nd, SumOp{}) * r : 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxHeadDim / 32; ++i) {
+      const int c = lane + 32 * i;
+      if (c < a.K) store_elem(is_k ? a.o.dk : a.o.dq, at_row + c, (ds[i] - x[i] * r * nd) * r, a.o.eq);
+    }
+  } else {
+    const int hv = task - 2 * a.H;
+    for (int c = lane; c < a.K; c += 32) {
+      store_elem(a.o.dg, (t * a.HV + hv) * a.K + c, a.dg[(hv * a.tokens + t) * a.K + c], a.o.eg);
+    }
+    if (lane == 0) store_elem(a.o.dbeta, t * a.HV + hv, a.dbeta[hv * a.tokens + t], a.o.eb);
+  }
+}
+
+// The finishing pass (group sum, normalisation, token-major, output types) over head-major dq,
+// dk, dg, dbeta.
+void run_finish(const Problem& p, const Launch& l, const float* dq, const float* dk, const float* dg,
+                const float* dbeta, const at::Tensor& q, const at::Tensor& k, bool l2norm, const GradOut& out) {
+  const FinishArgs a{dq,     dk,  dg,           dbeta, q.data_ptr(), k.data_ptr(), elem_of(q),
+                     l2norm, out, l.seqs.tokens, static_cast<int>(p.H), static_cast<int>(p.HV), static_cast<int>(p.K)};
+  const dim3 grid(static_cast<unsigned>(l.seqs.tokens),
+                  static_cast<unsigned>(ceil_div(2 * p.H + p.HV, int64_t{kRowWarps})));
+  finish_grads_kernel<<<grid, 32 * kRowWarps, 0, l.stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void run_chunk_bwd(const Problem& p, const Inputs& in, const Launch& l, const Intra<float>& intra,
+                   const float* starts, const float* dends, const at::Tensor& grad_o, const at::Tensor& q,
+                   const at::Tensor& k, bool l2norm, Grads& gr) {
+  const auto opts = in.q.options();
+  const int64_t rows = p.HV * l.seqs.tokens;
+  std::vector<at::Tensor> keep;
+  auto ws = [&](int64_t n) {
+    keep.push_back(at::empty({n}, opts));
+    return keep.back().data_ptr<float>();
+  };
+  // Head-major gradients; every row of a used chunk is written.
+  const at::Tensor dq = at::zeros({p.HV, p.B, p.T, p.K}, opts), dk = at::zeros_like(dq), dg = at::zeros_like(dq);
+  const at::Tensor dbeta = at::zeros({p.HV, p.B, p.T}, opts);
+  gr.dv.zero_();
+  const BwdWork<float> w{ws(rows * p.V),       ws(rows * p.V),          ws(rows * p.K),       ws(rows * p.K),
+                         ws(rows * p.V),       ws(rows * p.K),          ws(rows * p.K),       dq.data_ptr<float>(),
+                         dk.data_ptr<float>(), dg.data_ptr<float>(),    dbeta.data_ptr<float>(), nullptr,
+                         nullptr,              nullptr};
+  if (l.seqs.slots > 0) {
+    const size_t smem =
+        ChunkSmem<float>::bytes(p.K, p.V) + sizeof(float) * (2 * kChunk * kChunk + (2 * kSub + 1) * p.K);
+    set_smem(chunk_bwd_kernel<float>, smem);
+    chunk_bwd_kernel<float><<<dim3(l.seqs.slots, p.HV), kThreads, smem, l.stream>>>(
+        l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, p.bf16_products}, static_cast<float>(p.scale),
+        in.q.data_ptr<float>(), in.k.data_ptr<float>(), in.v.data_ptr<float>(), in.g.data_ptr<float>(),
+        in.beta.data_ptr<float>(), intra, starts, dends, grad_o.data_ptr<float>(), w, gr.dv.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  run_finish(p, l, dq.data_ptr<float>(), dk.data_ptr<float>(), dg.data_ptr<float>(), dbeta.data_ptr<float>(), q, k,
+             l2norm, grad_out(gr));
+}
+
+template <int kK, typename T>
+void run_chunk_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l,
+                        const Intra<__nv_bfloat16>& intra, const float* starts, const float* dends,
+                        const at::Tensor& dOs, Grads& gr) {
+  using bf16 = __nv_bfloat16;
+  const int64_t rows = p.HV * l.seqs.tokens;
+  if (rows == 0 || l.seqs.slots == 0) return;
+  std::vector<at::Tensor> keep;
+  const auto ws = [&](int64_t n) {
+    keep.push_back(at::empty({std::max<int64_t>(1, n)}, raw.q.options().dtype(at::kFloat)));
+    return keep.back().data_ptr<float>();
+  };
+  // Head-major: dq, dk, dg, dbeta (every row of a chunk is written), ZW, dA, dAqk, sum_j dS1 S0.
+  const BwdWork<float> w{nullptr, nullptr, nullptr, ws(rows * kK), nullptr, nullptr, nullptr,
+                         ws(rows * kK), ws(rows * kK), ws(rows * kK), ws(rows),
+                         ws(rows * kChunk), ws(rows * kChunk), ws(p.HV * l.seqs.slots * kK)};
+  const GradOut out = grad_out(gr);
+  const bool direct = p.HV == p.H;
+  const RawIn<T> ri = raw_in<T>(raw, l2norm);
+  const dim3 grid(static_cast<unsigned>(l.seqs.slots), static_cast<unsigned>(p.HV));
+  const auto dense = bwd_dense_bf16_kernel<kK, T>;
+  set_smem(dense, BwdDenseBf16<kK>::bytes());
+  dense<<<grid, BwdDenseBf16<kK>::kThreads, BwdDenseBf16<kK>::bytes(), l.stream>>>(
+      l.seqs, p.HV, static_cast<int>(p.V), intra, starts, dends, static_cast<const bf16*>(dOs.data_ptr()), ri, w,
+      static_cast<T*>(gr.dv.data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto diag = bwd_pairs_diag_kernel<kK, T>;
+  set_smem(diag, PairsDiag<kK, T>::bytes());
+  diag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsDiag<kK, T>::bytes(), l.stream>>>(
+      l.seqs, p.H, p.HV, ri, intra.A, w, direct ? out : GradOut{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto offdiag = bwd_pairs_offdiag_kernel<kK, T>;
+  set_smem(offdiag, PairsOffdiag<kK, T>::bytes());
+  offdiag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsOffdiag<kK, T>::bytes(), l.stream>>>(
+      l.seqs, p.H, p.HV, ri, w, direct ? out : GradOut{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!direct) run_finish(p, l, w.dq, w.dk, w.dg, w.dbeta, raw.q, raw.k, l2norm, out);
+}
+
+#define KDA_CHUNK_BWD_BF16(K, T)                                                                                  \
+  template void run_chunk_bwd_bf16<K, T>(const Problem&, const Inputs&, bool, const Launch&,                     \
+                                         const Intra<__nv_bfloat16>&, const float*, const float*, const at::Tensor&, \
+                                         Grads&);
+KDA_CHUNK_BWD_BF16(64, __nv_bfloat16)
+KDA_CHUNK_BWD_BF16(128, __nv_bfloat16)
+KDA_CHUNK_BWD_BF16(64, __half)
+KDA_CHUNK_BWD_BF16(128, __half)
+#undef KDA_CHUNK_BWD_BF16
+
+}  // namespace kda_dsa_ops::kda

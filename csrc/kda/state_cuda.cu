@@ -1,0 +1,549 @@
+// KDA's state stage: the chunks of each sequence in order, the state carried on chip,
+//   forward   U = Ut - W S,  O = scale (Qg S + Aqk U),  S <- diag(gC) S + Kd^T U
+//   backward  (chunks in reverse, dS the gradient of the chunk's end state)
+//             dU = scale Aqk^T dO + Kd dS,  dS <- diag(gC) dS + scale Qg^T dO - W^T dU
+// One block per (64-column value tile, value head, sequence): the value columns of the state
+// are independent, so a [K, 64] tile of it is all a block keeps. The forward also writes the
+// start state of every chunk (for the backward) and the final state; the backward the end-state
+// gradient of every chunk and the initial state's.
+//   state_fwd_kernel, state_bwd_kernel             the generic family: the state tile and the
+//                                                  chunk's terms in shared memory, kda_chunk.h's
+//                                                  chunk_state_fwd / _bwd on the block team
+//   state_fwd_bf16_kernel, state_bwd_bf16_kernel   bf16 operands, the state in registers, the
+//                                                  next chunk staged while this one computes
+#include <c10/cuda/CUDAGuard.h>
+
+#include "kda/kda_cuda.cuh"
+#include "kda/tiles16.cuh"
+
+namespace kda_dsa_ops::kda {
+
+namespace {
+
+// Copy a rows x cols block (leading dim ld) into dense shared memory.
+template <typename T>
+__device__ void stage(const BlockTeam& tm, T* dst, const T* src, int64_t ld, int rows, int cols) {
+  for (int i = tm.rank(); i < rows * cols; i += tm.size()) dst[i] = src[(i / cols) * ld + i % cols];
+}
+
+// Shared memory of the state kernels: the state tile, a [kChunk, Vt] scratch, and the chunk's
+// W, Qg, Kd [kChunk, K], Aqk [kChunk, kChunk] and one [kChunk, Vt] tile (Ut or dO), staged.
+template <typename T>
+struct StateSmem {
+  T *S, *U, *W, *Qg, *Kd, *Aqk, *tile;
+  __device__ StateSmem(T* base, int64_t K)
+      : S(base), U(S + K * kStateCols), W(U + kChunk * kStateCols), Qg(W + kChunk * K), Kd(Qg + kChunk * K),
+        Aqk(Kd + kChunk * K), tile(Aqk + kChunk * kChunk) {}
+  static size_t bytes(int64_t K) {
+    return sizeof(T) * (K * kStateCols + 2 * kChunk * kStateCols + 3 * kChunk * K + kChunk * kChunk);
+  }
+  // Stage the state-independent terms of the chunk starting at workspace row `row`.
+  __device__ void stage_chunk(const BlockTeam& tm, const Intra<T>& in, int64_t row, int L, int64_t K) const {
+    stage(tm, W, in.W + row * K, K, L, static_cast<int>(K));
+    stage(tm, Qg, in.Qg + row * K, K, L, static_cast<int>(K));
+    stage(tm, Kd, in.Kd + row * K, K, L, static_cast<int>(K));
+    stage(tm, Aqk, in.Aqk + row * kChunk, kChunk, L, kChunk);
+  }
+};
+
+// The block's state tile: columns [j0, j0 + Vt) of the [K, V] state of value head hv, sequence n,
+// and the chunks of that sequence.
+template <typename T>
+struct StateTile {
+  int j0, Vt, K;
+  int64_t V, hv, n, bos, len, first, chunks;
+  __device__ StateTile(const Seqs& sq, const Sizes<T>& z)
+      : j0(static_cast<int>(blockIdx.x) * kStateCols),
+        Vt(static_cast<int>(z.V - j0 < kStateCols ? z.V - j0 : kStateCols)),
+        K(static_cast<int>(z.K)), V(z.V), hv(blockIdx.y), n(blockIdx.z) {
+    sq.bounds(n, bos, len);
+    first = sq.first_slot(n);
+    chunks = sq.chunks_of(len);
+  }
+  // Chunk i of the sequence: its slot, first token and length; false when it lies outside.
+  __device__ bool chunk(const Seqs& sq, int64_t i, int64_t& slot, int64_t& t0, int& L) const {
+    slot = first + i;
+    t0 = bos + i * kChunk;
+    L = static_cast<int>(len - i * kChunk < kChunk ? len - i * kChunk : kChunk);
+    return sq.valid(slot, t0, L);
+  }
+  // Offset of this sequence's and head's [K, V] matrix in an [N, HV, K, V] tensor.
+  __device__ int64_t matrix(int64_t HV) const { return (n * HV + hv) * K * V; }
+  // tile = the tile's columns of the [K, V] matrix at src (zeros for nullptr), for the whole team.
+  __device__ void load(const BlockTeam& tm, T* tile, const T* src) const {
+    for (int i = tm.rank(); i < K * Vt; i += tm.size()) {
+      tile[i] = src != nullptr ? src[(i / Vt) * V + j0 + i % Vt] : T(0);
+    }
+    tm.sync();
+  }
+  __device__ void store(const BlockTeam& tm, const T* tile, T* dst) const {
+    for (int i = tm.rank(); i < K * Vt; i += tm.size()) dst[(i / Vt) * V + j0 + i % Vt] = tile[i];
+  }
+};
+
+// Forward state passing. o (may be nullptr) [tokens, HV, V]; starts (may be nullptr) receives
+// the start state of every chunk, [HV, slots, K, V].
+template <typename T>
+__global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> z, T scale, Intra<T> in,
+                                                             const T* __restrict__ h0, T* o, T* ht, T* starts) {
+  extern __shared__ unsigned char smem_raw[];
+  const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
+  T* S = sm.S;
+  const BlockTeam tm{z.bf16};
+  const StateTile<T> st(sq_, z);
+  st.load(tm, S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr);
+  for (int64_t i = 0; i < st.chunks; ++i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) break;
+    // this chunk's marks (the forward's), read early: nullptr unless it is not clean
+    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (z.V + 1) : nullptr;
+    const bool dirty = marks != nullptr && marks[z.V] < L;
+    if (starts != nullptr) st.store(tm, S, starts + (st.hv * sq_.slots + slot) * st.K * z.V);
+    const int64_t row = st.hv * sq_.tokens + t0;
+    sm.stage_chunk(tm, in, row, L, st.K);
+    stage(tm, sm.tile, in.Ut + row * z.V + st.j0, z.V, L, st.Vt);
+    tm.sync();
+    chunk_state_fwd(tm, ChunkDims{L, st.K, st.Vt}, scale, sm.W, sm.tile, st.Vt, sm.Qg, sm.Kd, sm.Aqk,
+                    in.gC + (st.hv * sq_.slots + slot) * st.K, S, st.Vt, sm.U,
+                    o != nullptr ? o + (t0 * z.HV + st.hv) * z.V + st.j0 : nullptr, static_cast<int>(z.HV * z.V),
+                    dirty ? marks + st.j0 : nullptr);
+  }
+  if (ht != nullptr) st.store(tm, S, ht + st.matrix(z.HV));
+}
+
+// Backward state passing: end-state gradient of every chunk into dends [HV, slots, st.K, V], the
+// initial state's gradient into dh0.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) state_bwd_kernel(Seqs sq_, Sizes<T> z, T scale, Intra<T> in,
+                                                             const T* __restrict__ dO, const T* __restrict__ dht,
+                                                             T* dends, T* dh0) {
+  extern __shared__ unsigned char smem_raw[];
+  const StateSmem<T> sm(reinterpret_cast<T*>(smem_raw), z.K);
+  T* dS = sm.S;
+  const BlockTeam tm{z.bf16};
+  const StateTile<T> st(sq_, z);
+  st.load(tm, dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr);
+  for (int64_t i = st.chunks - 1; i >= 0; --i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) continue;
+    st.store(tm, dS, dends + (st.hv * sq_.slots + slot) * st.K * z.V);
+    const int64_t row = st.hv * sq_.tokens + t0;
+    sm.stage_chunk(tm, in, row, L, st.K);
+    stage(tm, sm.tile, dO + (t0 * z.HV + st.hv) * z.V + st.j0, z.HV * z.V, L, st.Vt);
+    tm.sync();
+    chunk_state_bwd(tm, ChunkDims{L, st.K, st.Vt}, scale, sm.W, sm.Qg, sm.Kd, sm.Aqk, in.gC + (st.hv * sq_.slots + slot) * st.K,
+                    sm.tile, st.Vt, dS, st.Vt, sm.U);
+  }
+  st.store(tm, dS, dh0 + st.matrix(z.HV));
+}
+
+// The bf16-operand state passes (bf16-product mode, the precision of flash-linear-attention's
+// chunk_kda; K 64 or 128, V a multiple of 64): one block of 8 warps per (64-column value tile,
+// value head, sequence), like the generic state kernels, with the state (or its gradient) tile
+// [kK, 64] in fp32 registers: warp w holds rows 16 (w % kK/16).. and its share of the columns.
+// The chunk's terms come from the intra kernels' workspaces (Ws): fp32 ones are staged by
+// cp.async while the previous chunk computes and rounded to one set of bf16 tiles
+// (ldmatrix-friendly rows); bf16 ones are copied straight into two sets of tiles used in turn.
+// The products run as m16n8k16 MMAs with fp32 accumulation; [L, 64] results (U, O, dU) are
+// split over the warps as 4 row tiles x 2 column halves. Rows of a short chunk beyond L are zero
+// in every staged term.
+template <int kK, typename Ws>
+struct Bf16State {
+  using bf16 = __nv_bfloat16;
+  static constexpr bool kStaged = std::is_same_v<Ws, float>;  // fp32 terms, rounded per chunk
+  static constexpr int kWarps = 8, kThreads = 32 * kWarps, kCols = kStateCols;
+  static constexpr int kLdK = kK + 8;        // bf16 rows of W, Qg, Kd: an odd multiple of 16 bytes
+  static constexpr int kLdC = kCols + 8;     // bf16 rows of the [*, 64] tiles (kChunk == kCols)
+  static constexpr int kLdX = kCols + 4;     // fp32 staged rows of Ut / dO (no bank conflicts on reads)
+  static constexpr int kRowTiles = kK / 16;  // 16-row tiles of the state
+  static constexpr int kSTiles = kCols / 8 * kRowTiles / kWarps;  // 8-column tiles of the state per warp
+  static constexpr int kSets = kStaged ? 1 : 2;
+  static constexpr size_t kStageFloats = kStaged ? 3 * kChunk * kK + kChunk * kChunk + kChunk * kLdX : 0;
+  static constexpr size_t kSetBf16 = 3 * kChunk * kLdK + 2 * kChunk * kLdC;
+  static constexpr size_t kBf16 = kSets * kSetBf16 + kK * kLdC + kChunk * kLdC;
+  static constexpr size_t bytes() { return kStageFloats * sizeof(float) + kBf16 * sizeof(bf16); }
+  static_assert(kChunk == kCols && kK % 64 == 0 && kSTiles % 2 == 0, "tile shapes");
+
+  // A chunk's bf16 tiles: W, Qg, Kd [kChunk, kK], Aqk [kChunk, kChunk], X (Ut or dO) [kChunk, 64].
+  struct Tiles {
+    bf16 *W, *Q, *Kd, *A, *X;
+  };
+  // fp32 staging (kStaged): W, Qg, Kd [kChunk, kK], Aqk [kChunk, kChunk], X [kChunk, kLdX].
+  float *stW, *stQ, *stKd, *stA, *stX;
+  bf16 *sets, *bS, *bU;  // the tile sets; the state S [kK, 64] and the [L, 64] product U (or dU)
+  int warp, g, q, rs, cs0, ru, cu0;
+
+  __device__ explicit Bf16State(unsigned char* smem)
+      : stW(reinterpret_cast<float*>(smem)), stQ(stW + kChunk * kK), stKd(stQ + kChunk * kK),
+        stA(stKd + kChunk * kK), stX(stA + kChunk * kChunk),
+        sets(reinterpret_cast<bf16*>(smem + kStageFloats * sizeof(float))), bS(sets + kSets * kSetBf16),
+        bU(bS + kK * kLdC), warp(threadIdx.x / 32), g(threadIdx.x % 32 / 4), q(threadIdx.x % 4), rs(warp % kRowTiles),
+        cs0(warp / kRowTiles * kSTiles), ru(warp % 4), cu0(warp / 4 * 4) {}
+  // Tile set s (kStaged: the one set whatever s).
+  __device__ Tiles set(int s) const {
+    bf16* b = sets + (kStaged ? 0 : s) * kSetBf16;
+    return Tiles{b, b + kChunk * kLdK, b + 2 * kChunk * kLdK, b + 3 * kChunk * kLdK, b + 3 * kChunk * kLdK + kChunk * kLdC};
+  }
+
+  // Element r of this thread's fragment j: state row / column, [L, 64] row / column.
+  __device__ int srow(int r) const { return 16 * rs + g + 8 * (r / 2); }
+  __device__ int scol(int j, int r) const { return 8 * (cs0 + j) + 2 * q + r % 2; }
+  __device__ int urow(int r) const { return 16 * ru + g + 8 * (r / 2); }
+  __device__ int ucol(int j, int r) const { return 8 * (cu0 + j) + 2 * q + r % 2; }
+
+  // The state tile from / to a [kK, V] matrix at m (columns j0..; nullptr: zeros / nothing).
+  __device__ void load_state(float (&S)[kSTiles][4], const float* m, int64_t V, int j0) const {
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) S[j][r] = m != nullptr ? m[srow(r) * V + j0 + scol(j, r)] : 0.f;
+    }
+  }
+  __device__ void store_state(const float (&S)[kSTiles][4], float* m, int64_t V, int j0) const {
+    if (m == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) m[srow(r) * V + j0 + scol(j, r)] = S[j][r];
+    }
+  }
+
+  // The chunk at workspace row `row` (L steps): into the staging area (kStaged) or into tile set
+  // s; X's rows (Ut or dO, 64 columns) at x + t * ldx.
+  __device__ void stage(const Intra<Ws>& in, int64_t row, int L, const Ws* x, int64_t ldx, int s) const {
+    constexpr int kVec = 16 / sizeof(Ws);  // elements per 16-byte copy
+    const Tiles d = set(s);
+    const Ws* src[3] = {in.W + row * kK, in.Qg + row * kK, in.Kd + row * kK};
+    const auto dst_k = [&](int m, int t, int c) -> void* {
+      if constexpr (kStaged) {
+        return (m == 0 ? stW : m == 1 ? stQ : stKd) + t * kK + c;
+      } else {
+        return (m == 0 ? d.W : m == 1 ? d.Q : d.Kd) + t * kLdK + c;
+      }
+    };
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+      for (int i = threadIdx.x; i < kChunk * (kK / kVec); i += kThreads) {
+        const int t = i / (kK / kVec), c = i % (kK / kVec) * kVec;
+        mma::cp_async_16_or_zero(dst_k(m, t, c), t < L ? src[m] + t * kK + c : nullptr);
+      }
+    }
+    for (int i = threadIdx.x; i < kChunk * (kChunk / kVec); i += kThreads) {
+      const int t = i / (kChunk / kVec), c = i % (kChunk / kVec) * kVec;
+      void* da = kStaged ? static_cast<void*>(stA + t * kChunk + c) : static_cast<void*>(d.A + t * kLdC + c);
+      void* dx = kStaged ? static_cast<void*>(stX + t * kLdX + c) : static_cast<void*>(d.X + t * kLdC + c);
+      mma::cp_async_16_or_zero(da, t < L ? in.Aqk + (row + t) * kChunk + c : nullptr);
+      mma::cp_async_16_or_zero(dx, t < L ? x + t * ldx + c : nullptr);
+    }
+    mma::cp_async_commit();
+  }
+
+  // rows x cols of fp32 (leading dim ld_src) times `factor` -> bf16 (leading dim ld_dst).
+  __device__ static void round_tile(bf16* d, int ld_dst, const float* src, int ld_src, int rows, int cols,
+                                    float factor) {
+    for (int i = threadIdx.x; i < rows * (cols / 4); i += kThreads) {
+      const int t = i / (cols / 4), c = i % (cols / 4) * 4;
+      const float4 x = *reinterpret_cast<const float4*>(src + t * ld_src + c);
+      uint2 packed;
+      packed.x = mma::pack2<bf16>(factor * x.x, factor * x.y);
+      packed.y = mma::pack2<bf16>(factor * x.z, factor * x.w);
+      *reinterpret_cast<uint2*>(d + t * ld_dst + c) = packed;
+    }
+  }
+  // The staged terms (kStaged) as bf16 tiles; the fp32 intra kernel leaves Aqk's columns from L
+  // on unwritten: they are zeroed here.
+  __device__ void round_chunk(int L, float w_factor, float q_factor, float a_factor) const {
+    const Tiles d = set(0);
+    round_tile(d.W, kLdK, stW, kK, kChunk, kK, w_factor);
+    round_tile(d.Q, kLdK, stQ, kK, kChunk, kK, q_factor);
+    round_tile(d.Kd, kLdK, stKd, kK, kChunk, kK, 1.f);
+    for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += kThreads) {
+      const int t = e / (kChunk / 2), c = e % (kChunk / 2) * 2;
+      const float2 x = *reinterpret_cast<const float2*>(stA + t * kChunk + c);
+      *reinterpret_cast<uint32_t*>(d.A + t * kLdC + c) =
+          mma::pack2<bf16>(c < L ? a_factor * x.x : 0.f, c + 1 < L ? a_factor * x.y : 0.f);
+    }
+  }
+  // The state tile as the bf16 B operand [kK, 64].
+  __device__ void round_state(const float (&S)[kSTiles][4]) const {
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      *reinterpret_cast<uint32_t*>(bS + srow(0) * kLdC + scol(j, 0)) = mma::pack2<bf16>(S[j][0], S[j][1]);
+      *reinterpret_cast<uint32_t*>(bS + srow(2) * kLdC + scol(j, 2)) = mma::pack2<bf16>(S[j][2], S[j][3]);
+    }
+  }
+  // An [L, 64] fragment set times `factor` into the bf16 tile bU.
+  __device__ void round_u(const float (&u)[4][4], float factor = 1.f) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<uint32_t*>(bU + urow(0) * kLdC + ucol(j, 0)) =
+          mma::pack2<bf16>(factor * u[j][0], factor * u[j][1]);
+      *reinterpret_cast<uint32_t*>(bU + urow(2) * kLdC + ucol(j, 2)) =
+          mma::pack2<bf16>(factor * u[j][2], factor * u[j][3]);
+    }
+  }
+  // acc (this warp's [L, 64] fragments) += A B over k blocks [kk0, kk1): A rows 16 ru.. of a
+  // [*, ld_a] row-major tile (or of the transpose of one when kTransA), B [*, 64] row-major.
+  template <bool kTransA>
+  __device__ void mul_u(float (&acc)[4][4], const bf16* a_tile, int ld_a, const bf16* b_tile, int kk0,
+                        int kk1) const {
+    warp_tile_product<kTransA, false>(acc, a_tile, ld_a, b_tile, kLdC, ru, 8 * cu0, kCols, kk0, kk1);
+  }
+  // S (this warp's state fragments) += X^T Y over the chunk's steps: X [kChunk, kK] (ld kLdK),
+  // Y [kChunk, 64].
+  __device__ void mul_state(float (&S)[kSTiles][4], const bf16* x, const bf16* y) const {
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[4];
+      mma::load_a_trans(a, x, kLdK, 16 * rs, 16 * kk);
+#pragma unroll
+      for (int p = 0; p < kSTiles / 2; ++p) {
+        uint32_t b[4];
+        mma::load_b_kn(b, y, kLdC, 8 * cs0 + 16 * p, 16 * kk);
+        mma::mma_16816_x2<bf16>(S[2 * p], S[2 * p + 1], a, b);
+      }
+    }
+  }
+  __device__ void scale_state_rows(float (&S)[kSTiles][4], const float* gc) const {
+    const float g0 = gc[srow(0)], g1 = gc[srow(2)];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      S[j][0] *= g0;
+      S[j][1] *= g0;
+      S[j][2] *= g1;
+      S[j][3] *= g1;
+    }
+  }
+};
+
+// Forward: U = Ut - W S, O = scale (Qg S + Aqk U), S <- diag(gC) S + Kd^T U; o (element type O),
+// ht, starts as for state_fwd_kernel.
+template <int kK, typename Ws, typename O>
+__global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_kernel(
+    Seqs sq_, Sizes<float> z, float scale, Intra<Ws> in, const float* __restrict__ h0, O* o, float* ht,
+    float* starts) {
+  using F = Bf16State<kK, Ws>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const F sm(smem_raw);
+  const StateTile<float> st(sq_, z);
+  const int64_t V = z.V;
+  float S[F::kSTiles][4];
+  sm.load_state(S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr, V, st.j0);
+  auto stage = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
+      const int64_t row = st.hv * sq_.tokens + t0;
+      sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % 2));
+    }
+  };
+  stage(0);
+  for (int64_t i = 0; i < st.chunks; ++i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) break;
+    // this chunk's marks of the tile's columns (the forward's), read early: nullptr unless it is not clean
+    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (V + 1) : nullptr;
+    const unsigned char* mark = marks != nullptr && marks[V] < L ? marks + st.j0 : nullptr;
+    sm.store_state(S, starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr, V, st.j0);
+    mma::cp_async_wait<0>();
+    __syncthreads();
+    const typename F::Tiles cur = sm.set(static_cast<int>(i % 2));
+    if constexpr (F::kStaged) sm.round_chunk(L, 1.f, 1.f, 1.f);
+    sm.round_state(S);
+    float u[4][4], acc_o[4][4], ut[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        u[j][r] = 0.f;
+        acc_o[j][r] = 0.f;
+        if constexpr (F::kStaged) {
+          ut[j][r] = sm.stX[sm.urow(r) * F::kLdX + sm.ucol(j, r)];
+        } else {
+          ut[j][r] = to_float(cur.X[sm.urow(r) * F::kLdC + sm.ucol(j, r)]);
+        }
+      }
+    }
+    __syncthreads();  // the staging area is free, the bf16 tiles are complete
+    stage(i + 1);
+    sm.template mul_u<false>(u, cur.W, F::kLdK, sm.bS, 0, kK / 16);
+    sm.template mul_u<false>(acc_o, cur.Q, F::kLdK, sm.bS, 0, kK / 16);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) u[j][r] = ut[j][r] - u[j][r];
+    }
+    sm.round_u(u);
+    __syncthreads();
+    sm.template mul_u<false>(acc_o, cur.A, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
+    const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
+    if (o != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int t = sm.urow(2 * h), col = sm.ucol(j, 2 * h);
+          if (t < L) {
+            mma::store_pair(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + col, marked(scale * acc_o[j][2 * h], t, col),
+                       marked(scale * acc_o[j][2 * h + 1], t, col + 1));
+          }
+        }
+      }
+    }
+    sm.scale_state_rows(S, in.gC + (st.hv * sq_.slots + slot) * kK);
+    sm.mul_state(S, cur.Kd, sm.bU);
+#pragma unroll
+    for (int j = 0; j < F::kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) S[j][r] = marked(S[j][r], L - 1, sm.scol(j, r));  // NaN where the last step is
+    }
+    __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
+  }
+  mma::cp_async_wait<0>();
+  sm.store_state(S, ht != nullptr ? ht + st.matrix(z.HV) : nullptr, V, st.j0);
+}
+
+// Backward, chunks in reverse, dS the gradient of the chunk's end state (stored into dends):
+// dU = scale Aqk^T dO + Kd dS, dS <- diag(gC) dS + scale Qg^T dO - W^T dU; the initial state's
+// gradient into dh0. With fp32 terms (staged) the factor scale rides on the rounding of Aqk and
+// Qg; with bf16 terms dO comes as scale dO in bf16. -1 rides on the rounding of dU.
+template <int kK, typename Ws>
+__global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_kernel(
+    Seqs sq_, Sizes<float> z, float scale, Intra<Ws> in, const Ws* __restrict__ dO, const float* __restrict__ dht,
+    float* dends, float* dh0) {
+  using F = Bf16State<kK, Ws>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const F sm(smem_raw);
+  const StateTile<float> st(sq_, z);
+  const int64_t V = z.V;
+  float dS[F::kSTiles][4];
+  sm.load_state(dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr, V, st.j0);
+  auto stage = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i >= 0 && st.chunk(sq_, i, slot, t0, L)) {
+      sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V,
+               static_cast<int>(i % 2));
+    }
+  };
+  stage(st.chunks - 1);
+  for (int64_t i = st.chunks - 1; i >= 0; --i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) {
+      stage(i - 1);  // keep one staged chunk in flight, as the generic kernel skips this one
+      continue;
+    }
+    sm.store_state(dS, dends + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
+    mma::cp_async_wait<0>();
+    __syncthreads();
+    const typename F::Tiles cur = sm.set(static_cast<int>(i % 2));
+    if constexpr (F::kStaged) {
+      sm.round_chunk(L, 1.f, scale, scale);
+      F::round_tile(cur.X, F::kLdC, sm.stX, F::kLdX, kChunk, kChunk, 1.f);
+    }
+    sm.round_state(dS);
+    __syncthreads();
+    stage(i - 1);
+    float du[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) du[j][r] = 0.f;
+    }
+    sm.template mul_u<true>(du, cur.A, F::kLdC, cur.X, sm.ru, kChunk / 16);  // (Aqk^T)_ts is zero for s < t
+    sm.template mul_u<false>(du, cur.Kd, F::kLdK, sm.bS, 0, kK / 16);
+    sm.round_u(du, -1.f);
+    __syncthreads();
+    sm.scale_state_rows(dS, in.gC + (st.hv * sq_.slots + slot) * kK);
+    sm.mul_state(dS, cur.Q, cur.X);
+    sm.mul_state(dS, cur.W, sm.bU);
+    __syncthreads();
+  }
+  mma::cp_async_wait<0>();
+  sm.store_state(dS, dh0 + st.matrix(z.HV), V, st.j0);
+}
+
+dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
+
+// A state pass on fp32 terms: its bf16-operand kernel in bf16-product mode where the head sizes
+// fit its tiles, else the generic kernel (its products 3xTF32, or bf16 operands in bf16-product
+// mode).
+template <typename Generic, typename Bf16K128, typename Bf16K64, typename... Args>
+void run_state_pass(const Problem& p, const Launch& l, Generic generic, Bf16K128 bf16_k128, Bf16K64 bf16_k64,
+                    Args... args) {
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, p.bf16_products};
+  const float scale = static_cast<float>(p.scale);
+  const auto launch = [&](auto kernel, size_t smem, int threads) {
+    set_smem(kernel, smem);
+    kernel<<<state_grid(p), threads, smem, l.stream>>>(l.seqs, z, scale, args...);
+  };
+  const bool tiles = p.bf16_products && p.V % kStateCols == 0;
+  if (tiles && p.K == 128) {
+    launch(bf16_k128, Bf16State<128, float>::bytes(), Bf16State<128, float>::kThreads);
+  } else if (tiles && p.K == 64) {
+    launch(bf16_k64, Bf16State<64, float>::bytes(), Bf16State<64, float>::kThreads);
+  } else {
+    launch(generic, StateSmem<float>::bytes(p.K), kThreads);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void run_state_fwd(const Problem& p, const Launch& l, const Intra<float>& intra, const float* h0, float* o, float* ht,
+                   float* starts) {
+  run_state_pass(p, l, state_fwd_kernel<float>, state_fwd_bf16_kernel<128, float, float>,
+                 state_fwd_bf16_kernel<64, float, float>, intra, h0, o, ht, starts);
+}
+
+void run_state_bwd(const Problem& p, const Launch& l, const Intra<float>& intra, const float* dO, const float* dht,
+                   float* dends, float* dh0) {
+  run_state_pass(p, l, state_bwd_kernel<float>, state_bwd_bf16_kernel<128, float>, state_bwd_bf16_kernel<64, float>,
+                 intra, dO, dht, dends, dh0);
+}
+
+template <int kK, typename O>
+void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const Inputs& raw, O* o,
+                        float* ht, float* starts) {
+  using F = Bf16State<kK, __nv_bfloat16>;
+  const auto kernel = state_fwd_bf16_kernel<kK, __nv_bfloat16, O>;
+  set_smem(kernel, F::bytes());
+  kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
+      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, true}, static_cast<float>(p.scale), w,
+      raw.initial_state.defined() ? raw.initial_state.data_ptr<float>() : nullptr, o, ht, starts);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int kK>
+void run_state_bwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const at::Tensor& dOs,
+                        const float* dht, float* dends, float* dh0) {
+  using bf16 = __nv_bfloat16;
+  using F = Bf16State<kK, bf16>;
+  const auto kernel = state_bwd_bf16_kernel<kK, bf16>;
+  set_smem(kernel, F::bytes());
+  kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
+      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, true}, static_cast<float>(p.scale), w,
+      static_cast<const bf16*>(dOs.data_ptr()), dht, dends, dh0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+#define KDA_STATE_FWD_BF16(K, O)                                                                                 \
+  template void run_state_fwd_bf16<K, O>(const Problem&, const Launch&, const Intra<__nv_bfloat16>&, const Inputs&, \
+                                         O*, float*, float*);
+KDA_STATE_FWD_BF16(64, __nv_bfloat16)
+KDA_STATE_FWD_BF16(128, __nv_bfloat16)
+KDA_STATE_FWD_BF16(64, __half)
+KDA_STATE_FWD_BF16(128, __half)
+KDA_STATE_FWD_BF16(64, float)
+KDA_STATE_FWD_BF16(128, float)
+#undef KDA_STATE_FWD_BF16
+template void run_state_bwd_bf16<64>(const Problem&, const Launch&, const Intra<__nv_bfloat16>&, const at::Tensor&,
+                                     const float*, float*, float*);
+template void run_state_bwd_bf16<128>(const Problem&, const Launch&, const Intra<__nv_bfloat16>&, const at::Tensor&,
+                                      const float*, float*, float*);
+
+}  // namespace kda_dsa_ops::kda

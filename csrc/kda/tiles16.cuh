@@ -1,0 +1,260 @@
+// The bf16 kernels' tiles: one chunk of one value head in shared memory as the bf16 family reads
+// it (ChunkTiles16: raw q, k in T, G = log2(e) cumsum(g) in fp32, beta and the norms' factors),
+// the warp-level products on such tiles (m16n8k16 with fp32 accumulation, ldmatrix-friendly rows
+// whose 16-bit leading dimension is an odd multiple of 8), and small vector loads and stores.
+#pragma once
+
+#include "kda/kda_cuda.cuh"
+
+namespace kda_dsa_ops::kda {
+
+// Eight consecutive elements (16-byte aligned) from fp32.
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&x)[8]) {
+  using bf16 = __nv_bfloat16;
+  *reinterpret_cast<uint4*>(p) = make_uint4(mma::pack2<bf16>(x[0], x[1]), mma::pack2<bf16>(x[2], x[3]),
+                                            mma::pack2<bf16>(x[4], x[5]), mma::pack2<bf16>(x[6], x[7]));
+}
+
+// N (2, 4 or 8) consecutive elements at p, aligned to their size, as floats: one vector load.
+template <int N, typename T>
+__device__ __forceinline__ void load_floats(const T* p, float (&x)[N]) {
+  static_assert(N == 2 || N == 4 || N == 8, "2, 4 or 8 elements");
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(p + i);
+      x[i] = v.x;
+      x[i + 1] = v.y;
+    }
+  } else {
+    uint32_t u[N / 2];
+    if constexpr (N == 8) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p);
+      u[0] = v.x, u[1] = v.y, u[2] = v.z, u[3] = v.w;
+    } else if constexpr (N == 4) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      u[0] = v.x, u[1] = v.y;
+    } else {
+      u[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const float2 f = mma::unpack2<T>(u[i]);
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  }
+}
+
+// acc (this warp's 16 x 8 kTiles tile: rows 16 rt.., columns n0.., of which the first N / 2 are
+// used, N / 2 a multiple of 16) += A B over the k blocks [kk0, kk1) of 16. A row-major [*, lda]
+// (kTransA: A is the transpose of a row-major [k, *] tile); B row-major [k, *] (kBnk: B is the
+// transpose of a row-major [*, k] tile).
+template <bool kTransA, bool kBnk, int kTiles>
+__device__ __forceinline__ void warp_tile_product(float (&acc)[kTiles][4], const __nv_bfloat16* A, int lda,
+                                                  const __nv_bfloat16* B, int ldb, int rt, int n0, int N, int kk0,
+                                                  int kk1) {
+  for (int kk = kk0; kk < kk1; ++kk) {
+    uint32_t a[4];
+    if constexpr (kTransA) {
+      mma::load_a_trans(a, A, lda, 16 * rt, 16 * kk);
+    } else {
+      mma::load_a(a, A, lda, 16 * rt, 16 * kk);
+    }
+#pragma unroll
+    for (int pp = 0; pp < kTiles / 2; ++pp) {
+      if (pp < N / 32) {
+        uint32_t b[4];
+        if constexpr (kBnk) {
+          mma::load_b_nk(b, B, ldb, n0 + 16 * pp, 16 * kk);
+        } else {
+          mma::load_b_kn(b, B, ldb, n0 + 16 * pp, 16 * kk);
+        }
+        mma::mma_16816_x2<__nv_bfloat16>(acc[2 * pp], acc[2 * pp + 1], a, b);
+      }
+    }
+  }
+}
+
+// f(t, col, x0, x1) for the pairs (t, col), (t, col + 1) of a warp_tile_product tile; zeroes acc.
+template <typename F>
+__device__ __forceinline__ void drain_tile(float (&acc)[8][4], int rt, int n0, int N, F f) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    if (n < N / 16) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        f(16 * rt + lane / 4 + 8 * hh, n0 + 8 * n + 2 * (lane % 4), acc[n][2 * hh], acc[n][2 * hh + 1]);
+        acc[n][2 * hh] = acc[n][2 * hh + 1] = 0.f;
+      }
+    }
+  }
+}
+
+// One butterfly step of warp_sum_transposed: the lanes whose bit m is set keep v[m, 2m), the
+// others v[0, m), each adding its partner's half.
+template <int kM, int N>
+__device__ __forceinline__ void butterfly_step(float (&v)[N], bool up) {
+#pragma unroll
+  for (int i = 0; i < kM; ++i) {
+    const float send = up ? v[i] : v[i + kM], keep = up ? v[i + kM] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kM);
+  }
+}
+// N (32 or 16) per-lane values v[i] summed over the warp: lane l returns the sum of v[l % N] (the
+// values halve each step: N - 1 shuffles, and one more for N = 16, instead of N x 5).
+template <int N>
+__device__ __forceinline__ float warp_sum_transposed(float (&v)[N]) {
+  static_assert(N == 16 || N == 32, "16 or 32 values");
+  const int lane = threadIdx.x % 32;
+  if constexpr (N == 32) butterfly_step<16>(v, lane & 16);
+  butterfly_step<8>(v, lane & 8);
+  butterfly_step<4>(v, lane & 4);
+  butterfly_step<2>(v, lane & 2);
+  butterfly_step<1>(v, lane & 1);
+  return N == 32 ? v[0] : v[0] + __shfl_xor_sync(0xffffffffu, v[0], 16);
+}
+
+// Shared-memory tiles of one chunk of one value head for the bf16 kernels (256 threads): the raw
+// q, k [kChunk, kK + 8] in T, G = log2(e) cumsum(g) [kChunk, kK + 4] in fp32 (plain fp32 sum,
+// scaled so that every exp is one ex2), beta and the factors 1 / |q_t|, 1 / |k_t| (ones without
+// normalisation) [kChunk], and kThreads floats of scratch. Rows from L on are zero (g too: G
+// stays at its last value).
+template <int kK, typename T>
+struct ChunkTiles16 {
+  static constexpr int kThreads = 256, kLdK = kK + 8, kLdG = kK + 4, kLdV = kMaxHeadDim + 8;
+  static constexpr size_t bytes() {
+    return 2 * sizeof(T) * kChunk * kLdK + 4 * (kChunk * kLdG + 3 * kChunk + kThreads);
+  }
+  T *q, *k;
+  float *G, *beta, *rq, *rk, *part;
+  int* first;  // [kMaxHeadDim + 2] the forward's scratch of chunk_mark_nonfinite (nullptr elsewhere)
+
+  // The tiles laid out from smem on (bytes() of it); *end receives the first byte after them.
+  __device__ static ChunkTiles16 carve(unsigned char* smem, unsigned char** end) {
+    T* q = reinterpret_cast<T*>(smem);
+    T* k = q + kChunk * kLdK;
+    float* G = reinterpret_cast<float*>(k + kChunk * kLdK);
+    float* beta = G + kChunk * kLdG;
+    *end = reinterpret_cast<unsigned char*>(beta + 3 * kChunk + kThreads);
+    return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk, nullptr};
+  }
+
+  // chunk_mark_nonfinite's rule in the passes of load: the first non-finite step of k, g, beta
+  // into first[V], of column j of v into first[j], the first of all into first[V + 1].
+  __device__ void note_nonfinite(int j, int t, int V) const {
+    atomicMin(first + j, t);
+    atomicMin(first + V + 1, t);
+  }
+  __device__ void find_nonfinite_v_beta(int L, const T* sv, int V) const {
+    const int tid = static_cast<int>(threadIdx.x);
+    for (int i = tid; i < L * (V / 8); i += kThreads) {
+      const int t = i / (V / 8), c = i % (V / 8) * 8;
+      float x[8];
+      load_floats(sv + t * kLdV + c, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (!isfinite(x[e])) note_nonfinite(c + e, t, V);
+      }
+    }
+    if (tid < L && !isfinite(beta[tid])) note_nonfinite(V, tid, V);
+  }
+  // After load's passes: the marks into mark [V + 1] and, for a chunk that is not clean, finite
+  // stand-ins from the first step of k, g, beta on (k, beta, 1 / |k| zero, G held at its last
+  // finite value, in the padding rows from L on as well: the products read them) and for v from
+  // its column's first step on (zero).
+  __device__ void put_stand_ins(int L, T* sv, int V, unsigned char* mark) const {
+    const int tid = static_cast<int>(threadIdx.x), any = first[V + 1], row = first[V];
+    if (tid == 0) mark[V] = static_cast<unsigned char>(any);
+    if (any == L) return;  // clean: nothing is written (first is not read again)
+    if (tid < V) mark[tid] = static_cast<unsigned char>(min(first[tid], row));
+    for (int i = tid; i < L * V; i += kThreads) {
+      if (i / V >= min(first[i % V], row)) sv[i / V * kLdV + i % V] = from_float<T>(0.f);
+    }
+    for (int i = row * kK + tid; i < kChunk * kK; i += kThreads) {  // G's rows from L on too (padding)
+      const int t = i / kK, c = i % kK;
+      k[t * kLdK + c] = from_float<T>(0.f);
+      G[t * kLdG + c] = row > 0 ? G[(row - 1) * kLdG + c] : 0.f;
+    }
+    for (int t = row + tid; t < L; t += kThreads) beta[t] = rk[t] = 0.f;
+    __syncthreads();
+  }
+
+  // Fills the tiles (v [kChunk, kLdV] too where sv is given) for the whole block; ends with a
+  // __syncthreads(). With mark (the forward's: sv and first given), finite stand-ins for
+  // non-finite inputs and their marks.
+  __device__ void load(const RawIn<T>& in, int64_t H, int64_t HV, int64_t t0, int L, int64_t hv, T* sv,
+                       int V, unsigned char* mark = nullptr) const {
+    const int64_t h = hv / (HV / H);
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    if (mark != nullptr && tid < V + 2) first[tid] = L;  // (V + 2 <= kThreads)
+    // Loads; rows from L on are zero (g too: G stays at its last value).
+    for (int i = tid; i < kChunk * (kK / 8); i += kThreads) {
+      const int t = i / (kK / 8), c = i % (kK / 8) * 8;
+      const int64_t src = ((t0 + t) * H + h) * kK + c;
+      mma::cp_async_16_or_zero(q + t * kLdK + c, t < L ? in.q + src : nullptr);
+      mma::cp_async_16_or_zero(k + t * kLdK + c, t < L ? in.k + src : nullptr);
+    }
+    for (int i = tid; sv != nullptr && i < kChunk * (V / 8); i += kThreads) {
+      const int t = i / (V / 8), c = i % (V / 8) * 8;
+      mma::cp_async_16_or_zero(sv + t * kLdV + c, t < L ? in.v + ((t0 + t) * HV + hv) * V + c : nullptr);
+    }
+    if (in.g_f32) {
+      const float* g = static_cast<const float*>(in.g);
+      for (int i = tid; i < kChunk * (kK / 4); i += kThreads) {
+        const int t = i / (kK / 4), c = i % (kK / 4) * 4;
+        mma::cp_async_16_or_zero(G + t * kLdG + c, t < L ? g + ((t0 + t) * HV + hv) * kK + c : nullptr);
+      }
+    } else {
+      const T* g = static_cast<const T*>(in.g);
+      for (int i = tid; i < kChunk * kK; i += kThreads) {
+        const int t = i / kK, c = i % kK;
+        G[t * kLdG + c] = t < L ? to_float(g[((t0 + t) * HV + hv) * kK + c]) : 0.f;
+      }
+    }
+    if (tid < kChunk) {
+      const int64_t e = (t0 + tid) * HV + hv;
+      beta[tid] = tid >= L ? 0.f
+                   : in.beta_f32 ? static_cast<const float*>(in.beta)[e]
+                                 : to_float(static_cast<const T*>(in.beta)[e]);
+    }
+    mma::cp_async_wait_all();
+    __syncthreads();
+    if (mark != nullptr) find_nonfinite_v_beta(L, sv, V);
+
+    // 1 / |q_t|, 1 / |k_t| (ones without normalisation); G = log2(e) cumsum(g) by parts of rows.
+    for (int task = warp; task < 2 * kChunk; task += kThreads / 32) {
+      float x[kK / 32], ss = 0.f;
+      load_floats((task < kChunk ? q : k) + (task % kChunk) * kLdK + lane * (kK / 32), x);
+#pragma unroll
+      for (int c = 0; c < kK / 32; ++c) ss += x[c] * x[c];
+      ss = warp_reduce(ss, SumOp{});
+      if (lane == 0) (task < kChunk ? rq : rk)[task % kChunk] = in.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+      if (mark != nullptr && lane == 0 && task >= kChunk && !isfinite(ss)) note_nonfinite(V, task - kChunk, V);
+    }
+    {
+      constexpr int kParts = kThreads / kK, kRows = kChunk / kParts;
+      const int c = tid % kK, p0 = tid / kK;
+      float x[kRows];
+      float run = 0.f;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const float g = G[(p0 * kRows + i) * kLdG + c];
+        if (mark != nullptr && !(g < INFINITY)) note_nonfinite(V, p0 * kRows + i, V);  // NaN or +inf
+        run += floor_log_decay(g);
+        x[i] = run;
+      }
+      part[p0 * kK + c] = run;
+      __syncthreads();
+      float base = 0.f;
+      for (int p = 0; p < p0; ++p) base += part[p * kK + c];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) G[(p0 * kRows + i) * kLdG + c] = (base + x[i]) * kLog2e;
+    }
+    __syncthreads();
+    if (mark != nullptr) put_stand_ins(L, sv, V, mark);
+  }
+};
+
+}  // namespace kda_dsa_ops::kda
