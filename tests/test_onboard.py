@@ -140,11 +140,39 @@ def test_fused_ops_says_which_blocks_run_native_on_cuda():
 
     small = fused_ops(get_config("small"), "cuda")
     assert all("lightning_indexer (native) + SFA: sparse_attn (native)" in line for line in small if "SFA" in line)
-    wide = fused_ops(get_config("small", index_heads=96), "cuda")
-    assert any("SFA: reference (the CUDA indexer takes up to 64 heads" in line for line in wide)
+    wide = [line for line in fused_ops(get_config("small", index_heads=96), "cuda") if "SFA" in line]
+    assert wide and all("lightning_indexer: reference (the CUDA indexer takes up to 64 heads" in line
+                        and "SFA: sparse_attn (native)" in line for line in wide)
     assert all("(native)" in line for line in fused_ops(get_config("small", index_heads=96), "cpu"))
     fp32 = fused_ops(get_config("small"), "cuda", torch.float32)  # what the backend does: the reference
     assert any("SFA: reference (the CUDA kernels take bf16 / fp16, the model is float32)" in line for line in fp32)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"], ids=["cpu-tensors", "gpu-tensors"])
+def test_the_native_backend_takes_what_the_report_says(monkeypatch, device_type):
+    """One table (contracts.*_kernel_refuses) decides both: a call the report puts on the reference
+    goes to the reference, one it puts on the kernels goes to the kernels (the ops are replaced by
+    recorders, so no GPU is needed)."""
+    from kda_dsa_ops import ops, reference
+    from kda_dsa_ops.nn import backend
+
+    calls = []
+    for module, name in ((ops, "native"), (reference, "reference")):
+        for op in ("lightning_indexer", "sparse_attention"):
+            monkeypatch.setattr(module, op, lambda *a, _n=name, _op=op, **kw: calls.append((_op, _n)))
+    fake = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
+    cases = [((96, 64), (576, 512)), ((64, 64), (576, 512)), ((64, 64), (1024, 512)), ((64, 12), (128, 128))]
+    for (heads, dim), (dqk, dv) in cases:
+        calls.clear()
+        with monkeypatch.context() as m:  # meta tensors that say they live on device_type
+            m.setattr(torch.Tensor, "device", property(lambda self: torch.device(device_type)))
+            backend.NATIVE.lightning_indexer(fake(4, heads, dim), fake(4, dim), fake(4, heads), None, None, 16)
+            backend.NATIVE.sparse_attention(fake(4, 8, dqk), fake(4, 1, dqk), fake(4, 1, 16, dtype=torch.int32),
+                                            dv=dv)
+        cuda = device_type == "cuda"
+        want = [("lightning_indexer", "reference" if cuda and (heads > 64 or dim % 8) else "native"),
+                ("sparse_attention", "reference" if cuda and dqk > 576 else "native")]
+        assert calls == want, ((heads, dim), (dqk, dv), device_type)
 
 
 def write_raw(path, header: dict | list, data: bytes = b"", header_bytes: bytes | None = None):

@@ -28,6 +28,7 @@
 #include "common/device.cuh"
 #include "common/dispatch.h"
 #include "common/hopper.cuh"
+#include "common/pipeline.cuh"
 #include "common/tma.h"
 #include "moe/moe.h"
 
@@ -42,20 +43,17 @@ enum class GemmMode {
   kWgrad,      // A = a^T (M-major), B = dy (N-major), reduction over the expert's rows
 };
 
-struct GemmTraits {
+// Two consumer warpgroups of 64 output rows and the producer warpgroup.
+struct GemmTraits : sm90::WarpSpecialized<2, 40, 232> {
   static constexpr int kBM = 128, kBN = 256, kBK = 64;
   static constexpr int kStages = 4;
-  static constexpr int kConsumers = 2;                      // warpgroups of 64 output rows
-  static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+  using Ring = sm90::StageRing<kStages>;
   static constexpr int kClusterSize = 2;
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = kBN * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kChunkBytes = 64 * 128;               // one 64 x 64 swizzled box
   static constexpr int kMaxExperts = 4096;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-  static constexpr int kAlign = 1024;                        // 128B-swizzle atoms repeat every 1 KB
-  static constexpr int kBarrierBytes = 2 * kStages * 8;
 
   // Epilogue staging per consumer warpgroup: the forward one 8 KB box (64 output columns), wgrad
   // two that its TMA stores read in turn.
@@ -63,7 +61,7 @@ struct GemmTraits {
     return kConsumers * (mode == GemmMode::kWgrad ? 2 : 1) * kChunkBytes;
   }
   static constexpr size_t smem_bytes(GemmMode mode, int tile_prefix_entries) {
-    return kAlign + kStages * kStageBytes + epilogue_bytes(mode) + kBarrierBytes +
+    return sm90::kSwizzleAlign + kStages * kStageBytes + epilogue_bytes(mode) + sizeof(Ring) +
            static_cast<size_t>(tile_prefix_entries) * 4;
   }
 };
@@ -231,37 +229,30 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   constexpr int kTransB = kMode == GemmMode::kForwardNK ? 0 : 1;
   constexpr uint16_t kBothCtas = 0b11;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((Tr::kAlign - (smem_addr(smem_raw) & (Tr::kAlign - 1))) & (Tr::kAlign - 1));
+  uint8_t* smem = aligned_smem(smem_raw);
   // Epilogue staging, 128B-swizzled 64 x 64 boxes: wgrad [2 warpgroups][2 boxes], forward [2 warpgroups].
   uint8_t* staging = smem + kStages * Tr::kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tr::epilogue_bytes(kMode));
-  uint64_t* empty = full + kStages;
-  int* tile_prefix = reinterpret_cast<int*>(full + kStages * 2);
+  Tr::Ring& ring = *reinterpret_cast<Tr::Ring*>(staging + Tr::epilogue_bytes(kMode));
+  int* tile_prefix = reinterpret_cast<int*>(&ring + 1);
 
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = Tr::warpgroup();
   const uint32_t rank = cluster_cta_rank();
   const int cluster = blockIdx.x / Tr::kClusterSize, clusters = gridDim.x / Tr::kClusterSize;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full + s, 1);
-      mbar_init(empty + s, Tr::kClusterSize * Tr::kConsumers * 4);  // every consumer warp of the cluster
-    }
-    mbar_init_fence();
-  }
+  if (threadIdx.x == 0) ring.init(1, Tr::kClusterSize * Tr::kConsumers * 4);  // the TMA bytes; every consumer warp of the cluster
   if constexpr (kMode != GemmMode::kWgrad) {
     for (int i = threadIdx.x; i <= p.num_experts; i += blockDim.x) tile_prefix[i] = p.tile_prefix[i];
   }
   cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrival
   const int pairs = num_pairs<kMode>(p, tile_prefix);
 
-  if (warpgroup == Tr::kConsumers) {
+  if (Tr::is_producer()) {
     // Producer: one thread streams every stage of every tile this CTA owns.
-    warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    Tr::producer_registers();
     if (threadIdx.x == Tr::kConsumers * 128) {
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
-      int stage = 0, clock = 0;
-      uint32_t phase = 0;
+      Tr::Ring::Cursor at;
+      int clock = 0;
       for (int pair = cluster; pair < pairs; pair += clusters) {
         const Tile t = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank));
         const Tile peer = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank ^ 1));
@@ -271,10 +262,10 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
         const int first = first_slice<kMode>(t, clock);
         clock += t.k_steps + kTileClockSlices;
         for (int ks = 0; ks < t.k_steps; ++ks) {
-          mbar_wait(empty + stage, phase ^ 1);
-          uint8_t* sa = smem + stage * Tr::kStageBytes;
+          ring.wait_empty(at);
+          uint8_t* sa = smem + at.stage * Tr::kStageBytes;
           uint8_t* sb = sa + Tr::kABytes;
-          uint64_t* bar = full + stage;
+          uint64_t* bar = &ring.full[at.stage][0];
           const int r = t.r0 + slice_at(ks, first, t.k_steps) * Tr::kBK;
           mbar_arrive_expect_tx(bar, Tr::kStageBytes);
           if constexpr (kMode == GemmMode::kWgrad) {
@@ -304,7 +295,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
                   });
             }
           }
-          if (++stage == kStages) stage = 0, phase ^= 1;
+          at.advance();
         }
       }
     }
@@ -313,7 +304,7 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   }
 
   // Consumers.
-  warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  Tr::consumer_registers();
   const int consumer_thread = threadIdx.x;  // 0 .. 255
   const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   T* out = static_cast<T*>(p.out);
@@ -329,8 +320,8 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
   }
 
   float acc[128];
-  int stage = 0, clock = 0;
-  uint32_t phase = 0;
+  Tr::Ring::Cursor at;
+  int clock = 0;
   for (int pair = cluster; pair < pairs; pair += clusters) {
     const Tile t = decode_tile<kMode>(p, tile_prefix, pair_slot<kMode>(p, tile_prefix, pair, rank));
     const int first = first_slice<kMode>(t, clock);
@@ -339,8 +330,8 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     int previous = -1;
     for (int ks = 0; ks < t.k_steps; ++ks) {
-      mbar_wait(full + stage, phase);
-      uint8_t* sa = smem + stage * Tr::kStageBytes;
+      ring.wait_full(at);
+      uint8_t* sa = smem + at.stage * Tr::kStageBytes;
       uint8_t* sb = sa + Tr::kABytes;
       if constexpr (kMode == GemmMode::kWgrad) {
         const int valid = t.r_end - (t.r0 + slice_at(ks, first, t.k_steps) * Tr::kBK);
@@ -363,15 +354,15 @@ __global__ void __launch_bounds__(GemmTraits::kThreads, 1)
       wgmma_wait<1>();  // the previous slice's wgmmas are done: release its stage in both CTAs
       fence_accumulators(acc);
       if (previous >= 0 && lane == 0) {
-        for (uint32_t cta = 0; cta < Tr::kClusterSize; ++cta) mbar_arrive_cluster(empty + previous, cta);
+        for (uint32_t cta = 0; cta < Tr::kClusterSize; ++cta) mbar_arrive_cluster(ring.empty + previous, cta);
       }
-      previous = stage;
-      if (++stage == kStages) stage = 0, phase ^= 1;
+      previous = at.stage;
+      at.advance();
     }
     wgmma_wait<0>();
     fence_accumulators(acc);
     if (previous >= 0 && lane == 0) {
-      for (uint32_t cta = 0; cta < Tr::kClusterSize; ++cta) mbar_arrive_cluster(empty + previous, cta);
+      for (uint32_t cta = 0; cta < Tr::kClusterSize; ++cta) mbar_arrive_cluster(ring.empty + previous, cta);
     }
 
     // Epilogue: this thread's rows are m0 + 64*warpgroup + 16*warp + lane/4 (+8).

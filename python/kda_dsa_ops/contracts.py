@@ -1,6 +1,6 @@
 """What the ops and their pure-PyTorch definitions (kda_dsa_ops.reference) share: the limits and
-argument defaults of the op contracts, and which calls the kernels take (read by the model's
-native backend and by onboard's report)."""
+argument defaults of the op contracts, and which calls the kernels take (*_kernel_refuses: read by
+the model's native backend and by onboard's report)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,31 @@ def attention_defaults(q: Tensor, scale: float | None, dv: int | None) -> tuple[
     return float(scale), (512 if Dqk == 576 else Dqk) if dv is None else dv
 
 
-def dsa_kernels_take(device_type: str, dtype: torch.dtype, keys_per_query: int) -> bool:
-    """Whether the indexer / sparse-attention kernels take a call: the CPU kernels any float dtype,
-    the CUDA ones bf16 / fp16 (their tensor-core operands); at most MAX_TOPK keys per query."""
-    return (device_type != "cuda" or dtype in (torch.bfloat16, torch.float16)) and keys_per_query <= MAX_TOPK
+def _dsa_kernel_refuses(device_type: str, dtype: torch.dtype, keys_per_query: int) -> str | None:
+    if keys_per_query > MAX_TOPK:
+        return f"{keys_per_query} keys per query exceed the kernels' {MAX_TOPK}"
+    if device_type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
+        return f"the CUDA kernels take bf16 / fp16, the model is {str(dtype).removeprefix('torch.')}"
+    return None
+
+
+def indexer_kernel_refuses(device_type: str, dtype: torch.dtype, topk: int, heads: int, dim: int) -> str | None:
+    """Why the lightning-indexer kernels cannot take a call, or None. CPU: any float dtype and
+    shape; CUDA: bf16 / fp16 (tensor-core operands), up to 64 heads of a dim that is a multiple of 8
+    up to 128; both at most MAX_TOPK keys per query. The model's native backend sends a refused call
+    to the reference; onboard's report prints the reason."""
+    why = _dsa_kernel_refuses(device_type, dtype, topk)
+    if why is None and device_type == "cuda" and (heads > 64 or dim % 8 or not 8 <= dim <= 128):
+        why = f"the CUDA indexer takes up to 64 heads of a multiple of 8 up to 128, got {heads} x {dim}"
+    return why
+
+
+def attention_kernel_refuses(device_type: str, dtype: torch.dtype, keys_per_query: int, dqk: int,
+                             dv: int) -> str | None:
+    """Why the sparse-attention kernels cannot take a call, or None. CPU: any float dtype and shape;
+    CUDA: bf16 / fp16, Dqk a multiple of 8 up to 128 (GQA) or up to 576 with dv <= 512 (MLA); both at
+    most MAX_TOPK keys per query."""
+    why = _dsa_kernel_refuses(device_type, dtype, keys_per_query)
+    if why is None and device_type == "cuda" and (dqk % 8 or not (dqk <= 128 or (dqk <= 576 and dv <= 512))):
+        why = f"the CUDA sparse attention takes Dqk <= 128, or <= 576 with dv <= 512 (multiples of 8), got {dqk} / {dv}"
+    return why

@@ -29,7 +29,7 @@ from .models import HybridConfig, HybridModel
 from .nn.vision import VisionConfig
 from .models.hybrid import PRESETS
 from .nn import LoRALinear, Rope
-from .contracts import MAX_TOPK, dsa_kernels_take
+from .contracts import attention_kernel_refuses, indexer_kernel_refuses
 from .safetensors_io import CheckpointError, Reader, write_file, write_sharded
 
 FP8_BLOCK = 128
@@ -471,20 +471,9 @@ def read_config(directory: str, **overrides) -> HybridConfig:
     return cfg
 
 
-def dsa_cuda_limits(cfg: HybridConfig) -> str | None:
-    """Why the DSA CUDA kernels cannot take this model's shapes, or None (they run in bf16/fp16:
-    a model run in fp32 on a GPU takes the reference for these ops)."""
-    dqk, dv = cfg.dsa_kv_rank + cfg.dsa_rope_dim, cfg.dsa_kv_rank
-    if cfg.index_heads > 64 or cfg.index_dim % 8 or cfg.index_dim > 128:
-        return f"the CUDA indexer takes up to 64 heads of a multiple of 8 up to 128, got {cfg.index_heads} x {cfg.index_dim}"
-    if dqk % 8 or not (dqk <= 128 or (dqk <= 576 and dv <= 512)):
-        return f"the CUDA sparse attention takes Dqk <= 128, or <= 576 with dv <= 512 (multiples of 8), got {dqk} / {dv}"
-    return None
-
-
 def fused_ops(cfg: HybridConfig, device: str, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Which op each block will run on (for a model of dtype on device), or why it falls back to
-    reference/ or to torch (the DSA calls by contracts.dsa_kernels_take, which the backend reads)."""
+    reference/ or to torch (the DSA calls by contracts' *_kernel_refuses, which the backend reads)."""
     cuda = device == "cuda"
     lines = []
     width = cfg.dsa_topk + (cfg.index_kpool - 1 if cfg.index_kpool and cfg.index_kpool_tail else 0)
@@ -499,12 +488,9 @@ def fused_ops(cfg: HybridConfig, device: str, dtype: torch.dtype = torch.bfloat1
             elif cfg.index_kpool:
                 indexer = "k-pooled indexer: reference (no kernel scores pools yet, issue 25)"
             else:
-                indexer = "lightning_indexer (native)"
-            why = dsa_cuda_limits(cfg) if cuda else None
-            if width > MAX_TOPK:
-                why = f"{width} keys per query (top-k + the pool tail) exceed the kernels' {MAX_TOPK}"
-            elif not dsa_kernels_take(device, dtype, width):
-                why = f"the CUDA kernels take bf16 / fp16, the model is {str(dtype).removeprefix('torch.')}"
+                why = indexer_kernel_refuses(device, dtype, cfg.dsa_topk, cfg.index_heads, cfg.index_dim)
+                indexer = f"lightning_indexer: reference ({why})" if why else "lightning_indexer (native)"
+            why = attention_kernel_refuses(device, dtype, width, cfg.dsa_kv_rank + cfg.dsa_rope_dim, cfg.dsa_kv_rank)
             attn = f"{indexer} + SFA: " + (f"reference ({why})" if why else "sparse_attn (native)")
         if ffn == "F":
             mlp = "dense SwiGLU: torch matmuls"

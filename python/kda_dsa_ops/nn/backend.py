@@ -2,7 +2,8 @@
 the kernels and the pure-PyTorch definitions is one argument (`backend="native"|"reference"`).
 A backend is a module of ops under their public names and signatures: kda_dsa_ops (the kernels)
 or kda_dsa_ops.reference; the native one sends the DSA calls its kernels do not take
-(contracts.dsa_kernels_take: fp32 on a GPU, more than MAX_TOPK keys per query) to the reference.
+(contracts.indexer_kernel_refuses / attention_kernel_refuses: fp32 on a GPU, more than MAX_TOPK
+keys per query, head sizes the CUDA kernels lack) to the reference.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 from .. import ops
 from .. import reference as R
-from ..contracts import dsa_kernels_take
+from ..contracts import attention_defaults, attention_kernel_refuses, indexer_kernel_refuses
 
 OPS = ("chunk_kda", "lightning_indexer", "sparse_attention", "moe_route", "moe_permute", "moe_unpermute",
        "grouped_mm")
@@ -22,14 +23,15 @@ class Backend(SimpleNamespace):
 
 
 def _lightning_indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
-    fn = ops.lightning_indexer if dsa_kernels_take(q.device.type, q.dtype, topk) else R.lightning_indexer
-    return fn(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
+    refused = q.dim() == 3 and indexer_kernel_refuses(q.device.type, q.dtype, topk, q.shape[1], q.shape[2])
+    return (R.lightning_indexer if refused else ops.lightning_indexer)(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
 
 
 def _sparse_attention(q, kv, indices, scale=None, dv=None, gate=None, return_p=False, deterministic=False):
-    taken = dsa_kernels_take(q.device.type, q.dtype, indices.shape[-1])
-    return (ops.sparse_attention if taken else R.sparse_attention)(q, kv, indices, scale, dv, gate, return_p,
-                                                                  deterministic)
+    refused = q.dim() == 3 and attention_kernel_refuses(q.device.type, q.dtype, indices.shape[-1], q.shape[-1],
+                                                        attention_defaults(q, scale, dv)[1])
+    return (R.sparse_attention if refused else ops.sparse_attention)(q, kv, indices, scale, dv, gate, return_p,
+                                                                      deterministic)
 
 
 NATIVE = Backend(name="native", **{op: getattr(ops, op) for op in OPS}

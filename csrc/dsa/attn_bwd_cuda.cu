@@ -1,0 +1,263 @@
+// Sparse attention's backward. With P the probabilities, dA = sigmoid(gate) dO the gradient of
+// the attention output and delta = rowsum(dO * o) (the gate folded in):
+//   dS = scale P * (dA V^T - delta) (elementwise),  dq = dS K,
+//   dkv[s] += dS^T q (key columns) + P^T dA (value columns),  dgate = dO * o * (1 - sigmoid(gate)).
+// The forward's blocks, key tiles of 32: dq in registers, dkv added to an fp32 buffer with 16-byte
+// atomics, or, deterministic, stored per (query, slot) and summed in index order afterwards.
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "common/dispatch.h"
+#include "dsa/dsa_cuda.cuh"
+
+namespace kda_dsa_ops::dsa {
+
+namespace {
+
+template <int kDqk, int kDv, int kRows>
+struct BwdShape : AttnShape<kDqk, kRows, 32> {
+  using Base = AttnShape<kDqk, kRows, 32>;
+  static constexpr int kLdO = kDv + 8;
+  static constexpr int kQTiles = kDqk / 2 / 8;                         // dq tiles per warp
+  static constexpr int kUnitsPerWarp = kDqk / 16 / (Base::kWarps / 2);  // 16-column dkv units per warp
+  static_assert(kDqk / 16 % (Base::kWarps / 2) == 0, "dkv columns must split evenly over the warps");
+  // d(attention output), P, dS, delta and lse.
+  static constexpr size_t kExtra = (kRows * kLdO + 2 * kRows * Base::kLdP) * 2 + 2 * kRows * sizeof(float);
+  static constexpr int kStages = Base::stages_for(kExtra);  // key tiles in flight
+  static constexpr size_t kSmem = Base::tile_bytes(kStages) + kExtra;
+};
+
+template <typename T, int kDqk, int kDv, int kRows>
+__global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd_kernel(AttnBwdArgs a) {
+  using S = BwdShape<kDqk, kDv, kRows>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kRows * S::kLd;                // kStages key tiles
+  T* sO = sK + S::kStages * S::kKeys * S::kLd;  // d(attention output) = grad_o * sigmoid(gate)
+  T* sP = sO + kRows * S::kLdO;
+  T* sDS = sP + kRows * S::kLdP;
+  float* delta = reinterpret_cast<float*>(sDS + kRows * S::kLdP);
+  float* lse2 = delta + kRows;
+  int* sIdx = reinterpret_cast<int*>(lse2 + kRows);  // [kStages][kKeys]
+
+  const T* kv = static_cast<const T*>(a.kv);
+  const T* gate = static_cast<const T*>(a.gate);
+  const T* grad_o = static_cast<const T*>(a.grad_o);
+  const T* o = static_cast<const T*>(a.o_in);
+  const auto [t, kvh, head0, rows, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] =
+      attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
+  const int kdv = round16(a.dv);
+  // delta = sum(grad_o * o) (o gated), dgate = grad_o * o * (1 - sigmoid(gate)).
+  for (int r = warp; r < kRows; r += S::kWarps) {
+    const bool valid = r < rows;
+    const int64_t row = t * a.H + head0 + r;
+    float dsum = 0.f;
+    // Every load of the row before the first store (dgate could alias them as far as the compiler
+    // knows: loads after a store would each wait for the previous round trip).
+    constexpr int kPer = kDv / 32;
+    float dd[kPer], od[kPer], sg[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int d = lane + 32 * k;
+      const bool in = valid && d < a.dv;
+      dd[k] = in ? to_float(grad_o[row * a.dv + d]) : 0.f;
+      od[k] = in ? to_float(o[row * a.dv + d]) : 0.f;
+      sg[k] = in && gate != nullptr ? to_float(gate[row * a.dv + d]) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int d = lane + 32 * k;
+      float s = 1.f;
+      if (gate != nullptr) {
+        s = sigmoidf(sg[k]);
+        if (valid && d < a.dv) static_cast<T*>(a.dgate)[row * a.dv + d] = from_float<T>(dd[k] * od[k] * (1.f - s));
+      }
+      dsum += dd[k] * od[k];
+      sO[r * S::kLdO + d] = from_float<T>(dd[k] * s);
+    }
+    dsum = warp_reduce(dsum, SumOp{});
+    if (lane == 0) {
+      delta[r] = dsum;
+      const float l = valid ? a.lse_in[row] : -INFINITY;
+      lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // no key: every p = 0; NaN stays NaN
+    }
+  }
+
+  float dq[S::kQTiles][4] = {};
+  KeyTiles<T, S::kStages, S::kKeys, SelectedRows<T, S::kKeys>> tiles{
+      sK, S::kLd, a.Dqk, kDqk, a.topk, SelectedRows<T, S::kKeys>{sIdx, idx, a.topk, a.Tk, a.Hkv, kvh, a.Dqk, kv}};
+  tiles.start();
+  int it = 0;
+  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys, ++it) {
+    const int b = tiles.ready(it, k0);
+    const T* sKt = tiles.tile(b);
+    const int* sIdxt = sIdx + b * S::kKeys;
+
+    // Logits and dP = dO V^T for rows wr * 16.., keys wc * 16...
+    float s[2][4] = {}, dp[2][4] = {};
+    for (int kk = 0; kk < kd; kk += 16) {
+      uint32_t af[4], bf[4];
+      load_a(af, sQ, S::kLd, wr * 16, kk);
+      load_b_nk(bf, sKt, S::kLd, wc * 16, kk);
+      mma_16816<T>(s[0], af, bf[0], bf[1]);
+      mma_16816<T>(s[1], af, bf[2], bf[3]);
+    }
+    for (int kk = 0; kk < kdv; kk += 16) {
+      uint32_t af[4], bf[4];
+      load_a(af, sO, S::kLdO, wr * 16, kk);
+      load_b_nk(bf, sKt, S::kLd, wc * 16, kk);
+      mma_16816<T>(dp[0], af, bf[0], bf[1]);
+      mma_16816<T>(dp[1], af, bf[2], bf[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = wc * 16 + j * 8 + 2 * c;
+      float p[4], ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = r0 + 8 * (e / 2);
+        p[e] = sIdxt[col + (e & 1)] >= 0 ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
+        ds[e] = p[e] * (dp[j][e] - delta[rr]) * a.scale;
+      }
+      *reinterpret_cast<uint32_t*>(sP + r0 * S::kLdP + col) = pack2<T>(p[0], p[1]);
+      *reinterpret_cast<uint32_t*>(sP + (r0 + 8) * S::kLdP + col) = pack2<T>(p[2], p[3]);
+      *reinterpret_cast<uint32_t*>(sDS + r0 * S::kLdP + col) = pack2<T>(ds[0], ds[1]);
+      *reinterpret_cast<uint32_t*>(sDS + (r0 + 8) * S::kLdP + col) = pack2<T>(ds[2], ds[3]);
+    }
+    __syncthreads();
+    // dq += dS K (rows wr * 16.., cols wc * kDqk / 2..).
+#pragma unroll
+    for (int kk = 0; kk < S::kKeys; kk += 16) {
+      uint32_t af[4];
+      load_a(af, sDS, S::kLdP, wr * 16, kk);
+#pragma unroll
+      for (int np = 0; np < S::kQTiles / 2; ++np) {
+        uint32_t bf[4];
+        load_b_kn(bf, sKt, S::kLd, wc * (kDqk / 2) + np * 16, kk);
+        mma_16816<T>(dq[2 * np], af, bf[0], bf[1]);
+        mma_16816<T>(dq[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    // dkv[key] += dS^T Q + P^T dO (value columns): keys (warp % 2) * 16.., column units of the warp.
+    {
+      const int kg = warp % 2, u0 = warp / 2 * S::kUnitsPerWarp;
+      uint32_t a_ds[kRows / 16][4], a_p[kRows / 16][4];
+#pragma unroll
+      for (int ks2 = 0; ks2 < kRows / 16; ++ks2) {
+        load_a_trans(a_ds[ks2], sDS, S::kLdP, kg * 16, ks2 * 16);
+        load_a_trans(a_p[ks2], sP, S::kLdP, kg * 16, ks2 * 16);
+      }
+      for (int u = u0; u < u0 + S::kUnitsPerWarp; ++u) {
+        const int n0 = u * 16;
+        if (n0 >= kd) break;
+        float acc[2][4] = {};
+#pragma unroll
+        for (int ks2 = 0; ks2 < kRows / 16; ++ks2) {
+          uint32_t bf[4];
+          load_b_kn(bf, sQ, S::kLd, n0, ks2 * 16);
+          mma_16816<T>(acc[0], a_ds[ks2], bf[0], bf[1]);
+          mma_16816<T>(acc[1], a_ds[ks2], bf[2], bf[3]);
+        }
+        if (n0 < kdv) {
+#pragma unroll
+          for (int ks2 = 0; ks2 < kRows / 16; ++ks2) {
+            uint32_t bf[4];
+            load_b_kn(bf, sO, S::kLdO, n0, ks2 * 16);
+            mma_16816<T>(acc[0], a_p[ks2], bf[0], bf[1]);
+            mma_16816<T>(acc[1], a_p[ks2], bf[2], bf[3]);
+          }
+        }
+        // Lanes c and c ^ 1 swap halves so that each holds four consecutive columns of one row
+        // (even c: row g, odd c: row g + 8): one 16-byte atomic (or store) instead of two 8-byte.
+        const int h = c % 2, slot = kg * 16 + g + 8 * h, key = sIdxt[slot];
+        float4 v[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float send0 = h == 0 ? acc[j][2] : acc[j][0], send1 = h == 0 ? acc[j][3] : acc[j][1];
+          const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+          v[j] = h == 0 ? make_float4(acc[j][0], acc[j][1], got0, got1) : make_float4(got0, got1, acc[j][2], acc[j][3]);
+        }
+        if (key >= 0) {
+          float* dst = a.dkv != nullptr
+                           ? a.dkv + (int64_t{key} * a.Hkv + kvh) * a.Dqk
+                           : a.contrib + ((((t - a.t0) * a.Hkv + kvh) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) *
+                                             int64_t{a.Dqk};
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = n0 + j * 8 + 4 * (c / 2);
+            if (col >= a.Dqk) continue;
+            if (a.dkv != nullptr) {
+              atomicAdd(reinterpret_cast<float4*>(dst + col), v[j]);
+            } else {
+              *reinterpret_cast<float4*>(dst + col) = v[j];
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  T* dq_out = static_cast<T*>(a.dq);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = r0 + 8 * h;
+    if (rr >= rows) continue;
+    T* dst = dq_out + (t * a.H + head0 + rr) * a.Dqk;
+#pragma unroll
+    for (int n = 0; n < S::kQTiles; ++n) {
+      store_pair_within(dst, wc * (kDqk / 2) + n * 8 + 2 * c, a.Dqk, dq[n][2 * h], dq[n][2 * h + 1]);
+    }
+  }
+}
+
+}  // namespace
+
+void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
+                   const at::Tensor& indices, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate,
+                   bool deterministic, at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_bwd", [&] {
+    with_attn_instance(p, [&](auto dqk, auto dv, auto rows) {
+      constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
+      using S = BwdShape<kDqk, kDv, kRows>;
+      const auto kernel = attn_bwd_kernel<scalar_t, kDqk, kDv, kRows>;
+      const int threads = S::kThreads;
+      const size_t smem = S::kSmem;
+      AttnBwdArgs a{attn_args(p, q, kv, indices, gate, kRows),
+                    grad_o.data_ptr(),
+                    o.data_ptr(),
+                    lse.data_ptr<float>(),
+                    dq.data_ptr(),
+                    nullptr,
+                    nullptr,
+                    dgate.defined() ? dgate.data_ptr() : nullptr};
+      if (!deterministic) {
+        a.dkv = dkv.data_ptr<float>();
+        launch(kernel, dim3(p.T, p.Hkv, a.head_blocks), threads, smem, a);
+        return;
+      }
+      // Deterministic: each (query, slot) contribution is stored, then summed into dkv in index
+      // order by a sort-based accumulate, a chunk of queries at a time. dkv has one extra row that
+      // takes the slots without a key.
+      const int64_t per_query = p.Hkv * a.head_blocks * p.topk * p.Dqk;
+      const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 27) / std::max<int64_t>(per_query, 1));
+      at::Tensor contrib = at::empty({std::min(chunk, p.T) * per_query}, q.options().dtype(at::kFloat));
+      const at::Tensor rows_of = at::where(indices.ge(0).logical_and(indices.lt(p.Tk)), indices * p.Hkv + at::arange(p.Hkv, indices.options()).view({1, -1, 1}),
+                                           at::full({}, p.Tk * p.Hkv, indices.options()))
+                                     .to(at::kLong);
+      at::Tensor dkv_rows = dkv.view({-1, p.Dqk});
+      for (int64_t t0 = 0; t0 < p.T; t0 += chunk) {
+        const int64_t n = std::min(chunk, p.T - t0);
+        a.t0 = t0;
+        a.contrib = contrib.data_ptr<float>();
+        launch(kernel, dim3(n, p.Hkv, a.head_blocks), threads, smem, a);
+        const at::Tensor keys =
+            rows_of.narrow(0, t0, n).unsqueeze(2).expand({n, p.Hkv, a.head_blocks, p.topk}).reshape({-1});
+        dkv_rows.index_put_({keys}, contrib.narrow(0, 0, n * per_query).view({-1, p.Dqk}), /*accumulate=*/true);
+      }
+    });
+  });
+}
+
+}  // namespace kda_dsa_ops::dsa

@@ -1,0 +1,288 @@
+// The DSA CUDA kernels' shared parts: small device helpers, the key-tile loaders of the mma.sync
+// kernels, the parameter structs of every kernel and the launchers each kernel's file defines.
+// The kernels, a file each, all on bf16/fp16 operands with fp32 accumulation:
+//   indexer_fwd_cuda.cu   LI forward (sm_90a: TMA, wgmma): four queries per block scored against
+//                         the keys they see in tiles of 64, ReLU and the weighted sum over heads
+//                         in registers; the scores go straight into per-query candidate buffers
+//                         (the [T, Tk] matrix never exists), cut back to top-k by a radix select;
+//                         then a row sort
+//   indexer_bwd_cuda.cu   LI backward: one block per query over its selected keys, dq and dw in
+//                         registers, dk added to an fp32 buffer
+//   attn_fwd_cuda.cu      SFA forward (mma.sync): one block per (query, kv head, block of up to
+//                         64 heads) over the selected keys in tiles of 64: online softmax, P V,
+//                         the output gate in the epilogue, lse; with return_p a second pass sums
+//                         the final probabilities over the heads
+//   mla_fwd_cuda.cu       SFA forward for the MLA layout on sm_90a: a gathering producer
+//                         warpgroup and two wgmma consumer warpgroups
+//   attn_bwd_cuda.cu      SFA backward: the forward's blocks, dq in registers, dkv added to an fp32
+//                         buffer (atomically, or stored per (query, slot) and summed in index order)
+// The mma.sync kernels' warps are 16-row groups x 2 halves of the columns (keys or values).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <type_traits>
+
+#include "common/device.cuh"
+#include "common/hopper.cuh"
+#include "common/mma.cuh"
+#include "dsa/dsa.h"
+
+namespace kda_dsa_ops::dsa {
+
+using namespace kda_dsa_ops::mma;
+
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
+// max(x, 0) that keeps NaN (fmaxf drops it), as torch's relu: a NaN score is never selected.
+__device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
+// The running maximum that the softmax subtracts: 0 while it is -inf (no key yet), so that a -inf
+// logit gives p = 0 and a NaN one p = NaN (a row of NaN logits is not a row without keys).
+__device__ __forceinline__ float finite_or_zero(float m) { return m == -INFINITY ? 0.f : m; }
+
+__device__ __forceinline__ int round16(int x) { return (x + 15) / 16 * 16; }
+
+// s += Q K^T for rows row0.. (16) and keys key0.. (32) of row-major shared tiles (leading
+// dimension ld), over the first kd columns (a multiple of 16): four 16 x 8 accumulator tiles.
+template <typename T>
+__device__ __forceinline__ void warp_qk_16x32(float (&s)[4][4], const T* sQ, const T* sK, int ld, int row0, int key0,
+                                              int kd) {
+  for (int kk = 0; kk < kd; kk += 16) {
+    uint32_t af[4];
+    load_a(af, sQ, ld, row0, kk);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t bf[4];
+      load_b_nk(bf, sK, ld, key0 + np * 16, kk);
+      mma_16816<T>(s[2 * np], af, bf[0], bf[1]);
+      mma_16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+template <typename Kernel, typename Args>
+void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Args& args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  set_smem(kernel, smem);
+  kernel<<<grid, threads, smem, c10::cuda::getCurrentCUDAStream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+constexpr size_t kMaxSmem = 227 * 1024;  // dynamic shared memory per block (sm_90)
+
+// Key tiles in shared memory. With kStages = 2 the next tile's rows are in flight (cp.async)
+// while the current one is used. Src (per thread): slots(b, k0) fills buffer b's per-slot data
+// for the tile of keys k0.. (shared arrays: no sync inside), row(b, r) is the global row of
+// slot r (nullptr: zeros).
+template <typename T, int kStages, int kKeys, typename Src>
+struct KeyTiles {
+  T* buf;  // kStages tiles of kKeys x ld
+  int ld, width, cols;
+  int64_t total;  // keys
+  Src src;
+  __device__ T* tile(int b) const { return buf + b * kKeys * ld; }
+  __device__ void fetch(int b) {
+    gather_rows(tile(b), ld, kKeys, width, cols, [&](int r) { return src.row(b, r); });
+    cp_async_commit();
+  }
+  // Before the loop (every thread).
+  __device__ void start() {
+    if constexpr (kStages == 2) {
+      src.slots(0, 0);
+      __syncthreads();
+      fetch(0);
+    }
+  }
+  // Tile it (keys k0..) in shared memory: returns its buffer. Every thread calls it, and calls
+  // __syncthreads() after its last use of the tile, before the next ready().
+  __device__ int ready(int it, int64_t k0) {
+    if constexpr (kStages == 1) {
+      src.slots(0, k0);
+      __syncthreads();
+      fetch(0);
+      cp_async_wait<0>();
+      __syncthreads();
+      return 0;
+    } else {
+      const int cur = it & 1;
+      const bool more = k0 + kKeys < total;
+      if (more) src.slots(cur ^ 1, k0 + kKeys);
+      __syncthreads();
+      if (more) {
+        fetch(cur ^ 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      return cur;
+    }
+  }
+};
+
+// Selected rows kv[sel[slot], kvh] (attention): slot -> key in idx[b][slot], -1 for none or
+// out of range.
+template <typename T, int kKeys>
+struct SelectedRows {
+  int* idx;  // [stages][kKeys], shared
+  const int32_t* sel;
+  int topk;
+  int64_t Tk, Hkv;
+  int kvh, D;
+  const T* kv;
+  __device__ void slots(int b, int64_t k0) {
+    for (int i = threadIdx.x; i < kKeys; i += blockDim.x) {
+      const int64_t j = k0 + i;
+      idx[b * kKeys + i] = j < topk && sel[j] < Tk ? sel[j] : -1;
+    }
+  }
+  __device__ const T* row(int b, int r) const {
+    const int j = idx[b * kKeys + r];
+    return j >= 0 ? kv + (int64_t{j} * Hkv + kvh) * D : nullptr;
+  }
+};
+
+constexpr int kIdxRows = 64;  // indexer heads (Hi <= 64, padded)
+constexpr int kIdxKeys = 64;  // keys per tile
+constexpr int kIdxDim = 128;  // Di <= 128
+constexpr int kIdxLd = kIdxDim + 8;
+
+// What every sparse-attention kernel reads: the inputs, the sizes, and t0, the first query of
+// the launch (the deterministic backward runs the queries in chunks).
+struct AttnArgs {
+  const void* q;
+  const void* kv;
+  const int32_t* indices;
+  const void* gate;  // nullptr: no gate
+  int64_t T, H, Hkv, Tk;  // indices outside [0, Tk) count as -1
+  int Dqk, dv, topk, G, head_blocks;
+  float scale;
+  int64_t t0;
+};
+struct AttnFwdArgs : AttnArgs {
+  void* o;
+  float* lse;
+  float* probs;  // nullptr: not asked for
+};
+struct AttnBwdArgs : AttnArgs {
+  const void* grad_o;
+  const void* o_in;
+  const float* lse_in;
+  void* dq;
+  float* dkv;      // atomics into [Tk, Hkv, Dqk]; nullptr: contributions into contrib
+  float* contrib;  // [(t - t0), Hkv, head_blocks, topk, Dqk]
+  void* dgate;
+};
+
+// One block's share of the attention: query t, kv head kvh, query heads head0.. (rows of them
+// valid), the selected keys sel of (t, kvh); the thread's place: warp, lane, accumulator row g
+// and column pair c of its fragments, row group wr, column half wc, rows r0 and r0 + 8; kd the
+// head dim rounded up to 16, sl2 the scale in log2 units.
+struct AttnBlock {
+  int64_t t;
+  int kvh, head0, rows, warp, lane, g, c, wr, wc, r0, kd;
+  float sl2;
+  const int32_t* sel;
+};
+
+// The block's place, and its query rows sent to shared memory (cp.async, committed with the first
+// key tile).
+template <typename T, int kRows, int kCols>
+__device__ AttnBlock attn_block(const AttnArgs& a, T* sQ, int ld) {
+  AttnBlock b;
+  b.t = a.t0 + blockIdx.x;
+  b.kvh = blockIdx.y;
+  b.head0 = b.kvh * a.G + blockIdx.z * kRows;
+  b.rows = min(kRows, a.G - static_cast<int>(blockIdx.z) * kRows);
+  b.warp = threadIdx.x / 32;
+  b.lane = threadIdx.x % 32;
+  b.g = b.lane / 4;
+  b.c = b.lane % 4;
+  b.wr = b.warp / 2;
+  b.wc = b.warp % 2;
+  b.r0 = b.wr * 16 + b.g;
+  b.kd = round16(a.Dqk);
+  b.sl2 = a.scale * kLog2e;
+  b.sel = a.indices + (b.t * a.Hkv + b.kvh) * a.topk;
+  const T* q = static_cast<const T*>(a.q);
+  gather_rows(sQ, ld, kRows, a.Dqk, kCols, [&](int r) {
+    return r < b.rows ? q + (b.t * a.H + b.head0 + r) * a.Dqk : static_cast<const T*>(nullptr);
+  });
+  return b;
+}
+
+// What the forward and backward blocks share: kRows query heads in 16-row groups x 2 column
+// halves of warps, key tiles of kKeys, shared rows padded by 8 (ldmatrix without bank
+// conflicts). Two key tiles are in flight when the shared memory holds them beside `extra`
+// bytes of the kernel's other arrays.
+template <int kDqk, int kRows, int kKeys_>
+struct AttnShape {
+  static constexpr int kKeys = kKeys_;
+  static constexpr int kWarps = kRows / 16 * 2;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kLd = kDqk + 8;
+  static constexpr int kLdP = kKeys + 8;
+  // Q, the key tiles and their slots (16-bit operands).
+  static constexpr size_t tile_bytes(int stages) {
+    return (kRows + stages * kKeys) * kLd * 2 + stages * kKeys * sizeof(int);
+  }
+  static constexpr int stages_for(size_t extra) { return tile_bytes(2) + extra <= kMaxSmem ? 2 : 1; }
+};
+
+// f(Dqk, dv, rows) as integral constants for the problem's kernel instance: head dims padded to
+// 128 or to 576 / 512 (MLA), 16 or 64 heads per block.
+template <typename F>
+void with_attn_instance(const AttnProblem& p, F&& f) {
+  using I128 = std::integral_constant<int, 128>;
+  using I576 = std::integral_constant<int, 576>;
+  using I512 = std::integral_constant<int, 512>;
+  using R16 = std::integral_constant<int, 16>;
+  using R64 = std::integral_constant<int, 64>;
+  const bool wide = p.Dqk > 128, tall = p.H / p.Hkv > 16;
+  if (wide) {
+    tall ? f(I576{}, I512{}, R64{}) : f(I576{}, I512{}, R16{});
+  } else {
+    tall ? f(I128{}, I128{}, R64{}) : f(I128{}, I128{}, R16{});
+  }
+}
+
+// The shared fields of the attention kernels' arguments, for blocks of `rows` heads.
+inline AttnArgs attn_args(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
+                   const at::Tensor& gate, int rows) {
+  AttnArgs a{};
+  a.q = q.data_ptr();
+  a.kv = kv.data_ptr();
+  a.indices = indices.data_ptr<int32_t>();
+  a.gate = gate.defined() ? gate.data_ptr() : nullptr;
+  a.T = p.T;
+  a.H = p.H;
+  a.Hkv = p.Hkv;
+  a.Tk = p.Tk;
+  a.Dqk = static_cast<int>(p.Dqk);
+  a.dv = static_cast<int>(p.dv);
+  a.topk = static_cast<int>(p.topk);
+  a.G = static_cast<int>(p.H / p.Hkv);
+  a.head_blocks = static_cast<int>(ceil_div(a.G, rows));
+  a.scale = static_cast<float>(p.scale);
+  return a;
+}
+
+// The launchers, one per kernel file. Inputs as dsa.h's CUDA entry points pass them (bf16 /
+// fp16, contiguous, 16-byte aligned rows; w, grad_scores and lse fp32).
+void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,
+                      at::Tensor& indices, at::Tensor& scores);
+void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, const at::Tensor& indices,
+                      const at::Tensor& grad_scores, at::Tensor& dq, at::Tensor& dk, at::Tensor& dw);
+void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
+                   const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
+// The MLA layout (Dqk 576, dv 512, one kv head) on sm_90a, unless the portable_sfa switch is on.
+bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
+void mla_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
+                  const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
+void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
+                   const at::Tensor& indices, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate,
+                   bool deterministic, at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate);
+
+}  // namespace kda_dsa_ops::dsa

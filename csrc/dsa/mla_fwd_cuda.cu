@@ -1,0 +1,387 @@
+// Sparse attention's forward for the MLA layout (Dqk 576, dv 512, one kv head) on sm_90a: the
+// equations of attn_fwd_cuda.cu, with wgmma.
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/dispatch.h"
+#include "common/pipeline.cuh"
+#include "common/switches.h"
+#include "common/tma.h"
+#include "dsa/dsa_cuda.cuh"
+
+namespace kda_dsa_ops::dsa {
+
+namespace {
+
+// One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512). A
+// producer warpgroup gathers the selected rows, 64 keys a tile, into a 2-stage ring of
+// 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer warpgroups each take
+// 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the 576 columns) and half of the value
+// columns for O += P V (wgmma m64n256k16: P from shared memory, V the tile's first 512 columns read
+// N-major). The row maxima cross between the groups every tile; each group keeps its own row sums,
+// added at the end. Where probabilities are asked for, a second pass over the tiles recomputes S
+// and sums the final probabilities over the heads.
+// Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
+// alone would cost as much; setmaxnreg moves the producer's to the consumers.
+struct MlaFwd : sm90::WarpSpecialized<2, 56, 224> {
+  static constexpr int kDqk = 576, kDv = 512, kRows = 64, kKeys = 64;
+  static constexpr int kChunks = kDqk / 64;                 // 64-column swizzled chunks of a row
+  static constexpr int kChunkBytes = 64 * 128;              // 64 rows x 64 columns
+  static constexpr int kTileBytes = kChunks * kChunkBytes;  // Q, or a key tile: 72 KB
+  static constexpr int kStages = 2;
+  static constexpr int kSplit = 5;  // S starts on a tile's first chunks while the rest arrive
+  static constexpr int kPBytes = kRows * kKeys * 2;
+  using Ring = sm90::StageRing<kStages, 2>;  // full: a tile's first kSplit chunks, the rest
+};
+
+struct MlaFwdShared {
+  MlaFwd::Ring ring;
+  // Bit k of word w: slot 32 w + k of the selection has a key. Written once, in the first pass,
+  // before the tile's first barrier arrival: the second pass reads it again, nothing rewrites it.
+  uint32_t valid[kMaxTopk / 32];
+  float row_max[2][MlaFwd::kRows];            // per consumer group, this tile
+  float row_sum[2][MlaFwd::kRows];            // per consumer group, at the end
+};
+
+constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + (1 + MlaFwd::kStages) * MlaFwd::kTileBytes + MlaFwd::kPBytes +
+                               sizeof(MlaFwdShared);
+static_assert(kMlaFwdSmem <= kMaxSmem);
+
+// One consumer thread's place: its warpgroup (group), warp and lane in it, fragment row g and
+// column pair c, accumulator rows r0 and r0 + 8; the block's query t, heads head0.. (rows of
+// them), tile count, the scale in log2 units and the shared addresses of Q and P.
+struct MlaThread {
+  int64_t t;
+  int head0, rows, tiles, group, warp, lane, g, c, r0;
+  float sl2;
+  uint32_t q_base, p_base;
+};
+
+// Producer warpgroup: eight threads copy a row's 128-byte chunks (rows g, g + 16, .. of a tile for
+// the threads 8g .. 8g + 7), so that each request covers whole cache lines; a tile's first kSplit
+// chunks and the rest arrive on two barriers. With probabilities asked for, the tiles go round
+// twice. Marks the selection's valid slots in sh.valid on the first round.
+template <typename T>
+__device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK, int64_t t,
+                                            int head0, int rows, int tiles) {
+  using M = MlaFwd;
+  using namespace sm90;
+  const int32_t* sel = a.indices + t * a.topk;
+  const T* kv = static_cast<const T*>(a.kv);
+  const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
+  const int loads = a.probs != nullptr ? 2 * tiles : tiles;  // the second pass reads the tiles again
+  for (int i = 0; i < loads; ++i) {
+    const int s = M::Ring::stage(i);
+    sh.ring.wait_empty(i);
+    int keys[M::kKeys / 16];
+#pragma unroll
+    for (int m = 0; m < M::kKeys / 16; ++m) {
+      const int64_t j = int64_t{i % tiles} * M::kKeys + g + 16 * m;
+      keys[m] = j < a.topk ? sel[j] : -1;
+      if (keys[m] >= a.Tk) keys[m] = -1;
+      if (piece == 0 && i < tiles && keys[m] >= 0) atomicOr(sh.valid + j / 32, 1u << (j % 32));
+    }
+    uint8_t* tile = sK + s * M::kTileBytes;
+    auto copy = [&](int from, int to) {  // chunks [from, to)
+      for (int ch = from; ch < to; ++ch) {
+#pragma unroll
+        for (int m = 0; m < M::kKeys / 16; ++m) {
+          cp_async_16_or_zero(tile + ch * M::kChunkBytes + sw128_offset(g + 16 * m, piece),
+                              keys[m] >= 0 ? kv + int64_t{keys[m]} * M::kDqk + ch * 64 + piece * 8 : nullptr);
+        }
+      }
+      cp_async_commit();
+    };
+    copy(0, M::kSplit);
+    copy(M::kSplit, M::kChunks);
+    cp_async_wait<1>();
+    fence_proxy_async();  // the rows (and zeros) are read by wgmma
+    mbar_arrive(sh.ring.full_bar(i, 0));
+    cp_async_wait<0>();
+    fence_proxy_async();
+    mbar_arrive(sh.ring.full_bar(i, 1));
+    if (i == tiles - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
+      bulk_prefetch_l2(static_cast<const T*>(a.gate) + (t * a.H + head0) * M::kDv, rows * M::kDv * sizeof(T));
+    }
+  }
+}
+
+// sc = S = Q K^T over this group's 32 keys of the tile loaded i-th, once its chunks arrive.
+template <typename T>
+__device__ __forceinline__ void mla_logits(float (&sc)[16], MlaFwdShared& sh, const uint8_t* sK, const MlaThread& th,
+                                           int i) {
+  using M = MlaFwd;
+  using namespace sm90;
+  const uint32_t k_base = smem_addr(sK + M::Ring::stage(i) * M::kTileBytes);
+#pragma unroll
+  for (int x = 0; x < 16; ++x) sc[x] = 0.f;
+  fence_accumulators(sc);
+  sh.ring.wait_full(i, 0);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < M::kDqk / 16; ++kk) {
+    if (kk == 4 * M::kSplit) sh.ring.wait_full(i, 1);
+    const uint32_t off = (kk / 4) * M::kChunkBytes + (kk % 4) * 32;
+    wgmma_m64n32k16<T, 0, 0>(sc, sw128_descriptor(th.q_base + off, 16),
+                             sw128_descriptor(k_base + off + th.group * 32 * 128, 16));
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulators(sc);
+}
+
+// The consumers' main loop over the tiles: S, the online softmax (the row maxima cross between
+// the two groups every tile; each group keeps its row sums l_run of its columns), P into shared
+// memory, O += P V over the group's 256 value columns. A tile is released once its P V is done.
+template <typename T>
+__device__ __forceinline__ void mla_attend(MlaFwdShared& sh, uint8_t* sK, uint8_t* sP, const MlaThread& th,
+                                           float (&o)[128], float (&m_run)[2], float (&l_run)[2]) {
+  using M = MlaFwd;
+  using namespace sm90;
+  const int group = th.group, c = th.c, r0 = th.r0;
+  float sc[16];
+  for (int i = 0; i < th.tiles; ++i) {
+    const int s = i % M::kStages;
+    const uint32_t k_base = smem_addr(sK + s * M::kTileBytes);
+    if (i > 0) {  // the previous P V is done: its tile can be refilled while S runs
+      wgmma_wait<0>();
+      fence_accumulators(o);
+      if (th.lane == 0) sh.ring.release(i - 1);
+    }
+    mla_logits<T>(sc, sh, sK, th, i);
+    const uint32_t valid_bits = sh.valid[i % th.tiles * 2 + group];  // this group's 32 slots
+
+    // Logits in log2 units (no key: -inf); thread columns 32 group + 8 j + 2c (+1), rows r0, r0 + 8.
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool valid = (valid_bits >> (8 * j + 2 * c + (e & 1))) & 1;
+        sc[4 * j + e] = valid ? sc[4 * j + e] * th.sl2 : -INFINITY;
+        mx[e / 2] = fmaxf(mx[e / 2], sc[4 * j + e]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if (c == 0) sh.row_max[group][r0 + 8 * h] = mx[h];
+    }
+    named_barrier_sync(1, 256);  // both groups' maxima; both groups' previous P V are done
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      const float m_new = fmaxf(m_run[h], fmaxf(sh.row_max[0][r], sh.row_max[1][r]));
+      alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+      m_run[h] = m_new;
+      l_run[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float pr[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pr[e] = exp2f(sc[4 * j + e] - finite_or_zero(m_run[e / 2]));
+        l_run[e / 2] += pr[e];
+      }
+      const int col = 32 * group + 8 * j + 2 * c;
+      *reinterpret_cast<uint32_t*>(sP + sw128_offset(r0, col / 8) + (col % 8) * 2) = pack2<T>(pr[0], pr[1]);
+      *reinterpret_cast<uint32_t*>(sP + sw128_offset(r0 + 8, col / 8) + (col % 8) * 2) = pack2<T>(pr[2], pr[3]);
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the maxima rose (rarer by the tile)
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        o[4 * n] *= alpha[0];
+        o[4 * n + 1] *= alpha[0];
+        o[4 * n + 2] *= alpha[1];
+        o[4 * n + 3] *= alpha[1];
+      }
+    }
+    fence_proxy_async();
+    named_barrier_sync(1, 256);  // P complete
+    fence_accumulators(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < M::kKeys / 16; ++kk) {  // O += P V over this group's 256 value columns
+      wgmma_m64n256k16<T, 0, 1>(o, sw128_descriptor(th.p_base + kk * 32, 16),
+                                sw128_descriptor(k_base + 4 * group * M::kChunkBytes + kk * 2048, M::kChunkBytes));
+    }
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+  fence_accumulators(o);
+}
+
+// Epilogue: both groups' row sums into sh.row_sum, then o / l times sigmoid(gate) (the row's gate
+// loads all issued before its first store) and lse.
+template <typename T>
+__device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh, const MlaThread& th,
+                                          const float (&o)[128], const float (&m_run)[2], float (&l_run)[2]) {
+  using M = MlaFwd;
+  using namespace sm90;
+  const int group = th.group, c = th.c, r0 = th.r0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+    if (c == 0) sh.row_sum[group][r0 + 8 * h] = l_run[h];
+  }
+  named_barrier_sync(1, 256);
+  T* out = static_cast<T*>(a.o);
+  const T* gate = static_cast<const T*>(a.gate);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (r >= th.rows) continue;
+    const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
+    const float inv = l != 0.f ? 1.f / l : 0.f;
+    const int64_t row = th.t * a.H + th.head0 + r;
+    uint32_t gv[32];  // the row's gate pairs, all loads issued before the first store
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      gv[n] = gate != nullptr ? __ldg(reinterpret_cast<const unsigned int*>(gate + row * M::kDv + 256 * group + 8 * n + 2 * c))
+                              : 0u;
+    }
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      const int col = 256 * group + 8 * n + 2 * c;
+      float v0 = o[4 * n + 2 * h] * inv, v1 = o[4 * n + 2 * h + 1] * inv;
+      if (gate != nullptr) {
+        const float2 gf = unpack2<T>(gv[n]);
+        v0 *= sigmoidf(gf.x);
+        v1 *= sigmoidf(gf.y);
+      }
+      *reinterpret_cast<uint32_t*>(out + row * M::kDv + col) = pack2<T>(v0, v1);
+    }
+    if (group == 0 && c == 0) a.lse[row] = l != 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
+  }
+}
+
+// Second pass (probabilities asked for): exp(S - lse) summed over the block's heads, per key
+// (rows without a key, and the padding rows past `rows`, add nothing); P's shared memory holds
+// the per-warp column sums.
+template <typename T>
+__device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdShared& sh, const uint8_t* sK,
+                                                  uint8_t* sP, const MlaThread& th, const float (&m_run)[2]) {
+  using M = MlaFwd;
+  using namespace sm90;
+  const int group = th.group, warp = th.warp, lane = th.lane, c = th.c, r0 = th.r0, tiles = th.tiles;
+  float lse2[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
+    lse2[h] = r < th.rows && l != 0.f ? m_run[h] + log2f(l) : INFINITY;
+  }
+  float* colsum = reinterpret_cast<float*>(sP);  // [group][warp][32 keys]; P is done with
+  float sc[16];
+  for (int i = tiles; i < 2 * tiles; ++i) {
+    mla_logits<T>(sc, sh, sK, th, i);
+    const uint32_t valid_bits = sh.valid[i % tiles * 2 + group];  // this group's 32 slots
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * c + e;
+        float v = (valid_bits >> col) & 1
+                      ? exp2f(sc[4 * j + e] * th.sl2 - lse2[0]) + exp2f(sc[4 * j + 2 + e] * th.sl2 - lse2[1])
+                      : 0.f;
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (th.g == 0) colsum[(4 * group + warp) * 32 + col] = v;
+      }
+    }
+    __syncwarp();
+    if (lane == 0) sh.ring.release(i);
+    named_barrier_sync(2 + group, 128);
+    if (warp == 0) {
+      const int64_t k = int64_t{i - tiles} * M::kKeys + 32 * group + lane;
+      const float* cs = colsum + 4 * group * 32 + lane;
+      const float v = cs[0] + cs[32] + cs[64] + cs[96];
+      if (k < a.topk) {
+        if (a.head_blocks == 1) {
+          a.probs[th.t * a.topk + k] = v;
+        } else {
+          atomicAdd(a.probs + th.t * a.topk + k, v);
+        }
+      }
+    }
+    named_barrier_sync(2 + group, 128);  // the sums are read before the next tile's
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __grid_constant__ AttnFwdArgs a) {
+#ifdef KDA_SM90A_ENABLED
+  using M = MlaFwd;
+  using namespace sm90;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + M::kTileBytes;  // kStages key tiles
+  uint8_t* sP = sK + M::kStages * M::kTileBytes;
+  MlaFwdShared& sh = *reinterpret_cast<MlaFwdShared*>(sP + M::kPBytes);
+
+  const int64_t t = blockIdx.x;
+  const int head0 = blockIdx.z * M::kRows, rows = min(M::kRows, a.G - head0);
+  const T* q = static_cast<const T*>(a.q);
+  if (threadIdx.x < 256) {  // the consumers bring Q (cp.async, all in flight at once) while the producer starts
+    constexpr int kPieces = M::kDqk / 8;  // 16-byte pieces per row
+    for (int i = threadIdx.x; i < M::kRows * kPieces; i += 256) {
+      const int r = i / kPieces, p = i % kPieces;
+      cp_async_16_or_zero(sQ + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
+                          r < rows ? q + (t * a.H + head0 + r) * M::kDqk + p * 8 : nullptr);
+    }
+    cp_async_commit();
+  }
+  for (int w = threadIdx.x; w < kMaxTopk / 32; w += blockDim.x) sh.valid[w] = 0;
+  if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
+  __syncthreads();
+  const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
+
+  if (M::is_producer()) {
+    M::producer_registers();
+    mla_produce<T>(a, sh, sK, t, head0, rows, tiles);
+    return;
+  }
+  M::consumer_registers();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
+  const MlaThread th{t,    head0,    rows, tiles, static_cast<int>(threadIdx.x / 128), warp, lane, lane / 4, lane % 4,
+                     16 * warp + lane / 4, a.scale * kLog2e, smem_addr(sQ), smem_addr(sP)};
+  float o[128];
+#pragma unroll
+  for (int x = 0; x < 128; ++x) o[x] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
+  cp_async_wait<0>();
+  fence_proxy_async();  // Q is read by wgmma
+  named_barrier_sync(1, 256);
+  mla_attend<T>(sh, sK, sP, th, o, m_run, l_run);
+  if (a.probs != nullptr && tiles > 0 && th.lane == 0) sh.ring.release(tiles - 1);
+  mla_store<T>(a, sh, th, o, m_run, l_run);
+  if (a.probs != nullptr) mla_probabilities<T>(a, sh, sK, sP, th, m_run);
+#endif
+}
+
+}  // namespace
+
+bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q) {
+  return p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && is_sm90(q) && !switch_on(Switch::kPortableSfa);
+}
+
+void mla_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
+                  const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
+    // probs: zeros (atomics over head blocks)
+    const AttnFwdArgs a{attn_args(p, q, kv, indices, gate, MlaFwd::kRows), o.data_ptr(), lse.data_ptr<float>(),
+                        probs.defined() ? probs.data_ptr<float>() : nullptr};
+    const auto kernel = mla_fwd_kernel<scalar_t>;
+    set_smem(kernel, kMlaFwdSmem);
+    kernel<<<dim3(p.T, 1, a.head_blocks), MlaFwd::kThreads, kMlaFwdSmem, c10::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace kda_dsa_ops::dsa
