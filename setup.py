@@ -12,7 +12,7 @@ Environment:
                             /usr/local/cuda, then torch's guess, the first that holds a toolkit
   MAX_JOBS                  parallel compile jobs (ninja)
 
-The CUDA build takes 6 to 10 minutes on 2 cores, 1.5 on 16; ninja prints a line per file as it
+The CUDA build takes about 10 minutes on 2 cores, 2 on 16; ninja prints a line per file as it
 starts it (pip shows them with -v).
 """
 
@@ -52,8 +52,8 @@ def _with_cuda() -> bool:
         print(f"kda_dsa_ops: building the CPU kernels only: {why}", flush=True)
         return False
     cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = home
-    print(f"kda_dsa_ops: building the CPU and CUDA kernels with the toolkit in {home} (6 to 10 minutes on 2 cores, "
-          "1.5 on 16)", flush=True)
+    print(f"kda_dsa_ops: building the CPU and CUDA kernels with the toolkit in {home} (about 10 minutes on 2 cores, "
+          "2 on 16)", flush=True)
     return True
 
 

@@ -43,23 +43,15 @@ def test_an_unknown_switch_is_a_clear_error():
         kda_dsa_ops._C.set_switch("fast_math", True)
 
 
-def test_portable_sfa_switch():
-    before = kda_dsa_ops.portable_sfa_enabled()
+@pytest.mark.parametrize("name", ["value_checks", "portable_sfa"])
+def test_switches_are_set_from_python(name):
+    enabled = getattr(kda_dsa_ops, f"{name}_enabled")
+    set_switch = getattr(kda_dsa_ops, f"set_{name}")
+    before = enabled()
     try:
-        kda_dsa_ops.set_portable_sfa(True)
-        assert kda_dsa_ops.portable_sfa_enabled()
-        kda_dsa_ops.set_portable_sfa(False)
-        assert not kda_dsa_ops.portable_sfa_enabled()
+        set_switch(True)
+        assert enabled() and kda_dsa_ops._C.switch(name)
+        set_switch(False)
+        assert not enabled() and not kda_dsa_ops._C.switch(name)
     finally:
-        kda_dsa_ops.set_portable_sfa(before)
-
-
-def test_value_checks_switch():
-    before = kda_dsa_ops.value_checks_enabled()
-    try:
-        kda_dsa_ops.set_value_checks(True)
-        assert kda_dsa_ops.value_checks_enabled()
-        kda_dsa_ops.set_value_checks(False)
-        assert not kda_dsa_ops.value_checks_enabled()
-    finally:
-        kda_dsa_ops.set_value_checks(before)
+        set_switch(before)
