@@ -188,6 +188,57 @@ def test_kda_sequence_bounds_restart_the_state(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cuts", [(37,), (64, 130), (1, 100, 129)])
+def test_kda_segments_combine_to_the_unsplit_sequence(device, cuts):
+    """A sequence split along T (2-4 segments, cuts inside and at chunk bounds): each segment's
+    transition and zero-start final state, composed into the segments' start states, then
+    chunk_kda per segment give the unsplit outputs, final state and every gradient (the kernel side
+    of context parallelism). CPU in float64 against the unsplit op; CUDA in float32 against the
+    float64 reference."""
+    B, T, H, HV, Kd, V = 2, 160, 2, 4, 16, 8
+    dtype = F64 if device == "cpu" else torch.float32
+    q, k, v, g, beta = make_inputs(B, T, H, HV, Kd, V, dtype, dtype, device)
+    h0 = torch.randn(B, HV, Kd, V, dtype=dtype, device=device)
+    w_o, w_h = torch.randn(B, T, HV, V, dtype=dtype, device=device), torch.randn_like(h0)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, g, beta, h0)]
+
+    def unsplit(kda, ins):
+        o, ht = kda(*ins[:5], initial_state=ins[5], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                    matmul_precision="highest")
+        return o, ht
+
+    bounds = [0, *cuts, T]
+    parts = [[t[:, a:b] for t in leaves[:5]] for a, b in zip(bounds[:-1], bounds[1:])]
+    transitions = [K.segment_transition(pk, pg, pb, use_qk_l2norm_in_kernel=True, matmul_precision="highest")
+                   for _, pk, _, pg, pb in parts]
+    finals = [K.chunk_kda(*part, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          matmul_precision="highest")[1] for part in parts]
+    starts = K.segment_start_states(transitions, finals, leaves[5])
+    runs = [K.chunk_kda(*part, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                        matmul_precision="highest") for part, s0 in zip(parts, starts)]
+    o, ht = torch.cat([r[0] for r in runs], dim=1), runs[-1][1]
+    grads = torch.autograd.grad((o * w_o).sum() + (ht * w_h).sum(), leaves)
+
+    if device == "cpu":
+        judge, ref_leaves, table = K.chunk_kda, [t.detach().requires_grad_() for t in leaves], REL_RMS
+    else:
+        judge, ref_leaves, table = R.chunk_kda, [t.detach().cpu().to(F64).requires_grad_() for t in leaves], CUDA_KDA_REL_RMS
+    o_ref, ht_ref = unsplit(judge, ref_leaves)
+    ref_grads = torch.autograd.grad((o_ref * w_o.cpu().to(o_ref.dtype) if device != "cpu" else o_ref * w_o).sum()
+                                    + (ht_ref * (w_h.cpu().to(F64) if device != "cpu" else w_h)).sum(), ref_leaves)
+    assert_close(o, o_ref, dtype, "o", table=table)
+    assert_close(ht, ht_ref, dtype, "final state", table=table)
+    for name, a, e in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, ref_grads):
+        assert_close(a, e, dtype, name, table=table)
+
+
+def test_kda_segment_start_states_check_their_lists():
+    with pytest.raises(ValueError, match="2 transitions for 1 final states"):
+        K.segment_start_states([torch.eye(2)[None, None]] * 2, [torch.zeros(1, 1, 2, 3)])
+    assert K.segment_start_states([], []) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kda_extreme_decay_is_finite(device):
     """g = -1e4 in one step (state wiped) and cumulative sums of -1e4 inside a chunk: finite and
     equal to the reference."""
