@@ -232,6 +232,49 @@ def test_kda_segments_combine_to_the_unsplit_sequence(device, cuts):
         assert_close(a, e, dtype, name, table=table)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gate, neg_eigval, v_first", [("softplus", False, False), ("lower_bound", True, True),
+                                                       ("none", True, False)])
+def test_kda_fla06_gate_and_beta_options_match_reference(device, gate, neg_eigval, v_first):
+    """fla 0.6's in-kernel options with its meaning: the raw gate through A_log / dt_bias (softplus
+    or the lower-bounded sigmoid), the raw beta through sigmoid (x2 with allow_neg_eigval), the state
+    V-first; outputs, final state and every gradient (raw g and beta, A_log, dt_bias, the state)
+    against the reference."""
+    B, T, H, HV, Kd, V = 1, 90, 2, 4, 16, 8
+    dtype = F64 if device == "cpu" else torch.float32
+    q, k, v, _, _ = make_inputs(B, T, H, HV, Kd, V, dtype, dtype, device)
+    g_raw = torch.randn(B, T, HV, Kd, dtype=dtype, device=device) * 2
+    beta_raw = torch.randn(B, T, HV, dtype=dtype, device=device)
+    A_log = torch.randn(HV, dtype=dtype, device=device) * 0.5
+    dt_bias = torch.randn(HV * Kd, dtype=dtype, device=device)
+    h0 = torch.randn(B, HV, V if v_first else Kd, Kd if v_first else V, dtype=dtype, device=device)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, g_raw, beta_raw, A_log, dt_bias, h0)]
+    opts = dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval, state_v_first=v_first)
+    if gate != "none":
+        opts.update(use_gate_in_kernel=True, lower_bound=-5.0 if gate == "lower_bound" else None,
+                    safe_gate=gate == "lower_bound")
+
+    def run(kda, ins):
+        q_, k_, v_, g_, b_, a_, d_, h_ = ins
+        gate_args = dict(A_log=a_, dt_bias=d_) if gate != "none" else {}
+        g_in = g_ if gate != "none" else torch.nn.functional.logsigmoid(g_)  # a log-decay without the gate
+        o, ht = kda(q_, k_, v_, g_in, b_, initial_state=h_, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                    matmul_precision="highest", **opts, **gate_args)
+        w = torch.linspace(-1, 1, o.numel(), dtype=o.dtype, device=o.device).view_as(o)
+        wrt = list(ins) if gate != "none" else [t for t in ins if t is not a_ and t is not d_]  # unused without
+        return o, ht, torch.autograd.grad((o * w).sum() + ht.square().sum(), wrt)
+
+    o, ht, grads = run(K.chunk_kda, leaves)
+    o_ref, ht_ref, ref_grads = run(R.chunk_kda, [t.detach().cpu().to(F64).requires_grad_() for t in leaves])
+    table = REL_RMS if device == "cpu" else CUDA_KDA_REL_RMS
+    assert ht.shape == h0.shape
+    assert_close(o, o_ref, dtype, "o", table=table)
+    assert_close(ht, ht_ref, dtype, "final state", table=table)
+    names = ["dq", "dk", "dv", "dg_raw", "dbeta_raw"] + (["dA_log", "ddt_bias"] if gate != "none" else []) + ["dh0"]
+    for name, a, e in zip(names, grads, ref_grads):
+        assert_close(a, e, dtype, name, table=table)
+
+
 def test_kda_segment_start_states_check_their_lists():
     with pytest.raises(ValueError, match="2 transitions for 1 final states"):
         K.segment_start_states([torch.eye(2)[None, None]] * 2, [torch.zeros(1, 1, 2, 3)])
@@ -416,8 +459,25 @@ def test_kda_bad_inputs_raise(device, value_checks):
         f(q, k, v, g, beta, initial_state=torch.zeros(1, 4, 16, 8, dtype=torch.bfloat16, device=device))
     with pytest.raises(RuntimeError, match=r"initial_state must be \[N, HV, K, V\]"):
         f(q, k, v, g, beta, initial_state=torch.zeros(2, 4, 16, 8, device=device))
-    with pytest.raises(TypeError, match="unsupported arguments"):
+    with pytest.raises(TypeError, match=r"unsupported arguments \['cp_context'\]"):
+        f(q, k, v, g, beta, cp_context=object())
+    with pytest.raises(TypeError, match="return_intermediate_states"):
+        f(q, k, v, g, beta, return_intermediate_states=True)
+    with pytest.raises(ValueError, match="use_gate_in_kernel needs A_log with one value per value head"):
         f(q, k, v, g, beta, use_gate_in_kernel=True)
+    A_log = torch.zeros(4, device=device)
+    with pytest.raises(ValueError, match="dt_bias must hold HV"):
+        f(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=torch.zeros(5, device=device))
+    with pytest.raises(ValueError, match="safe_gate needs lower_bound"):
+        f(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, safe_gate=True)
+    with pytest.raises(ValueError, match="lower_bound must be a finite number < 0"):
+        f(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, lower_bound=1.0)
+    with pytest.raises(ValueError, match="belong to use_gate_in_kernel=True"):
+        f(q, k, v, g, beta, A_log=A_log)
+    with pytest.raises(ValueError, match="allow_neg_eigval .* needs use_beta_sigmoid_in_kernel"):
+        f(q, k, v, g, beta, allow_neg_eigval=True)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu is a host copy of cu_seqlens"):
+        f(q, k, v, g, beta, cu_seqlens_cpu=torch.tensor([0, 10], dtype=torch.int32))
     with pytest.raises(ValueError, match="matmul_precision must be one of"):
         f(q, k, v, g, beta, matmul_precision="low")
 

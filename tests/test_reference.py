@@ -102,6 +102,22 @@ def test_kda_state_passing_splits_a_sequence():
     assert_close(final2, final, F64, "final_state")
 
 
+def test_kda_gate_is_fla06s_formula():
+    """reference.kda_gate against the formulas written out element by element: -exp(A_log)
+    log(1 + exp(x)) (x itself above 20) and lower_bound / (1 + exp(-exp(A_log) x)), x = g + dt_bias."""
+    torch.manual_seed(0)
+    g = torch.randn(2, 5, 3, 4, dtype=torch.float64) * 15
+    A_log, dt_bias = torch.randn(3, dtype=torch.float64), torch.randn(12, dtype=torch.float64)
+    x = g + dt_bias.view(3, 4)
+    a = A_log.exp().view(3, 1)
+    soft = torch.tensor([[v if v > 20 else math.log1p(math.exp(v)) for v in row] for row in x.reshape(-1, 4).tolist()],
+                        dtype=torch.float64).view_as(x)
+    assert torch.allclose(R.kda_gate(g, A_log, dt_bias), -a * soft, rtol=1e-13, atol=0)
+    bounded = -5.0 / (1 + torch.exp(-a * x))
+    assert torch.allclose(R.kda_gate(g, A_log, dt_bias, lower_bound=-5.0), bounded, rtol=1e-13, atol=0)
+    assert (R.kda_gate(g, A_log, dt_bias, lower_bound=-5.0) >= -5.0).all()  # saturates to it in floating point
+
+
 def test_kda_strong_decay_stays_finite():
     q, k, v, g, beta = kda_inputs(1, 64, 1, 1, 8, 8)
     g = torch.full_like(g, -20.0)

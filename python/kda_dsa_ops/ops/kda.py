@@ -6,7 +6,10 @@ in kda_dsa_ops.reference.kda (the naive recurrence).
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _C
@@ -19,7 +22,11 @@ _PRECISIONS = ("highest", "high", "medium")
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
               initial_state: Tensor | None = None, output_final_state: bool = False,
               use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None,
-              matmul_precision: str | None = None, **kwargs) -> tuple[Tensor, Tensor | None]:
+              matmul_precision: str | None = None, *, use_gate_in_kernel: bool = False, A_log: Tensor | None = None,
+              dt_bias: Tensor | None = None, lower_bound: float | None = None, safe_gate: bool = False,
+              use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, state_v_first: bool = False,
+              cu_seqlens_cpu: Tensor | None = None, disable_recompute: bool = False,
+              **kwargs) -> tuple[Tensor, Tensor | None]:
     """Gated delta-rule linear attention with a per-channel decay, chunk by chunk.
 
     q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (grouped value heads); g [B, T, HV, K]
@@ -48,11 +55,38 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     about 9x faster forward and 6x faster forward+backward); every output, gradient and the final
     state then carry bf16 rounding (relative RMS <~ 5e-3 at K, V = 64, 128). The CPU
     kernels always compute in the accumulation type.
+
+    flash-linear-attention 0.6's options, with its meaning: use_gate_in_kernel takes g as the raw
+    gate and A_log [HV], dt_bias [HV * K] (optional): the log-decay is -exp(A_log) * softplus(g +
+    dt_bias), or with lower_bound (< 0) lower_bound * sigmoid(exp(A_log) * (g + dt_bias));
+    safe_gate (fla's kernel choice for a bounded gate) needs lower_bound and changes nothing else
+    here (every exponential these kernels take is of a non-positive number anyway).
+    use_beta_sigmoid_in_kernel takes beta raw: sigmoid(beta), times 2 with allow_neg_eigval.
+    state_v_first: initial_state and the final state are [N, HV, V, K]. cu_seqlens_cpu (a host copy
+    of cu_seqlens) and disable_recompute (fla's memory / time trade) are accepted and not needed.
+    The gate and beta transforms are computed before the kernels for now (differentiable w.r.t.
+    the raw g, A_log, dt_bias and beta). Other fla arguments (cp_context, use_graph,
+    return_intermediate_states, chunk_size, ...) raise a TypeError naming them.
     """
     if kwargs:
         raise TypeError(f"chunk_kda: unsupported arguments {sorted(kwargs)} (this implementation takes q, k, v, g, "
                         "beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, "
-                        "matmul_precision)")
+                        "matmul_precision and fla 0.6's use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, "
+                        "use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens_cpu, "
+                        "disable_recompute)")
+    if use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, lower_bound, safe_gate)
+    elif A_log is not None or dt_bias is not None or lower_bound is not None or safe_gate:
+        raise ValueError("chunk_kda: A_log, dt_bias, lower_bound and safe_gate belong to use_gate_in_kernel=True")
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.to(accumulation_dtype(beta))) * (2.0 if allow_neg_eigval else 1.0)
+    elif allow_neg_eigval:
+        raise ValueError("chunk_kda: allow_neg_eigval (beta = 2 sigmoid(beta)) needs use_beta_sigmoid_in_kernel=True")
+    if cu_seqlens_cpu is not None and (cu_seqlens is None or cu_seqlens_cpu.shape != cu_seqlens.shape):
+        raise ValueError("chunk_kda: cu_seqlens_cpu is a host copy of cu_seqlens and needs it, of the same shape")
+    del disable_recompute  # fla's memory / time trade; these kernels keep no [T]-sized state to recompute
+    if state_v_first:
+        initial_state = None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
     precision = _torch_matmul_precision() if matmul_precision is None else matmul_precision
     if precision not in _PRECISIONS:
         raise ValueError(f"chunk_kda: matmul_precision must be one of {_PRECISIONS}, got {precision!r}")
@@ -62,7 +96,29 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
         cu_seqlens = _int32_offsets(cu_seqlens)
     o, final_state = _ops.kda_fwd(q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state,
                                   use_qk_l2norm_in_kernel, precision == "medium")
-    return o, (final_state if output_final_state else None)
+    if not output_final_state:
+        return o, None
+    return o, final_state.transpose(-1, -2) if state_v_first else final_state
+
+
+def kda_gate(g: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None,
+             safe_gate: bool) -> Tensor:
+    """fla 0.6's in-kernel gate on the raw g [B, T, HV, K] (chunk_kda's docstring), in the
+    accumulation type."""
+    HV, K = g.shape[-2], g.shape[-1]
+    if A_log is None or A_log.numel() != HV:
+        raise ValueError(f"chunk_kda: use_gate_in_kernel needs A_log with one value per value head ({HV}), got "
+                         f"{None if A_log is None else tuple(A_log.shape)}")
+    if dt_bias is not None and dt_bias.numel() != HV * K:
+        raise ValueError(f"chunk_kda: dt_bias must hold HV * K = {HV * K} values, got {tuple(dt_bias.shape)}")
+    if safe_gate and lower_bound is None:
+        raise ValueError("chunk_kda: safe_gate needs lower_bound (the gate's lower bound, < 0)")
+    if lower_bound is not None and not -math.inf < lower_bound < 0:
+        raise ValueError(f"chunk_kda: lower_bound must be a finite number < 0, got {lower_bound}")
+    acc = accumulation_dtype(g)
+    x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc).reshape(HV, K)
+    a = A_log.to(acc).reshape(HV, 1).exp()
+    return -a * F.softplus(x) if lower_bound is None else lower_bound * torch.sigmoid(a * x)
 
 
 def _int32_offsets(cu_seqlens: Tensor) -> Tensor:
