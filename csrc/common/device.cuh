@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "common/dispatch.h"
+
 namespace kda_dsa_ops {
 
 constexpr int kWarpSize = 32;
@@ -55,6 +57,31 @@ __device__ __forceinline__ float rcp_ftz(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// One element of type e at p[i] (Elem: dispatch.h), as float / from float.
+__device__ __forceinline__ float load_elem(const void* p, int64_t i, Elem e) {
+  switch (e) {
+    case Elem::kBF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case Elem::kF16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void store_elem(void* p, int64_t i, float x, Elem e) {
+  switch (e) {
+    case Elem::kBF16:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
+      break;
+    case Elem::kF16:
+      static_cast<__half*>(p)[i] = __float2half_rn(x);
+      break;
+    default:
+      static_cast<float*>(p)[i] = x;
+  }
 }
 
 // Float -> uint32 whose unsigned order is the descending order of the float (NaN ranks last,

@@ -1,5 +1,6 @@
-// Dtype dispatch for the kernels. CPU kernels take every floating type (fp64 lets tests
-// compare exactly against the reference); CUDA kernels take the types they are built for.
+// Dtype dispatch for the kernels, the one mechanism: per instantiation (the KDA_DISPATCH_*
+// macros; CPU kernels take every floating type, fp64 lets tests compare exactly against the
+// reference; CUDA kernels the types they are built for), or per element at run time (Elem).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +10,27 @@ namespace kda_dsa_ops {
 // The type kernels accumulate in: float64 for float64 inputs (CPU), float32 otherwise.
 inline at::ScalarType accumulation_type(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// A CUDA tensor's element type chosen at run time, where one kernel reads or writes many tensors
+// that each take their own input's dtype (KDA's gradients: q's, g's, beta's): one instantiation
+// serves every combination, and the loads and stores (device.cuh: load_elem, store_elem) switch
+// on a value that is uniform across the grid. Operand types of the tensor-core kernels are
+// chosen per instantiation (the macros below).
+enum class Elem : int { kF32, kBF16, kF16 };
+
+inline Elem elem_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return Elem::kF32;
+    case at::kBFloat16:
+      return Elem::kBF16;
+    case at::kHalf:
+      return Elem::kF16;
+    default:
+      TORCH_CHECK(false, op, ": the CUDA kernels take bfloat16, float16 or float32 inputs, got ", t.scalar_type(),
+                  " (use the CPU kernel for float64)");
+  }
 }
 }  // namespace kda_dsa_ops
 

@@ -594,8 +594,8 @@ __global__ void __launch_bounds__(32 * kRowWarps) finish_grads_kernel(FinishArgs
 // dk, dg, dbeta.
 void run_finish(const Problem& p, const Launch& l, const float* dq, const float* dk, const float* dg,
                 const float* dbeta, const at::Tensor& q, const at::Tensor& k, bool l2norm, const GradOut& out) {
-  const FinishArgs a{dq,     dk,  dg,           dbeta, q.data_ptr(), k.data_ptr(), elem_of(q),
-                     l2norm, out, l.seqs.tokens, static_cast<int>(p.H), static_cast<int>(p.HV), static_cast<int>(p.K)};
+  const FinishArgs a{dq, dk, dg, dbeta, q.data_ptr(), k.data_ptr(), elem_of(q, "kda"), l2norm, out, l.seqs.tokens,
+                     static_cast<int>(p.H), static_cast<int>(p.HV), static_cast<int>(p.K)};
   const dim3 grid(static_cast<unsigned>(l.seqs.tokens),
                   static_cast<unsigned>(ceil_div(2 * p.H + p.HV, int64_t{kRowWarps})));
   finish_grads_kernel<<<grid, 32 * kRowWarps, 0, l.stream>>>(a);

@@ -41,14 +41,14 @@ at::Tensor l2norm_rows_cuda(const at::Tensor& x, bool l2norm) {
   if (rows > 0) {
     l2norm_rows_kernel<<<static_cast<unsigned>(ceil_div(rows, int64_t{kRowWarps})), 32 * kRowWarps, 0,
                          c10::cuda::getCurrentCUDAStream(x.get_device()).stream()>>>(
-        xc.data_ptr(), elem_of(xc), rows, static_cast<int>(K), l2norm, out.data_ptr<float>());
+        xc.data_ptr(), elem_of(xc, "kda"), rows, static_cast<int>(K), l2norm, out.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
 }
 
 Launch launch_setup(const Problem& p, const at::Tensor& ref) {
-  elem_of(ref);  // float64 is the CPU kernel's
+  elem_of(ref, "kda");  // float64 is the CPU kernel's
   const int64_t tokens = p.B * p.T;
   // Upper bound of the chunk count that needs no look at cu_seqlens: sum ceil(len/64) <= T/64 + N.
   const int64_t slots = p.cu_seqlens.defined() ? tokens / kChunk + p.N : p.N * ((p.T + kChunk - 1) / kChunk);

@@ -252,47 +252,6 @@ struct RawIn {
 
 constexpr float kNormEps = 1e-6f;  // x / sqrt(|x|^2 + eps), as reference/kda.py
 
-// Element types of the gradients and of the row kernels, chosen at run time.
-enum class Elem : int { kF32, kBF16, kF16 };
-
-inline Elem elem_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return Elem::kF32;
-    case at::kBFloat16:
-      return Elem::kBF16;
-    case at::kHalf:
-      return Elem::kF16;
-    default:
-      TORCH_CHECK(false, "kda: the CUDA kernels take bfloat16, float16 or float32 inputs, got ", t.scalar_type(),
-                  " (use the CPU kernel for float64)");
-  }
-}
-
-__device__ __forceinline__ float load_elem(const void* p, int64_t i, Elem e) {
-  switch (e) {
-    case Elem::kBF16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case Elem::kF16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void store_elem(void* p, int64_t i, float x, Elem e) {
-  switch (e) {
-    case Elem::kBF16:
-      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
-      break;
-    case Elem::kF16:
-      static_cast<__half*>(p)[i] = __float2half_rn(x);
-      break;
-    default:
-      static_cast<float*>(p)[i] = x;
-  }
-}
-
 // The backward's outputs, token-major in their element types: dq, dk [tokens, H, K], dg
 // [tokens, HV, K], dbeta [tokens, HV].
 struct GradOut {
@@ -344,7 +303,7 @@ RawIn<T> raw_in(const Inputs& raw, bool l2norm) {
 
 inline GradOut grad_out(const Grads& gr) {
   return GradOut{gr.dq.data_ptr(), gr.dk.data_ptr(), gr.dg.data_ptr(), gr.dbeta.data_ptr(),
-                 elem_of(gr.dq),   elem_of(gr.dg),   elem_of(gr.dbeta)};
+                 elem_of(gr.dq, "kda"), elem_of(gr.dg, "kda"), elem_of(gr.dbeta, "kda")};
 }
 
 // The stages' launchers. The generic family on the prepared fp32 inputs (intra_cuda.cu,
