@@ -20,9 +20,10 @@ struct SwitchEntry {
   const char* env;
   std::atomic<bool> on;
 };
+constexpr int kSwitches = static_cast<int>(Switch::kPortableSfa) + 1;
 // In the order of Switch; each starts from its environment variable ("" and "0" are off).
 SwitchEntry* switches() {
-  static SwitchEntry table[] = {{"value_checks", "KDA_DSA_OPS_CHECK_VALUES", {false}},
+  static SwitchEntry table[kSwitches] = {{"value_checks", "KDA_DSA_OPS_CHECK_VALUES", {false}},
                                 {"portable_sfa", "KDA_DSA_OPS_PORTABLE_SFA", {false}}};
   static const bool read = [] {
     for (auto& e : table) {
@@ -34,7 +35,6 @@ SwitchEntry* switches() {
   (void)read;
   return table;
 }
-constexpr int kSwitches = 2;
 
 SwitchEntry* switch_named(const char* name) {
   for (int i = 0; i < kSwitches; ++i) {

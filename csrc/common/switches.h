@@ -8,6 +8,7 @@
 
 namespace kda_dsa_ops {
 
+// A new switch goes last (torch_bindings.cpp sizes its table from the last one) and into the table.
 enum class Switch : int { kValueChecks, kPortableSfa };
 
 bool switch_on(Switch s);

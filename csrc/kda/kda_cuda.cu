@@ -163,7 +163,6 @@ void bwd_cuda(const Problem& p, const Inputs& in, const at::Tensor& q, const at:
   run_chunk_bwd(p, in, l, intra, starts.data_ptr<float>(), dends.data_ptr<float>(), grad_o, q, k, l2norm, gr);
 }
 
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> kda_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
