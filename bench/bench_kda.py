@@ -4,8 +4,8 @@ autotuning kept out of the figures) and beside causal SDPA (flash) at the same s
 
 Inputs as a model produces them: bf16 q, k, v and beta, fp32 log-decay g = logsigmoid(.), q/k
 L2-normalised in the kernel. This package's kernels are timed at both internal precisions
-(matmul_precision "highest": 3xTF32 products, the default; "medium": bf16 operands, fla's
-precision). Before timing, the outputs and gradients are compared (relative RMS of each
+(matmul_precision "medium": bf16 operands, fla's precision and the default for bf16 inputs;
+"highest": 3xTF32 products, opt-in). Before timing, the outputs and gradients are compared (relative RMS of each
 against an fp32 run of this package's kernels, and ours at "medium" against fla).
 FLOPs: forward 2*C*K*5 + 2*K*V*3 per token and head (C = 64); forward+backward counted as 3x.
 

@@ -158,10 +158,12 @@ def test_kda_bf16_products_match_reference(seed, T, B, H, group, dims, lens, l2,
 
 
 @pytest.mark.cuda
-def test_kda_matmul_precision_follows_torch():
-    """The default precision is torch's fp32 matmul precision; "medium" changes the results,
-    "highest" and "high" do not."""
-    ins = make_inputs(1, 200, 2, 2, 64, 64, torch.bfloat16, torch.float32, "cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kda_default_precision_follows_the_input_dtype(dtype):
+    """By default bf16 / fp16 inputs take bf16 products ("medium", fla's precision) whatever
+    torch's fp32 matmul precision, and fp32 inputs follow torch's; "medium" changes the results,
+    "highest" and "high" do not; an explicit matmul_precision overrides the default."""
+    ins = make_inputs(1, 200, 2, 2, 64, 64, dtype, torch.float32, "cuda")
     run = {p: K.chunk_kda(*ins, use_qk_l2norm_in_kernel=True, matmul_precision=p)[0] for p in ("highest", "high",
                                                                                               "medium")}
     assert torch.equal(run["highest"], run["high"]) and not torch.equal(run["highest"], run["medium"])
@@ -169,7 +171,8 @@ def test_kda_matmul_precision_follows_torch():
     try:
         for p in run:
             torch.set_float32_matmul_precision(p)
-            assert torch.equal(K.chunk_kda(*ins, use_qk_l2norm_in_kernel=True)[0], run[p])
+            expected = run[p] if dtype == torch.float32 else run["medium"]
+            assert torch.equal(K.chunk_kda(*ins, use_qk_l2norm_in_kernel=True)[0], expected), p
     finally:
         torch.set_float32_matmul_precision(before)
 

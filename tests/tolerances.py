@@ -17,10 +17,10 @@ REL_RMS = {
 # and two value heads per query head, whose dq is one cancelling sum of 256 products, measured
 # 2.0e-6 against the plain fp32 row).
 CUDA_KDA_REL_RMS = {**REL_RMS, torch.float32: 8 * REL_RMS[torch.float32]}
-# With matmul_precision="medium" the CUDA KDA kernels round the operands of their products to
-# bf16 (fp32 accumulation and state, flash-linear-attention's precision): every output, gradient
-# and the final state then carry that rounding (2^-9 per operand) and are held to the bf16 row,
-# whatever their dtype.
+# With matmul_precision="medium" (the default for bf16 / fp16 inputs) the CUDA KDA kernels round
+# the operands of their products to bf16 (fp32 accumulation and state, flash-linear-attention's
+# precision): every output, gradient and the final state then carry that rounding (2^-9 per
+# operand) and are held to the bf16 row, whatever their dtype.
 
 # A whole model (many ops deep) against the same model on reference ops: each op is within
 # REL_RMS, but a gradient summed over every token and layer (a decay rate, a norm weight) adds

@@ -47,14 +47,15 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     Returns o [B, T, HV, V] in q's dtype and the final state [N, HV, K, V] float32 (None unless
     output_final_state). Differentiable w.r.t. q, k, v, g, beta and initial_state.
 
-    matmul_precision ("highest", "high", "medium"; default torch.get_float32_matmul_precision())
-    sets the precision of the CUDA kernels' internal fp32 products, as it does for torch's fp32
-    matmuls: "highest" and "high" compute them as 3xTF32 (fp32 accuracy, the default); "medium"
-    rounds their operands to bfloat16 (fp32 accumulation and state), the precision of
-    flash-linear-attention's chunk_kda (on an H200, for bf16 / fp16 inputs with K, V in {64, 128},
-    about 9x faster forward and 6x faster forward+backward); every output, gradient and the final
-    state then carry bf16 rounding (relative RMS <~ 5e-3 at K, V = 64, 128). The CPU
-    kernels always compute in the accumulation type.
+    matmul_precision ("highest", "high", "medium") sets the precision of the CUDA kernels'
+    internal fp32 products. By default bf16 / fp16 inputs take bf16 operands with fp32
+    accumulation and fp32 state (flash-linear-attention's precision, as "medium"); fp32 inputs
+    follow torch.get_float32_matmul_precision(), as torch's fp32 matmuls do. "highest" and "high"
+    compute the products as 3xTF32 (fp32 accuracy; opt-in for bf16 / fp16 inputs, on an H200 about
+    9x slower forward and 6x slower forward+backward at K, V in {64, 128}); "medium" rounds their
+    operands to bfloat16, so that every output, gradient and the final state carry bf16 rounding
+    (relative RMS <~ 5e-3 at K, V = 64, 128). The CPU kernels always compute in the accumulation
+    type.
 
     flash-linear-attention 0.6's options, with its meaning: use_gate_in_kernel takes g as the raw
     gate and A_log [HV], dt_bias [HV * K] (optional): the log-decay is -exp(A_log) * softplus(g +
@@ -87,7 +88,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     del disable_recompute  # fla's memory / time trade; these kernels keep no [T]-sized state to recompute
     if state_v_first:
         initial_state = None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
-    precision = _torch_matmul_precision() if matmul_precision is None else matmul_precision
+    precision = default_precision(q.dtype) if matmul_precision is None else matmul_precision
     if precision not in _PRECISIONS:
         raise ValueError(f"chunk_kda: matmul_precision must be one of {_PRECISIONS}, got {precision!r}")
     if scale is None:  # K = 0 is left to the op's own check
@@ -130,6 +131,12 @@ def _int32_offsets(cu_seqlens: Tensor) -> Tensor:
             raise ValueError(f"chunk_kda: cu_seqlens values must lie in [0, 2^31) (int32 offsets), got values in "
                              f"[{lo}, {hi}]")
     return cu_seqlens.to(torch.int32)
+
+
+def default_precision(dtype: torch.dtype) -> str:
+    """chunk_kda's matmul_precision when none is given: "medium" (bf16 operands) for bf16 / fp16
+    inputs, torch's fp32 matmul precision otherwise."""
+    return "medium" if dtype in (torch.bfloat16, torch.float16) else _torch_matmul_precision()
 
 
 @torch.compiler.assume_constant_result
