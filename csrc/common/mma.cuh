@@ -173,6 +173,13 @@ __device__ __forceinline__ void cp_async_16_or_zero(void* dst, const void* src) 
     *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
 }
+// 16 bytes global -> shared asynchronously where valid, else 16 zero bytes, without a branch (the
+// copy's source size is 0: nothing is read from src, which must still be a global address).
+__device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)),
+               "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most kPending of this thread's committed groups are still in flight.
 template <int kPending>

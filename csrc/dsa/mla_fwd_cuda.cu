@@ -72,27 +72,29 @@ __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& 
   for (int i = 0; i < loads; ++i) {
     const int s = M::Ring::stage(i);
     sh.ring.wait_empty(i);
-    int keys[M::kKeys / 16];
+    const T* src[M::kKeys / 16];  // the rows of this thread's keys (kv's first for a slot without one: zeros)
+    bool has[M::kKeys / 16];
 #pragma unroll
     for (int m = 0; m < M::kKeys / 16; ++m) {
       const int64_t j = int64_t{i % tiles} * M::kKeys + g + 16 * m;
-      keys[m] = j < a.topk ? sel[j] : -1;
-      if (keys[m] >= a.Tk) keys[m] = -1;
-      if (piece == 0 && i < tiles && keys[m] >= 0) atomicOr(sh.valid + j / 32, 1u << (j % 32));
+      const int key = j < a.topk ? sel[j] : -1;
+      has[m] = key >= 0 && key < a.Tk;
+      src[m] = kv + (has[m] ? int64_t{key} * M::kDqk : 0) + piece * 8;
+      if (piece == 0 && i < tiles && has[m]) atomicOr(sh.valid + j / 32, 1u << (j % 32));
     }
     uint8_t* tile = sK + s * M::kTileBytes;
-    auto copy = [&](int from, int to) {  // chunks [from, to)
-      for (int ch = from; ch < to; ++ch) {
+    const auto copy_chunk = [&](int ch) {  // the 64-column chunk ch of the four rows, without a branch
 #pragma unroll
-        for (int m = 0; m < M::kKeys / 16; ++m) {
-          cp_async_16_or_zero(tile + ch * M::kChunkBytes + sw128_offset(g + 16 * m, piece),
-                              keys[m] >= 0 ? kv + int64_t{keys[m]} * M::kDqk + ch * 64 + piece * 8 : nullptr);
-        }
+      for (int m = 0; m < M::kKeys / 16; ++m) {
+        cp_async_16_zfill(tile + ch * M::kChunkBytes + sw128_offset(g + 16 * m, piece), src[m] + ch * 64, has[m]);
       }
-      cp_async_commit();
     };
-    copy(0, M::kSplit);
-    copy(M::kSplit, M::kChunks);
+#pragma unroll
+    for (int ch = 0; ch < M::kSplit; ++ch) copy_chunk(ch);
+    cp_async_commit();
+#pragma unroll
+    for (int ch = M::kSplit; ch < M::kChunks; ++ch) copy_chunk(ch);
+    cp_async_commit();
     cp_async_wait<1>();
     fence_proxy_async();  // the rows (and zeros) are read by wgmma
     mbar_arrive(sh.ring.full_bar(i, 0));
