@@ -9,7 +9,7 @@ L2-normalised in the kernel. This package's kernels are timed at both internal p
 against an fp32 run of this package's kernels, and ours at "medium" against fla).
 FLOPs: forward 2*C*K*5 + 2*K*V*3 per token and head (C = 64); forward+backward counted as 3x.
 
-    python bench/bench_kda.py [--quick | --cases I,J] [--no-fla | --fla-cases N] [--out DIR]
+    python bench/bench_kda.py [--quick | --cases I,J | --long] [--no-fla | --fla-cases N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -144,6 +144,54 @@ def bench_case(label, B, T, H, D, lens, fla, use_sdpa) -> list[Result]:
     return results
 
 
+def long_case(T, H, D, windowed) -> Result:
+    """One layer's forward+backward at the default precision (bf16 products), its time and peak
+    memory (torch.cuda.max_memory_allocated, inputs, outputs and gradients included); windowed
+    False runs the whole call as one (kda_dsa_ops.ops.kda.WINDOW_TOKEN_HEADS past its size)."""
+    from kda_dsa_ops.ops import kda as kda_ops
+
+    window = kda_ops.WINDOW_TOKEN_HEADS
+    kda_ops.WINDOW_TOKEN_HEADS = window if windowed else T * H
+    try:
+        torch.cuda.empty_cache()
+        ins = make_inputs(1, T, H, D)
+        do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        grads = fwd_bwd(K.chunk_kda, ins, None, do)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1e3
+        peak = torch.cuda.max_memory_allocated()
+        io = sum(t.numel() * t.element_size() for t in [*ins, do, *grads])
+        del ins, do, grads
+    finally:
+        kda_ops.WINDOW_TOKEN_HEADS = window
+    torch.cuda.empty_cache()
+    name = f"long fwd+bwd (1,{T},{H},{D}) {'windowed' if windowed else 'one call'}"
+    print(f"  {name}: {ms:.0f} ms (the second call), peak {peak / 1e9:.1f} GB (inputs, o, dO and gradients "
+          f"{io / 1e9:.1f} GB)", flush=True)
+    return Result("kda", name, {"B": 1, "T": T, "H": H, "K": D, "V": D}, ms, 3 * fwd_flops(1, T, H, D),
+                  3 * fwd_bytes(1, T, H, D), extra={"peak_gb": peak / 1e9, "io_gb": io / 1e9})
+
+
+def bench_long() -> list[Result]:
+    """The memory cases of docs/benchmarks.md: T = 2^20 at H = 8 windowed and as one call, then the
+    longest power-of-two-multiple sequence one H = 64 layer runs."""
+    results = []
+    for windowed in (True, False):
+        long_case(1 << 20, 8, 128, windowed)  # first call: allocator warm-up
+        results.append(long_case(1 << 20, 8, 128, windowed))
+    for T in (768 << 10, 640 << 10, 512 << 10, 384 << 10):
+        try:
+            results.append(long_case(T, 64, 128, True))
+            break
+        except torch.OutOfMemoryError:
+            print(f"  (1,{T},64,128): out of memory", flush=True)
+            torch.cuda.empty_cache()
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the first shape only")
@@ -152,10 +200,15 @@ def main():
     parser.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention baseline")
     parser.add_argument("--fla-cases", type=int, default=None,
                         help="compare with fla on the first N cases only (its first calls take minutes per shape)")
+    parser.add_argument("--long", action="store_true",
+                        help="the memory cases only (1M tokens at H 8, the longest at H 64)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
+    if args.long:
+        print(write_results("kda-long", bench_long(), ceilings, args.out))
+        return
     fla = None if args.no_fla else load_fla()
     cases = [(f"({B},{T},{H},{D})", B, T, H, D, None) for B, T, H, D in SHAPES]
     cases.append((f"varlen T={sum(VARLEN)} H=32", 1, sum(VARLEN), 32, 128, VARLEN))

@@ -177,6 +177,27 @@ def test_kda_default_precision_follows_the_input_dtype(dtype):
         torch.set_float32_matmul_precision(before)
 
 
+WINDOW_CASES = [("cpu", F64, "highest", 16, 8),
+                pytest.param("cuda", torch.float32, "highest", 32, 16, marks=pytest.mark.cuda),
+                pytest.param("cuda", torch.bfloat16, "medium", 64, 64, marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device, dtype, precision, Kd, V", WINDOW_CASES)
+@pytest.mark.parametrize("lens", [None, [70, 0, 200, 33, 97]])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_kda_long_calls_run_in_windows(device, dtype, precision, Kd, V, lens, with_h0, monkeypatch):
+    """A call past the window size runs as windows along T (the workspaces of one window): the
+    outputs, final states and every gradient are the reference's, with sequences that cross
+    windows, begin inside one, are empty, and a batch of two."""
+    from kda_dsa_ops.ops import kda as kda_ops
+
+    B, T = (2, 300) if lens is None else (1, sum(lens))
+    monkeypatch.setattr(kda_ops, "WINDOW_TOKEN_HEADS", 64 * B * 4)  # 64-token windows at HV = 4
+    assert len(kda_ops._windows(B * 4, T)) == -(-T // 64)
+    check_against_reference(device, dtype, torch.float32, B, T, 2, 2, Kd, V, lens, True, with_h0, "normal",
+                            precision)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_kda_sequence_bounds_restart_the_state(device):
     """Two packed sequences give the outputs of two separate calls."""

@@ -95,11 +95,73 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
         scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
     if cu_seqlens is not None and cu_seqlens.dtype == torch.int64:
         cu_seqlens = _int32_offsets(cu_seqlens)
-    o, final_state = _ops.kda_fwd(q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state,
-                                  use_qk_l2norm_in_kernel, precision == "medium")
+    args = (float(scale), use_qk_l2norm_in_kernel, precision == "medium")
+    windows = _windows(q.shape[0] * v.shape[2], q.shape[1])
+    if windows is None:
+        o, final_state = _ops.kda_fwd(q, k, v, g, beta, args[0], initial_state, cu_seqlens, output_final_state,
+                                      *args[1:])
+    else:
+        o, final_state = _Windows.apply(q, k, v, g, beta, initial_state, cu_seqlens, windows, args)
     if not output_final_state:
         return o, None
     return o, final_state.transpose(-1, -2) if state_v_first else final_state
+
+
+# A call of more than 2 * WINDOW_TOKEN_HEADS tokens x value heads runs as windows along T of about
+# WINDOW_TOKEN_HEADS each (the kernels' workspaces are sized by the tokens of one call: ~6 KB per
+# token and value head in the bf16 backward at K = V = 128).
+WINDOW_TOKEN_HEADS = 1 << 20
+
+
+def _windows(heads: int, T: int) -> tuple[tuple[int, int], ...] | None:
+    """[a, b) token ranges along T (multiples of the 64-token chunk) for a call whose B * HV is
+    `heads`, or None when it runs as one."""
+    length = max(64, WINDOW_TOKEN_HEADS // max(heads, 1) // 64 * 64)
+    if T <= 2 * length:
+        return None
+    return tuple((a, min(a + length, T)) for a in range(0, T, length))
+
+
+class _Windows(torch.autograd.Function):
+    """chunk_kda as windows along T: each window's kda_fwd starts from the previous window's final
+    states (every sequence's: one still running carries on, one not yet begun or already ended
+    passes its state through a window it has no tokens in), kda_bwd runs the windows backwards
+    with the next window's initial-state gradient as its final-state gradient. The same
+    recurrence, workspaces of one window; outputs and gradients written into whole tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, windows, args):
+        scale, l2norm, bf16 = args
+        o = q.new_empty(q.shape[0], q.shape[1], v.shape[2], v.shape[3])
+        starts, state = [], initial_state
+        for a, b in windows:
+            starts.append(state)
+            o_w, state = _ops.kda_fwd(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, state,
+                                      _window_offsets(cu_seqlens, a, b), True, l2norm, bf16)
+            o[:, a:b].copy_(o_w)
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, *starts)
+        ctx.windows, ctx.args = windows, args
+        return o, state
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final_state):
+        q, k, v, g, beta, cu_seqlens, *starts = ctx.saved_tensors
+        scale, l2norm, bf16 = ctx.args
+        grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
+        d_state = grad_final_state
+        for (a, b), start in reversed(list(zip(ctx.windows, starts))):
+            *parts, dh0 = _ops.kda_bwd(grad_o[:, a:b].contiguous(), d_state, q[:, a:b], k[:, a:b], v[:, a:b],
+                                       g[:, a:b], beta[:, a:b], scale, start, _window_offsets(cu_seqlens, a, b),
+                                       l2norm, bf16)
+            for whole, part in zip(grads, parts):
+                whole[:, a:b].copy_(part)
+            d_state = dh0 if start is not None else None
+        return (*grads, d_state, None, None, None)
+
+
+def _window_offsets(cu_seqlens: Tensor | None, a: int, b: int) -> Tensor | None:
+    """cu_seqlens of the tokens [a, b) of a packed batch: every sequence, those outside empty."""
+    return None if cu_seqlens is None else (cu_seqlens.clamp(a, b) - a).to(torch.int32)
 
 
 def kda_gate(g: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None,
