@@ -169,8 +169,8 @@ def long_case(T, H, D, windowed) -> Result:
         kda_ops.WINDOW_TOKEN_HEADS = window
     torch.cuda.empty_cache()
     name = f"long fwd+bwd (1,{T},{H},{D}) {'windowed' if windowed else 'one call'}"
-    print(f"  {name}: {ms:.0f} ms (the second call), peak {peak / 1e9:.1f} GB (inputs, o, dO and gradients "
-          f"{io / 1e9:.1f} GB)", flush=True)
+    print(f"  {name}: {ms:.0f} ms, peak {peak / 1e9:.1f} GB (inputs, o, dO and gradients {io / 1e9:.1f} GB)",
+          flush=True)
     return Result("kda", name, {"B": 1, "T": T, "H": H, "K": D, "V": D}, ms, 3 * fwd_flops(1, T, H, D),
                   3 * fwd_bytes(1, T, H, D), extra={"peak_gb": peak / 1e9, "io_gb": io / 1e9})
 
@@ -180,7 +180,7 @@ def bench_long() -> list[Result]:
     longest power-of-two-multiple sequence one H = 64 layer runs."""
     results = []
     for windowed in (True, False):
-        long_case(1 << 20, 8, 128, windowed)  # first call: allocator warm-up
+        long_case(1 << 20, 8, 128, windowed)  # a first call (allocator and launch warm-up), not recorded
         results.append(long_case(1 << 20, 8, 128, windowed))
     for T in (768 << 10, 640 << 10, 512 << 10, 384 << 10):
         try:
