@@ -139,23 +139,18 @@ class KDAAttention(nn.Module):
         self.o_gate_down, self.o_gate_up = lin(hidden, gate_rank), lin(gate_rank, self.HV * head_dim)
         self.o_proj = lin(self.HV * head_dim, hidden)
 
-    def decay(self, x: Tensor) -> Tensor:
-        """The log-decay g [T, HV * D] in the accumulation dtype (fp32, fp64 for fp64 models)."""
-        acc = accumulation_dtype(x)
-        a = self.g_up(self.g_down(x)).to(acc) + self.dt_bias.to(acc)
-        rate = self.A_log.to(acc).exp().repeat_interleave(self.D)
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * a)
-        return -rate * F.softplus(a)
-
     def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend) -> Tensor:
         T = x.shape[0]
         q = self.q_conv(self.q_proj(x), pos).view(1, T, self.H, self.D)
         k = self.k_conv(self.k_proj(x), pos).view(1, T, self.H, self.D)
         v = self.v_conv(self.v_proj(x), pos).view(1, T, self.HV, self.D)
-        g = self.decay(x).view(1, T, self.HV, self.D)
-        beta = torch.sigmoid(self.b_proj(x).to(accumulation_dtype(x))).view(1, T, self.HV)
-        o = backend.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0][0]  # [T,HV,D]
+        # the raw gate and beta: the decay and sigmoid(beta) are chunk_kda's (fla 0.6's in-kernel options)
+        g = self.g_up(self.g_down(x)).view(1, T, self.HV, self.D)
+        beta = self.b_proj(x).view(1, T, self.HV)
+        o = backend.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                              use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                              lower_bound=self.lower_bound, safe_gate=self.lower_bound is not None,
+                              use_beta_sigmoid_in_kernel=True)[0][0]  # [T, HV, D]
         o = self.o_norm(o) * torch.sigmoid(self.o_gate_up(self.o_gate_down(x)).view(T, self.HV, self.D))
         return self.o_proj(o.reshape(T, self.HV * self.D))
 
