@@ -1,6 +1,8 @@
 """Expert parallelism + FSDP2 on CPU (gloo): the model split over a (dp, ep) mesh of processes,
 each with its own tokens, experts split over ep and everything else sharded by FSDP2, gives the
-single-process loss and gradients (float64, no capacity drops); bad layouts fail before any work."""
+single-process loss and gradients (float64, no capacity drops); bad layouts fail before any work.
+Context parallelism on CPU (gloo): one packed batch split along T over 2 or 4 processes gives the
+single-process loss and gradients."""
 
 import os
 import tempfile
@@ -11,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kda_dsa_ops.models import HybridModel, get_config
-from kda_dsa_ops.parallel import (apply_fsdp, build_mesh, clip_grad_norm, is_expert_param, optimizer_groups,
-                                  reduce_expert_gradients, shard_experts)
+from kda_dsa_ops.parallel import (ContextParallel, apply_fsdp, build_mesh, clip_grad_norm, is_expert_param,
+                                  optimizer_groups, reduce_expert_gradients, shard_experts)
 
 from tolerances import MODEL_REL_RMS, assert_close
 
@@ -20,9 +22,9 @@ F64 = torch.float64
 SEQ_LEN, SEQS_PER_RANK = 24, 2
 
 
-def make_model(lora_rank):
+def make_model(lora_rank, **overrides):
     torch.manual_seed(0)
-    cfg = get_config("tiny", capacity_factor=None, dsa_topk=16)
+    cfg = get_config("tiny", **{"capacity_factor": None, "dsa_topk": 16, **overrides})
     return HybridModel(cfg, lora_rank=lora_rank).double(), cfg
 
 
@@ -99,3 +101,53 @@ def test_bad_layouts_fail_before_any_work():
         build_mesh(3, 2, 8)
     with pytest.raises(ValueError, match=r"experts \(8\) must be divisible by ep \(3\)"):
         build_mesh(3, 3, 8)
+
+
+CP_SEQS = [40, 7, 0, 61, 20]  # 128 tokens: across two shares, inside one, empty, across three (cp 4)
+CP_CASES = {"kda+sparse": {}, "kda+dense+mhc": {"pattern": "KAD", "index_pattern": "FS", "hc_mult": 2},
+            "deepseek indexer": {"pattern": "DK", "index_style": "deepseek", "dsa_topk": 8}}
+
+
+def cp_batch(cfg):
+    g = torch.Generator().manual_seed(99)
+    tokens = torch.randint(0, cfg.vocab, (sum(CP_SEQS),), generator=g)
+    cu = torch.tensor([0] + CP_SEQS).cumsum(0).to(torch.int32)
+    labels = torch.roll(tokens, -1)
+    labels[cu[1:].long() - 1] = -100  # no label across a sequence's end
+    labels[:5] = -100  # and shares with fewer labels than others
+    return tokens, cu, labels
+
+
+def _cp_worker(rank, world, case, lora_rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model, cfg = make_model(lora_rank, **CP_CASES[case])
+    tokens, cu, labels = cp_batch(cfg)
+    cp = ContextParallel(cu)
+    out = model(cp.local(tokens), cu, cp.local(labels), cp=cp)
+    out["loss"].backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for t in [out["loss"].detach(), *grads.values()]:  # the mean over the ranks, as data parallelism takes it
+        dist.all_reduce(t)
+        t /= world
+    torch.save({"loss": out["loss"].detach(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, case, lora_rank", [(2, "kda+sparse", 0), (4, "kda+sparse", 4),
+                                                    (4, "kda+dense+mhc", 0), (2, "deepseek indexer", 4)])
+def test_context_parallel_matches_single_process(world, case, lora_rank):
+    """KDA states, the short convolutions' halos and the MLA / indexer keys cross the shares'
+    bounds; the mean of the ranks' losses and gradients is the unsplit batch's (float64)."""
+    model, cfg = make_model(lora_rank, **CP_CASES[case])
+    tokens, cu, labels = cp_batch(cfg)
+    loss = model(tokens, cu, labels)["loss"]
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_cp_worker, args=(world, case, lora_rank, os.path.join(out_dir, "init"), out_dir), nprocs=world)
+        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    assert_close(ranks[0]["loss"], loss, F64, "loss", table=MODEL_REL_RMS)
+    assert set(ranks[0]["grads"]) == set(grads) and (not lora_rank or all("lora_" in n for n in grads))
+    for name, g in grads.items():
+        assert_close(ranks[0]["grads"][name], g, F64, name, table=MODEL_REL_RMS)

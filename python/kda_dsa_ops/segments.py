@@ -26,17 +26,19 @@ def transition_over(chunk_kda: Callable) -> Callable:
     the reference's: kda_dsa_ops.reference.segment_transition)."""
 
     def segment_transition(k: Tensor, g: Tensor, beta: Tensor, use_qk_l2norm_in_kernel: bool = False,
-                           matmul_precision: str | None = None) -> Tensor:
+                           matmul_precision: str | None = None, **options) -> Tensor:
         """The segment's transition M [B, HV, K, K] (float32; float64 for float64 inputs): its end
         state is M @ S_start + (its end state from a zero start). k [B, T, H, K], g [B, T, HV, K]
-        and beta [B, T, HV] as chunk_kda takes them. Differentiable w.r.t. k, g and beta."""
+        and beta [B, T, HV] as chunk_kda takes them, with chunk_kda's gate and beta options (fla
+        0.6's use_gate_in_kernel, A_log, ...). Differentiable w.r.t. k, g, beta and the gate's
+        parameters."""
         B, T, H, K = k.shape
         HV = g.shape[2]
         acc = torch.float64 if k.dtype == torch.float64 else torch.float32
         eye = torch.eye(K, dtype=acc, device=k.device).expand(B, HV, K, K).contiguous()
         _, M = chunk_kda(torch.zeros_like(k), k, k.new_zeros(B, T, HV, K), g, beta, initial_state=eye,
                          output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         matmul_precision=matmul_precision)
+                         matmul_precision=matmul_precision, **options)
         return M
 
     return segment_transition

@@ -209,33 +209,36 @@ class HybridBlock(nn.Module):
     def feed_forward(self, x: Tensor, backend) -> Tensor:
         return self.mlp(x, backend) if self.ffn_kind == "M" else self.mlp(x)
 
-    def attention(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, shared_indices: Tensor | None = None):
+    def attention(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, shared_indices: Tensor | None = None,
+                  cp=None):
         """(output, indexer loss, the sparse layer's indices or None) of the attention on x [T, hidden]."""
         if self.kind == "K":
-            return self.attn(self.attn_norm(x), cu_seqlens, pos, backend), x.new_zeros(
+            return self.attn(self.attn_norm(x), cu_seqlens, pos, backend, cp), x.new_zeros(
                 (), dtype=accumulation_dtype(x)), None
-        return self.attn(self.attn_norm(x), cu_seqlens, pos, backend, shared_indices)
+        return self.attn(self.attn_norm(x), cu_seqlens, pos, backend, shared_indices, cp)
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute: str = "none",
-                shared_indices: Tensor | None = None):
+                shared_indices: Tensor | None = None, cp=None):
         """x [T, hidden], or [T, hc_mult, hidden] streams -> (the same, indexer loss, indices or None).
         recompute: "attention" keeps only the block's input for the attention half and runs it again
         in the backward; "block" does so for the whole block; "none" keeps every activation.
-        shared_indices: the last sparse layer's choice, for a layer without an indexer of its own."""
+        shared_indices: the last sparse layer's choice, for a layer without an indexer of its own.
+        cp: a parallel.ContextParallel when x is one share of a batch split along T."""
         if recompute == "block":
-            return checkpoint(self._forward, x, cu_seqlens, pos, backend, False, shared_indices, use_reentrant=False)
-        return self._forward(x, cu_seqlens, pos, backend, recompute == "attention", shared_indices)
+            return checkpoint(self._forward, x, cu_seqlens, pos, backend, False, shared_indices, cp,
+                              use_reentrant=False)
+        return self._forward(x, cu_seqlens, pos, backend, recompute == "attention", shared_indices, cp)
 
     def _forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, recompute_attention: bool = False,
-                 shared_indices: Tensor | None = None):
+                 shared_indices: Tensor | None = None, cp=None):
         streams = x
         if self.attn_hc is not None:
             post, comb, x = self.attn_hc(streams)
         if recompute_attention:
-            attn, aux, indices = checkpoint(self.attention, x, cu_seqlens, pos, backend, shared_indices,
+            attn, aux, indices = checkpoint(self.attention, x, cu_seqlens, pos, backend, shared_indices, cp,
                                             use_reentrant=False)
         else:
-            attn, aux, indices = self.attention(x, cu_seqlens, pos, backend, shared_indices)
+            attn, aux, indices = self.attention(x, cu_seqlens, pos, backend, shared_indices, cp)
         if self.attn_hc is None:
             x = x + attn
             return x + self.feed_forward(self.mlp_norm(x), backend), aux, indices
@@ -299,9 +302,20 @@ class HybridModel(nn.Module):
                              f"placeholders (token {self.cfg.image_token})")
         return x.index_copy(0, slots, features.to(x.dtype))
 
-    def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Final hidden states [T, hidden] and the summed indexer loss of the DSA blocks."""
-        pos = positions_in_sequence(cu_seqlens, tokens.shape[0])
+    def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor, images: Tensor | None = None,
+                      cp=None) -> tuple[Tensor, Tensor]:
+        """Final hidden states [T, hidden] and the summed indexer loss of the DSA blocks. cp (a
+        parallel.ContextParallel of cu_seqlens): tokens are this rank's share (cp.local), the
+        states and the indexer loss (a mean over the share's queries) the share's."""
+        if cp is None:
+            pos = positions_in_sequence(cu_seqlens, tokens.shape[0])
+        else:
+            if images is not None:
+                raise ValueError("context parallelism does not take images yet")
+            if tokens.shape[0] != cp.share or not cp.matches(cu_seqlens):
+                raise ValueError(f"with context parallelism the model takes this rank's {cp.share} tokens "
+                                 "(cp.local(tokens)) and the whole batch's cu_seqlens, the one cp was made of")
+            cu_seqlens, pos = cp.cu_seqlens(tokens.device), cp.positions(tokens.device)
         x = self.embed_inputs(tokens, images)
         offload = ActivationOffload(x.device) if self.offload else None
         aux = x.new_zeros((), dtype=accumulation_dtype(x))
@@ -310,7 +324,7 @@ class HybridModel(nn.Module):
         indices = None
         for i, block in enumerate(self.blocks):
             with offload.block(i) if offload else contextlib.nullcontext():
-                x, block_aux, block_indices = block(x, cu_seqlens, pos, self.backend, self.recompute, indices)
+                x, block_aux, block_indices = block(x, cu_seqlens, pos, self.backend, self.recompute, indices, cp)
             aux = aux + block_aux.to(aux.dtype)
             indices = block_indices if block_indices is not None else indices
         if self.cfg.hc_mult > 1:
@@ -322,13 +336,22 @@ class HybridModel(nn.Module):
         h, _ = self.hidden_states(tokens, cu_seqlens, images)
         return h @ self.lm_head.to(h.dtype).t()
 
-    def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor, images: Tensor | None = None) -> dict:
+    def forward(self, tokens: Tensor, cu_seqlens: Tensor, labels: Tensor, images: Tensor | None = None,
+                cp=None) -> dict:
         """{"loss": lm + indexer_loss_weight * indexer, "lm_loss", "indexer_loss", "accuracy"};
         labels [T] int64 (-100 = ignored); accuracy: argmax predictions on the labelled tokens.
-        images (see embed_inputs): their image tokens replace the placeholders."""
-        h, aux = self.hidden_states(tokens, cu_seqlens, images)
+        images (see embed_inputs): their image tokens replace the placeholders. cp (context
+        parallelism, see hidden_states): tokens and labels are this rank's share, and the losses
+        are normalised by the whole batch's counts so that their mean over the ranks is the
+        unsplit batch's (accuracy stays the share's)."""
+        h, aux = self.hidden_states(tokens, cu_seqlens, images, cp)
         head = self.lm_head.to(h.dtype)
         lm = chunked_linear_cross_entropy(h, head, labels)
+        if cp is not None:  # the share's mean -> its part of the batch's mean, times the ranks
+            count = (labels != -100).sum()
+            total = count.clone()
+            torch.distributed.all_reduce(total, group=cp.group)
+            lm = lm * count.clamp_min(1).to(lm.dtype) * cp.world / total.clamp_min(1).to(lm.dtype)
         with torch.no_grad():
             labelled = labels != -100
             hits = ((h[labelled] @ head.t()).argmax(-1) == labels[labelled]).to(torch.float32)

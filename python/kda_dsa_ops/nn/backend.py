@@ -14,8 +14,8 @@ from .. import ops
 from .. import reference as R
 from ..contracts import attention_defaults, attention_kernel_refuses, indexer_kernel_refuses
 
-OPS = ("chunk_kda", "lightning_indexer", "sparse_attention", "moe_route", "moe_permute", "moe_unpermute",
-       "grouped_mm")
+OPS = ("chunk_kda", "segment_transition", "lightning_indexer", "sparse_attention", "moe_route", "moe_permute",
+       "moe_unpermute", "grouped_mm")
 
 
 class Backend(SimpleNamespace):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .. import reference as R
 from .._dtypes import accumulation_dtype
@@ -102,10 +103,13 @@ class ShortConv(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(channels, size) / size)
 
-    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor, halo: Tensor | None = None) -> Tensor:
+        """halo: the size - 1 rows before x (context parallelism's previous share; zeros if None)."""
+        T, size = x.shape[0], self.weight.shape[1]
+        padded = torch.cat([x.new_zeros(size - 1, x.shape[1]) if halo is None else halo, x])
         y = x * self.weight[:, 0].to(x.dtype)
-        for j in range(1, self.weight.shape[1]):
-            shifted = F.pad(x, (0, 0, j, 0))[: x.shape[0]]
+        for j in range(1, size):
+            shifted = padded[size - 1 - j: size - 1 - j + T]
             y = y + shifted * (pos >= j)[:, None].to(x.dtype) * self.weight[:, j].to(x.dtype)
         return F.silu(y)
 
@@ -139,18 +143,26 @@ class KDAAttention(nn.Module):
         self.o_gate_down, self.o_gate_up = lin(hidden, gate_rank), lin(gate_rank, self.HV * head_dim)
         self.o_proj = lin(self.HV * head_dim, hidden)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend) -> Tensor:
+    def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend, cp=None) -> Tensor:
+        """cp: a parallel.ContextParallel when x is one share of a batch split along T."""
         T = x.shape[0]
-        q = self.q_conv(self.q_proj(x), pos).view(1, T, self.H, self.D)
-        k = self.k_conv(self.k_proj(x), pos).view(1, T, self.H, self.D)
-        v = self.v_conv(self.v_proj(x), pos).view(1, T, self.HV, self.D)
+
+        def conv(conv, y):
+            return conv(y, pos, None if cp is None else cp.halo(y, conv.weight.shape[1] - 1))
+
+        q = conv(self.q_conv, self.q_proj(x)).view(1, T, self.H, self.D)
+        k = conv(self.k_conv, self.k_proj(x)).view(1, T, self.H, self.D)
+        v = conv(self.v_conv, self.v_proj(x)).view(1, T, self.HV, self.D)
         # the raw gate and beta: the decay and sigmoid(beta) are chunk_kda's (fla 0.6's in-kernel options)
         g = self.g_up(self.g_down(x)).view(1, T, self.HV, self.D)
         beta = self.b_proj(x).view(1, T, self.HV)
-        o = backend.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-                              use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
-                              lower_bound=self.lower_bound, safe_gate=self.lower_bound is not None,
-                              use_beta_sigmoid_in_kernel=True)[0][0]  # [T, HV, D]
+        options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                       lower_bound=self.lower_bound, safe_gate=self.lower_bound is not None,
+                       use_beta_sigmoid_in_kernel=True)
+        if cp is None:
+            o = backend.chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **options)[0][0]  # [T, HV, D]
+        else:
+            o = cp.chunk_kda(backend, q, k, v, g, beta, **options)[0]
         o = self.o_norm(o) * torch.sigmoid(self.o_gate_up(self.o_gate_down(x)).view(T, self.HV, self.D))
         return self.o_proj(o.reshape(T, self.HV * self.D))
 
@@ -259,8 +271,9 @@ class LightningIndexer(nn.Module):
             self.kpool_ape = nn.Parameter(torch.zeros(kpool, dim))
             self.kpool_gate = nn.Parameter(torch.randn(dim, hidden) / math.sqrt(hidden))
 
-    def forward(self, x: Tensor, q_latent: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend):
-        """(indices [T, topk], scores [T, topk]) for x [T, hidden]; q_latent: the attention's q latent."""
+    def forward(self, x: Tensor, q_latent: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend, cp=None):
+        """(indices [T, topk], scores [T, topk]) for x [T, hidden]; q_latent: the attention's q latent.
+        cp (context parallelism): the keys are cp.key_rows, the indices rows of them."""
         T, r = x.shape[0], self.rope_dim
         x = x.detach()
         q_src = q_latent.detach() if self.style == "deepseek" else x
@@ -272,10 +285,14 @@ class LightningIndexer(nn.Module):
             k = torch.cat([self.rope(k[..., :r], pos, "half"), k[..., r:]], dim=-1)
             w = w * (self.heads * self.dim) ** -0.5
         if self.kpool:
+            if cp is not None:
+                raise ValueError("context parallelism does not take the k-pooled indexer (GLM-5.3's) yet")
             gate = F.linear(x, self.kpool_gate.to(x.dtype))
             return R.kpool_indexer(q, k, gate, self.kpool_ape, w, cu_seqlens, self.topk, self.kpool,
                                    self.kpool_tail), None
-        return backend.lightning_indexer(q, k, w, cu_seqlens, cu_seqlens, self.topk)
+        if cp is None:
+            return backend.lightning_indexer(q, k, w, cu_seqlens, cu_seqlens, self.topk)
+        return backend.lightning_indexer(q, cp.key_rows(k), w, cu_seqlens, cp.key_cu_seqlens(x.device), self.topk)
 
 
 class MLAttention(nn.Module):
@@ -320,7 +337,9 @@ class MLAttention(nn.Module):
         return self.q_up(latent).view(x.shape[0], self.H, -1), latent
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend: Backend,
-                shared_indices: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                shared_indices: Tensor | None = None, cp=None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """cp (context parallelism): the keys are the latent rows of cp.key_rows, the queries this
+        share's (bottom-right causal); indices are rows of the key span."""
         T, H = x.shape[0], self.H
         q, q_latent = self.queries(x)
         q_nope, q_rot = q[..., : self.nope], self.rope(q[..., self.nope:], pos)
@@ -329,28 +348,33 @@ class MLAttention(nn.Module):
         w_up = self.kv_up.effective_weight().to(x.dtype).view(H, self.nope + self.v_dim, self.kv_rank)
         w_k, w_v = w_up[:, : self.nope], w_up[:, self.nope:]
         loss = x.new_zeros((), dtype=accumulation_dtype(x))
+        rows = torch.cat([c, k_rot], dim=-1)  # one latent key row per token
+        key_rows, key_cu = (rows, cu_seqlens) if cp is None else (cp.key_rows(rows), cp.key_cu_seqlens(x.device))
         if not self.sparse:
-            k = torch.cat([torch.einsum("tc,hnc->thn", c, w_k), k_rot[:, None].expand(T, H, self.rope_dim)], dim=-1)
-            v = torch.einsum("tc,hvc->thv", c, w_v)
+            c_k, rot_k = key_rows[:, : self.kv_rank], key_rows[:, self.kv_rank:]
+            Tk = key_rows.shape[0]
+            k = torch.cat([torch.einsum("tc,hnc->thn", c_k, w_k), rot_k[:, None].expand(Tk, H, self.rope_dim)], dim=-1)
+            v = torch.einsum("tc,hvc->thv", c_k, w_v)
             q = torch.cat([q_nope, q_rot], dim=-1)
             o = x.new_empty(T, H, self.v_dim)
-            for a, b in sequence_bounds(cu_seqlens, T):
-                o[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                        v[a:b].transpose(0, 1), is_causal=True,
-                                                        scale=self.scale).transpose(0, 1)
+            for (a, b), (ka, kb) in zip(sequence_bounds(cu_seqlens, T), sequence_bounds(key_cu, Tk)):
+                # causal; with more keys than queries (a share's part of a sequence) bottom-right aligned
+                causal = {"is_causal": True} if kb - ka == b - a else {"attn_mask": causal_lower_right(b - a, kb - ka)}
+                o[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[ka:kb].transpose(0, 1),
+                                                        v[ka:kb].transpose(0, 1), scale=self.scale,
+                                                        **causal).transpose(0, 1)
             indices = None
         else:
             if self.indexer is not None:
-                indices, scores = self.indexer(x, q_latent, cu_seqlens, pos, backend)
+                indices, scores = self.indexer(x, q_latent, cu_seqlens, pos, backend, cp)
             elif shared_indices is None:
                 raise ValueError("a shared-indexer layer needs the indices of an earlier sparse layer")
             else:
                 indices, scores = shared_indices, None
             q_abs = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_k), q_rot], dim=-1)
-            kv_rows = torch.cat([c, k_rot], dim=-1)[:, None]
             gate = self.gate(x).view(T, H, self.kv_rank) if self.gate is not None else None
-            o_latent, _, p = backend.sparse_attention(q_abs, kv_rows, indices[:, None], self.scale, self.kv_rank, gate,
-                                                      return_p=True)
+            o_latent, _, p = backend.sparse_attention(q_abs, key_rows[:, None], indices[:, None], self.scale,
+                                                      self.kv_rank, gate, return_p=True)
             o = torch.einsum("thc,hvc->thv", o_latent, w_v)
             if scores is not None:
                 loss = indexer_kl_loss(p[:, 0].detach(), scores, indices)
