@@ -37,6 +37,36 @@ def test_one_plan_by_hand():
     assert p.fits == (p.total <= 1e9)
 
 
+def test_a_context_parallel_plan_by_hand():
+    """cp 4: a share's activations plus the MLA layers' gathered key rows, the share's all-to-all,
+    and per layer the KDA pairs / the MLA key rows of the other shares each way."""
+    cfg = get_config("tiny")
+    cluster = Cluster(devices=8, memory_gb=1.0, link_gbps=100.0, tflops=10.0, efficiency=0.5)
+    p = evaluate(cfg, cluster, ep=2, tokens=256, recompute="none", offload=False, lora_rank=0, cp=4)
+    assert (p.dp, p.share) == (1, 64)
+    act = block_activation_bytes(cfg, 64, 0, "none")
+    rows = (cfg.dsa_kv_rank + cfg.dsa_rope_dim + cfg.index_dim) * 2  # a D layer's key row, bf16
+    assert p.memory["activations"] == 3 * act["K"] + act["D"] + (256 - 64) * rows
+    assert p.memory["all-to-all buffers"] == 4 * 64 * cfg.moe_topk * cfg.latent * 2
+    pair = cfg.kda_value_heads * cfg.kda_head_dim * 2 * cfg.kda_head_dim * 4  # [HV, K, 2K] fp32 (K = V)
+    assert p.cp_bytes == 3 * 2 * 3 * pair + 2 * 3 * 64 * rows
+    one = evaluate(cfg, cluster, ep=2, tokens=256, recompute="none", offload=False, lora_rank=0)
+    assert one.cp_bytes == 0 and one.memory["activations"] > p.memory["activations"]
+
+
+def test_context_parallelism_fits_a_sequence_one_device_cannot():
+    """A 256k-token sequence of `small` with every activation kept: 222 GB on one device, 28 GB a
+    device over eight."""
+    cfg = get_config("small")
+    cluster = Cluster(devices=8, memory_gb=40, link_gbps=400)
+    plans = [p for p in search(cfg, cluster, lora_rank=16, seq_lens=[262144], cps=(1, 3, 8))
+             if p.recompute == "none" and not p.offload]
+    assert {p.cp for p in plans} == {1, 8}  # 3 divides neither the sequence nor the 8 ranks
+    one, eight = [p.fits for p in plans if p.cp == 1], [p.fits for p in plans if p.cp == 8]
+    assert len(one) == 4 and len(eight) == 1  # ep 1, 2, 4, 8; cp 8 leaves ep 1 only (cp divides devices / ep)
+    assert not any(one) and all(eight)
+
+
 def test_meta_activation_count_matches_a_real_forward():
     cfg = get_config("tiny")
     torch.manual_seed(0)

@@ -98,6 +98,22 @@ def test_lora_from_a_checkpoint_under_fsdp_and_ep():
 def test_bad_layout_fails_before_any_work():
     with pytest.raises(SystemExit, match=r"world size \(1\) must be a multiple of ep \(2\)"):
         train.main(COMMON + ["--ep", "2", "--steps", "1", "--out", "unused"])
+    with pytest.raises(SystemExit, match=r"--cp 2 must divide the 1 data-parallel ranks"):
+        train.main(COMMON + ["--cp", "2", "--steps", "1", "--out", "unused"])
+
+
+def test_context_parallel_trains_like_one_process(tmp_path):
+    """--cp 2 on two gloo processes: they share every batch, each a half of its tokens (three
+    sequences of 10: the second crosses the halves' bound); the losses are the single process's."""
+    one = train.main(COMMON + ["--steps", "4", "--device", "cpu", "--seqs", "3", "--out", str(tmp_path / "one")])[
+        "history"]
+    mp.spawn(_rank_main, args=(2, _free_port(), COMMON + ["--cp", "2", "--steps", "4", "--device", "cpu",
+                                                          "--seqs", "3", "--out", str(tmp_path / "cp")]), nprocs=2)
+    with open(tmp_path / "cp" / "log.json") as f:
+        two = json.load(f)["history"]
+    assert len(two) == 4
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32", "glm5_next"])

@@ -2,11 +2,15 @@
 
     python -m kda_dsa_ops.plan --config k3-2.8t --devices 128 --memory-gb 141 --link-gbps 400
 
-Lists plans (EP degree, micro-batch, recomputation, offload) that fit, ranked by estimated
-tokens/s per device, with per-device memory split into sharded bf16 weights, the gathered FSDP unit, trainable
+Lists plans (EP degree, context-parallel degree, micro-batch, recomputation, offload) that fit,
+ranked by estimated tokens/s per device, with per-device memory split into sharded bf16 weights, the gathered FSDP unit, trainable
 state (fp32 parameters, gradients and Adam moments of the trainable parameters), activations and
-all-to-all buffers; and the all-to-all bytes per step. Rejects plans with expert holes
-(experts % ep != 0) and plans over memory.
+all-to-all buffers; and the all-to-all and context-parallel bytes per step. Rejects plans with
+expert holes (experts % ep != 0) and plans over memory. With context parallelism (cp > 1) a
+sequence of `tokens` is split over cp ranks: each holds a share's activations plus the gathered
+key rows of its MLA layers (at most the whole sequence before its share) and exchanges, per KDA
+layer, one (transition, state) pair per rank and, per MLA layer, the key rows (forward gather,
+backward reduce-scatter).
 
 Counts come from the implementation, not from formulas kept beside it: parameters from the model
 built on the meta device, activations from the tensors one block saves for its backward on the
@@ -96,12 +100,14 @@ def block_activation_bytes(cfg: HybridConfig, tokens: int, lora_rank: int, recom
 @dataclass
 class Plan:
     ep: int
-    dp: int
-    tokens: int           # tokens per device per micro-batch (one sequence of this length)
+    dp: int               # batches in one step per ep index (devices / ep / cp)
+    tokens: int           # the micro-batch: one sequence of this length, over cp devices
     recompute: str
     offload: bool
+    cp: int = 1
     memory: dict = field(default_factory=dict)  # bytes per device by part
     a2a_bytes: float = 0.0                      # all-to-all bytes sent per device per step
+    cp_bytes: float = 0.0                       # context-parallel bytes received per device per step
     step_s: float = 0.0
     fits: bool = False
 
@@ -109,23 +115,40 @@ class Plan:
     def total(self) -> float:
         return sum(self.memory.values())
 
+    @property
+    def share(self) -> int:
+        """Tokens per device."""
+        return self.tokens // self.cp
+
+
+def key_row_bytes(cfg: HybridConfig, kind: str) -> int:
+    """Bytes per token an MLA layer of `kind` gathers and keeps under context parallelism (bf16):
+    the latent key rows, with the sparse layer's indexer keys, or the dense layer's expanded keys
+    and values."""
+    latent = cfg.dsa_kv_rank + cfg.dsa_rope_dim
+    if kind == "D":
+        return (latent + cfg.index_dim) * BF16
+    return (latent + cfg.dsa_heads * (cfg.dsa_nope_dim + cfg.dsa_rope_dim + cfg.dsa_v_dim)) * BF16
+
 
 def evaluate(cfg: HybridConfig, cluster: Cluster, ep: int, tokens: int, recompute: str, offload: bool,
-             lora_rank: int) -> Plan:
+             lora_rank: int, cp: int = 1) -> Plan:
     """Memory and step-time estimate of one plan (see the module docstring)."""
     n = cluster.devices
     c = parameter_counts(cfg, lora_rank)
-    plan = Plan(ep=ep, dp=n // ep, tokens=tokens, recompute=recompute, offload=offload)
-    act = block_activation_bytes(cfg, tokens, lora_rank, recompute)
-    per_layer = [act[kind] for kind in cfg.kinds()]
+    plan = Plan(ep=ep, dp=n // ep // cp, tokens=tokens, recompute=recompute, offload=offload, cp=cp)
+    share = plan.share
+    act = block_activation_bytes(cfg, share, lora_rank, recompute)
+    before = tokens - share  # key rows of the sequence before the last share
+    per_layer = [act[kind] + (before * key_row_bytes(cfg, kind) if kind != "K" else 0) for kind in cfg.kinds()]
     # Offloaded activations are on the device two blocks at a time: the block in its backward and
     # the one before it, prefetched (nn.offload).
     pairs = [a + b for a, b in zip(per_layer, per_layer[1:])] or per_layer
     activations = max(pairs) if offload else sum(per_layer)
     if recompute != "none" and not offload:
         # the block being recomputed holds its full activations during its backward
-        activations += block_activation_bytes(cfg, tokens, lora_rank, "none")[cfg.kinds()[0]]
-    copies = tokens * cfg.moe_topk
+        activations += block_activation_bytes(cfg, share, lora_rank, "none")[cfg.kinds()[0]]
+    copies = share * cfg.moe_topk
     plan.memory = {
         "weights (bf16, sharded)": c.params * BF16 / n,
         "gathered FSDP unit + local experts": (2 * c.largest_unit + c.expert_params_per_layer / ep) * BF16,
@@ -136,43 +159,54 @@ def evaluate(cfg: HybridConfig, cluster: Cluster, ep: int, tokens: int, recomput
     moe_layers = cfg.ffn_kinds().count("M")
     plan.a2a_bytes = moe_layers * 2 * 2 * copies * cfg.moe_width * BF16 * (ep - 1) / ep  # fwd + bwd, there and back
     active = c.params - c.expert_params + c.expert_params * cfg.moe_topk / cfg.experts
-    flops = 6 * active * tokens * (4 / 3 if recompute == "block" else 1.0)
+    flops = 6 * active * share * (4 / 3 if recompute == "block" else 1.0)
     compute_s = flops / (cluster.tflops * 1e12 * cluster.efficiency)
     # FSDP traffic per device: the non-expert weights gathered over all ranks and this rank's expert
     # slice over its dp ranks, once for the forward and once for the backward; the trainable
     # gradients reduce-scattered in fp32.
+    replicas = n // ep  # the ranks holding the same experts
     gathered = ((c.params - c.expert_params) * BF16 * (n - 1) / n
-                + c.expert_params / ep * BF16 * (plan.dp - 1) / plan.dp)
+                + c.expert_params / ep * BF16 * (replicas - 1) / replicas)
     fsdp_s = (2 * gathered + c.trainable * 4 * (n - 1) / n) / (cluster.link_gbps * GB)
-    plan.step_s = max(compute_s, fsdp_s) + plan.a2a_bytes / (cluster.link_gbps * GB)
+    # context parallelism, forward and backward: per KDA layer every other rank's (transition,
+    # state) pair in fp32; per MLA layer the other shares' key rows
+    pair = cfg.kda_value_heads * cfg.kda_head_dim * 2 * cfg.kda_head_dim * 4
+    plan.cp_bytes = sum(2 * (cp - 1) * (pair if kind == "K" else share * key_row_bytes(cfg, kind))
+                        for kind in cfg.kinds())
+    plan.step_s = max(compute_s, fsdp_s) + (plan.a2a_bytes + plan.cp_bytes) / (cluster.link_gbps * GB)
     plan.fits = plan.total <= cluster.memory_gb * GB
     return plan
 
 
-def search(cfg: HybridConfig, cluster: Cluster, lora_rank: int, seq_lens: list[int]) -> list[Plan]:
-    """Every plan without expert holes, ranked: fitting ones by tokens per second, then the rest."""
+def search(cfg: HybridConfig, cluster: Cluster, lora_rank: int, seq_lens: list[int],
+           cps: tuple[int, ...] = (1,)) -> list[Plan]:
+    """Every plan without expert holes (and, for each cp in cps, whose sequences and data-parallel
+    ranks it divides), ranked: fitting ones by tokens per second per device, then the rest."""
     plans = []
     for ep in range(1, cluster.devices + 1):
         if cluster.devices % ep or cfg.experts % ep:
             continue
-        for tokens in seq_lens:
-            for recompute in HybridModel.RECOMPUTE:
-                for offload in (False, True):
-                    plans.append(evaluate(cfg, cluster, ep, tokens, recompute, offload, lora_rank))
-    return sorted(plans, key=lambda p: (not p.fits, -p.tokens / p.step_s))
+        for cp in cps:
+            for tokens in seq_lens:
+                if (cluster.devices // ep) % cp or tokens % cp:
+                    continue
+                for recompute in HybridModel.RECOMPUTE:
+                    for offload in (False, True):
+                        plans.append(evaluate(cfg, cluster, ep, tokens, recompute, offload, lora_rank, cp))
+    return sorted(plans, key=lambda p: (not p.fits, -p.share / p.step_s))
 
 
 def format_plans(plans: list[Plan], limit: int) -> str:
-    head = (f"{'ep':>4} {'dp':>4} {'tokens':>7} {'recompute':>9} {'offload':>7} | {'weights':>8} {'gathered':>8} "
-            f"{'train':>7} {'activ':>8} {'a2a buf':>8} {'total GB':>9} | {'a2a GB/step':>11} {'step s':>7} "
-            f"{'tok/s/dev':>9}  fits")
+    head = (f"{'ep':>4} {'cp':>3} {'dp':>4} {'tokens':>7} {'recompute':>9} {'offload':>7} | {'weights':>8} "
+            f"{'gathered':>8} {'train':>7} {'activ':>8} {'a2a buf':>8} {'total GB':>9} | {'a2a GB/step':>11} "
+            f"{'cp GB/step':>10} {'step s':>7} {'tok/s/dev':>9}  fits")
     rows = [head, "-" * len(head)]
     for p in plans[:limit]:
         m = [v / GB for v in p.memory.values()]
-        rows.append(f"{p.ep:>4} {p.dp:>4} {p.tokens:>7} {p.recompute:>9} {str(p.offload):>7} | {m[0]:>8.1f} "
-                    f"{m[1]:>8.1f} {m[2]:>7.2f} {m[3]:>8.1f} {m[4]:>8.2f} {p.total / GB:>9.1f} | "
-                    f"{p.a2a_bytes / GB:>11.2f} {p.step_s:>7.3f} {p.tokens / p.step_s:>9.0f}  "
-                    f"{'yes' if p.fits else 'NO'}")
+        rows.append(f"{p.ep:>4} {p.cp:>3} {p.dp:>4} {p.tokens:>7} {p.recompute:>9} {str(p.offload):>7} | "
+                    f"{m[0]:>8.1f} {m[1]:>8.1f} {m[2]:>7.2f} {m[3]:>8.1f} {m[4]:>8.2f} {p.total / GB:>9.1f} | "
+                    f"{p.a2a_bytes / GB:>11.2f} {p.cp_bytes / GB:>10.2f} {p.step_s:>7.3f} "
+                    f"{p.share / p.step_s:>9.0f}  {'yes' if p.fits else 'NO'}")
     return "\n".join(rows)
 
 
@@ -184,7 +218,9 @@ def parse_args(argv=None):
     p.add_argument("--link-gbps", type=float, default=400.0, help="collective bandwidth per device, GB/s")
     p.add_argument("--tflops", type=float, default=700.0, help="dense bf16 TFLOP/s per device")
     p.add_argument("--lora-rank", type=int, default=16, help="0: every parameter trained")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384], help="tokens per device")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384],
+                   help="sequence lengths (tokens per device without context parallelism)")
+    p.add_argument("--cp", type=int, nargs="+", default=[1], help="context-parallel degrees to consider")
     p.add_argument("--top", type=int, default=15, help="rows to print")
     return p.parse_args(argv)
 
@@ -197,7 +233,7 @@ def main(argv=None) -> list[Plan]:
     print(f"{args.config}: {c.params / 1e9:,.1f} B parameters ({c.expert_params / 1e9:,.1f} B in {cfg.experts} "
           f"experts x {cfg.layers} layers), {c.trainable / 1e6:,.1f} M trainable (LoRA rank {args.lora_rank}); "
           f"{args.devices} devices x {args.memory_gb:g} GB")
-    plans = search(cfg, cluster, args.lora_rank, args.seq_lens)
+    plans = search(cfg, cluster, args.lora_rank, args.seq_lens, tuple(args.cp))
     fitting = sum(p.fits for p in plans)
     print(f"{len(plans)} plans without expert holes, {fitting} fit\n")
     print(format_plans(plans, args.top))

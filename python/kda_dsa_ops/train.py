@@ -8,6 +8,7 @@ loss curve.
         --init-from runs/base/final --task shifted --out runs/lora
     torchrun --nproc-per-node 8 -m kda_dsa_ops.train --init-from <a Kimi Linear / DeepSeek-V3.2 / GLM-5.3 dir> \\
         --ep 8 --lora-rank 16 --data tokens.npy --seq-len 4096
+    torchrun --nproc-per-node 4 -m kda_dsa_ops.train --cp 4 --seqs 1 --data tokens.npy --seq-len 131072
 
 The task: each sequence lists key-value pairs, then asks for the values of some of its keys; the
 labels are those values (every other token is unlabelled). --task shifted draws keys and values
@@ -15,6 +16,8 @@ from other parts of the vocabulary (what a LoRA run then adapts the trained mode
 trains on a user's tokens instead (next-token prediction, see token_stream). --init-from takes our
 own torch.distributed.checkpoint directories or a checkpoint directory with a config.json (the
 real families and our own format, see onboard): the model then has that checkpoint's shapes.
+--cp N splits each batch along T over N ranks (context parallelism, parallel.ContextParallel):
+they hold one batch between them, each rank a 1/N share of its tokens.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from . import onboard
 from .models import HybridModel, get_config
-from .parallel import (apply_fsdp, build_mesh, check_layout, clip_grad_norm, is_expert_param, optimizer_groups,
-                       reduce_expert_gradients, shard_experts)
+from .parallel import (ContextParallel, apply_fsdp, build_mesh, check_layout, clip_grad_norm, is_expert_param,
+                       optimizer_groups, reduce_expert_gradients, shard_experts)
 
 
 def recall_batch(vocab: int, seqs: int, pairs: int, queries: int, seed: int, task: str = "base"):
@@ -104,6 +107,22 @@ def stream_batch(stream: torch.Tensor, seqs: int, seq_len: int, step: int, rank:
     return tokens.flatten(), torch.arange(seqs + 1, dtype=torch.int32) * seq_len, labels.flatten()
 
 
+def cp_layout(world: int, rank: int, ep: int, cp: int):
+    """(this rank's context-parallel group or None, the batch it shares, the number of batches):
+    the ranks of the (dp, ep) mesh (rank = dp index * ep + ep index) with the same ep index and
+    dp indices in one block of cp hold one batch between them. Every rank creates every group."""
+    if cp == 1:
+        return None, rank, world
+    dp_index, ep_index = divmod(rank, ep)
+    mine = None
+    for block in range(world // ep // cp):
+        for e in range(ep):
+            group = dist.new_group([(block * cp + i) * ep + e for i in range(cp)])
+            if (block, e) == (dp_index // cp, ep_index):
+                mine = group
+    return mine, dp_index // cp * ep + ep_index, world // cp
+
+
 def parse_args(argv=None):
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
@@ -113,6 +132,8 @@ def parse_args(argv=None):
                    help="HybridConfig preset (k3-2.8t, the full-size shapes, is for kda_dsa_ops.plan only)")
     p.add_argument("--backend", choices=["native", "reference"], default="native", help="kernels or reference ops")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the experts and world size)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: each batch split along T over this many ranks (divides world / ep)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="with --ep: split each MoE layer's tokens so that all-to-all overlaps expert compute")
     p.add_argument("--lora-rank", type=int, default=0, help="0: train every parameter; > 0: LoRA adapters only")
@@ -317,7 +338,7 @@ def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
 def check_args(args) -> None:
     """Flags no run could use, rejected before any work, each named."""
     problems = []
-    for flag in ("steps", "seqs", "pairs", "queries", "seq_len", "log_every", "micro_batches", "ep"):
+    for flag in ("steps", "seqs", "pairs", "queries", "seq_len", "log_every", "micro_batches", "ep", "cp"):
         if getattr(args, flag) < 1:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     for flag in ("lora_rank", "checkpoint_every", "warmup_steps"):
@@ -354,6 +375,13 @@ def main(argv=None) -> dict:
         check_layout(world, args.ep, cfg.experts)  # before any process group or model exists
     except ValueError as err:
         raise SystemExit(f"bad layout: {err} (launch with torchrun --nproc-per-node <a multiple of ep>)") from None
+    if (world // args.ep) % args.cp:
+        raise SystemExit(f"bad layout: --cp {args.cp} must divide the {world // args.ep} data-parallel ranks (world "
+                         f"size {world} / ep {args.ep})")
+    batch_tokens = args.seqs * (args.seq_len if stream is not None else 2 * args.pairs + args.queries)
+    if batch_tokens % args.cp:
+        raise SystemExit(f"--cp {args.cp} splits each batch's {batch_tokens} tokens into equal shares: make "
+                         "--seqs times the sequence length a multiple of it")
     mesh = None
     if world > 1:
         if device.type == "cuda":
@@ -362,6 +390,7 @@ def main(argv=None) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = build_mesh(world, args.ep, cfg.experts, device.type)
     rank = dist.get_rank() if world > 1 else 0
+    cp_group, data_rank, data_world = cp_layout(world, rank, args.ep, args.cp)
     tag = f"ep{mesh['ep'].get_local_rank()}of{args.ep}" if mesh is not None else "ep0of1"
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = HybridModel(cfg, lora_rank=args.lora_rank, backend=args.backend, recompute=args.recompute,
@@ -388,12 +417,16 @@ def main(argv=None) -> dict:
     tokens_seen, clock = 0, time.perf_counter()
     for step in range(start, args.steps):
         if stream is not None:
-            tokens, cu, labels = stream_batch(stream, args.seqs, args.seq_len, step, rank, world)
+            tokens, cu, labels = stream_batch(stream, args.seqs, args.seq_len, step, data_rank, data_world)
         else:
             tokens, cu, labels = recall_batch(cfg.vocab, args.seqs, args.pairs, args.queries,
-                                              seed=args.seed * 1_000_003 + step * 1009 + rank, task=args.task)
+                                              seed=args.seed * 1_000_003 + step * 1009 + data_rank, task=args.task)
+        tokens_seen += tokens.numel() * data_world
+        cp = ContextParallel(cu, cp_group) if cp_group is not None else None
+        if cp is not None:
+            tokens, labels = cp.local(tokens), cp.local(labels)
         with precision:
-            out = model(tokens.to(device), cu.to(device), labels.to(device))
+            out = model(tokens.to(device), cu.to(device), labels.to(device), cp=cp)
         out["loss"].backward()
         stats = torch.stack([out["loss"].detach().float(), out["accuracy"].float()])
         if world > 1:
@@ -410,7 +443,6 @@ def main(argv=None) -> dict:
         opt.step()
         opt.zero_grad()
         model.update_router_biases()
-        tokens_seen += tokens.numel() * world
         load = next(b.mlp for b in model.blocks if b.ffn_kind == "M").expert_load
         record = {"step": step + 1, "loss": stats[0].item(), "recall": stats[1].item(), "grad_norm": grad_norm}
         history.append(record)
