@@ -105,7 +105,9 @@ def test_bad_layouts_fail_before_any_work():
 
 CP_SEQS = [40, 7, 0, 61, 20]  # 128 tokens: across two shares, inside one, empty, across three (cp 4)
 CP_CASES = {"kda+sparse": {}, "kda+dense+mhc": {"pattern": "KAD", "index_pattern": "FS", "hc_mult": 2},
-            "deepseek indexer": {"pattern": "DK", "index_style": "deepseek", "dsa_topk": 8}}
+            "deepseek indexer": {"pattern": "DK", "index_style": "deepseek", "dsa_topk": 8},
+            "k-pooled indexer": {"pattern": "DK", "index_style": "deepseek", "dsa_topk": 8, "index_kpool": 4,
+                                 "kda_lower_bound": -5.0}}
 
 
 def cp_batch(cfg):
@@ -135,10 +137,12 @@ def _cp_worker(rank, world, case, lora_rank, init_file, out_dir):
 
 
 @pytest.mark.parametrize("world, case, lora_rank", [(2, "kda+sparse", 0), (4, "kda+sparse", 4),
-                                                    (4, "kda+dense+mhc", 0), (2, "deepseek indexer", 4)])
+                                                    (4, "kda+dense+mhc", 0), (2, "deepseek indexer", 4),
+                                                    (4, "k-pooled indexer", 0)])
 def test_context_parallel_matches_single_process(world, case, lora_rank):
-    """KDA states, the short convolutions' halos and the MLA / indexer keys cross the shares'
-    bounds; the mean of the ranks' losses and gradients is the unsplit batch's (float64)."""
+    """KDA states, the short convolutions' halos and the MLA / indexer keys (GLM-5.3's pools and
+    bounded decay included) cross the shares' bounds; the mean of the ranks' losses and gradients
+    is the unsplit batch's (float64)."""
     model, cfg = make_model(lora_rank, **CP_CASES[case])
     tokens, cu, labels = cp_batch(cfg)
     loss = model(tokens, cu, labels)["loss"]

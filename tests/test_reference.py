@@ -439,8 +439,8 @@ def test_expert_capacity():
 
 @pytest.mark.parametrize("op", ops.__all__)
 def test_each_reference_op_has_the_ops_name_and_signature(op):
-    """kda_dsa_ops.reference.<op> takes kda_dsa_ops.<op>'s parameters, in order, with its defaults
-    (a model switches between kernels and references by switching modules)."""
+    """kda_dsa_ops.reference.<op> takes kda_dsa_ops.<op>'s named parameters, in order, with its
+    defaults (a model switches between kernels and references by switching modules)."""
     ours = [p for p in inspect.signature(getattr(ops, op)).parameters.values() if p.kind != p.VAR_KEYWORD]
-    theirs = list(inspect.signature(getattr(R, op)).parameters.values())
+    theirs = [p for p in inspect.signature(getattr(R, op)).parameters.values() if p.kind != p.VAR_KEYWORD]
     assert [(p.name, p.default) for p in theirs] == [(p.name, p.default) for p in ours]

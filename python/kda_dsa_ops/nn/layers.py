@@ -285,11 +285,12 @@ class LightningIndexer(nn.Module):
             k = torch.cat([self.rope(k[..., :r], pos, "half"), k[..., r:]], dim=-1)
             w = w * (self.heads * self.dim) ** -0.5
         if self.kpool:
-            if cp is not None:
-                raise ValueError("context parallelism does not take the k-pooled indexer (GLM-5.3's) yet")
             gate = F.linear(x, self.kpool_gate.to(x.dtype))
-            return R.kpool_indexer(q, k, gate, self.kpool_ape, w, cu_seqlens, self.topk, self.kpool,
-                                   self.kpool_tail), None
+            if cp is None:
+                return R.kpool_indexer(q, k, gate, self.kpool_ape, w, cu_seqlens, self.topk, self.kpool,
+                                       self.kpool_tail), None
+            return R.kpool_indexer(q, cp.key_rows(k), cp.key_rows(gate), self.kpool_ape, w, cu_seqlens, self.topk,
+                                   self.kpool, self.kpool_tail, cp.key_cu_seqlens(x.device)), None
         if cp is None:
             return backend.lightning_indexer(q, k, w, cu_seqlens, cu_seqlens, self.topk)
         return backend.lightning_indexer(q, cp.key_rows(k), w, cu_seqlens, cp.key_cu_seqlens(x.device), self.topk)

@@ -57,16 +57,20 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seql
 
 
 def kpool_indexer(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, w: torch.Tensor,
-                  cu_seqlens: torch.Tensor, topk: int, kpool: int, tail: bool = True) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor, topk: int, kpool: int, tail: bool = True,
+                  cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
     """GLM-5.3's k-pooled indexer: the keys of the best pools, and the latest incomplete pool.
 
     Per sequence, keys form consecutive pools of kpool from its start; pool j's key is the
-    per-channel average of its keys weighted by softmax over the pool of gate + ape (gate [T, Di]
-    a projection of each token, ape [kpool, Di] per position in the pool). I[t, j] = sum_h w[t, h]
-    * ReLU(q[t, h] . pool_j); a complete pool is a candidate for query t when its last key is at or
-    before t. The topk // kpool best candidates (ties to the lower pool) give their keys; with tail,
-    the (t + 1) % kpool keys after the last complete pool follow (always chosen). Returns indices
-    [T, topk + (kpool - 1 if tail else 0)] int32, absolute rows, -1 padded.
+    per-channel average of its keys weighted by softmax over the pool of gate + ape (gate [Tk, Di]
+    a projection of each key token, ape [kpool, Di] per position in the pool). I[t, j] = sum_h
+    w[t, h] * ReLU(q[t, h] . pool_j); a complete pool is a candidate for query t when its last key
+    is at or before t. The topk // kpool best candidates (ties to the lower pool) give their keys;
+    with tail, the (t + 1) % kpool keys after the last complete pool follow (always chosen).
+    cu_seqlens packs the queries and, unless cu_seqlens_k does, the keys; with more keys than
+    queries in a sequence the queries are its last ones (bottom-right: query i of Lq sits at
+    position i + Lk - Lq). Returns indices [T, topk + (kpool - 1 if tail else 0)] int32, absolute
+    rows of k, -1 padded.
     """
     T = q.shape[0]
     acc = accumulation_dtype(q)
@@ -75,13 +79,14 @@ def kpool_indexer(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: tor
     pools_per_query = topk // kpool
     if q.is_meta:  # shapes only (memory planning)
         return indices
-    for start, end in _segments(cu_seqlens):
-        L = end - start
-        pools = L // kpool
-        t = torch.arange(L, device=q.device)
+    key_segments = _segments(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k)
+    for (start, end), (kstart, kend) in zip(_segments(cu_seqlens), key_segments):
+        L, Lk = end - start, kend - kstart
+        pools = Lk // kpool
+        t = torch.arange(Lk - L, Lk, device=q.device)  # the queries' positions in their sequence
         if pools and pools_per_query:
-            keys = k[start:start + pools * kpool].to(acc).view(pools, kpool, -1)
-            weight = torch.softmax((gate[start:start + pools * kpool].to(acc).view(pools, kpool, -1)
+            keys = k[kstart:kstart + pools * kpool].to(acc).view(pools, kpool, -1)
+            weight = torch.softmax((gate[kstart:kstart + pools * kpool].to(acc).view(pools, kpool, -1)
                                     + ape.to(acc)[None]), dim=1)
             pooled = (weight * keys).sum(1)                                       # [pools, Di]
             s = indexer_scores(q[start:end], pooled, w[start:end])                # [L, pools]
@@ -90,13 +95,13 @@ def kpool_indexer(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: tor
             n = min(pools_per_query, pools)
             best = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :n]          # [L, n]
             chosen = torch.isfinite(s.gather(-1, best))
-            rows = (best[..., None] * kpool + torch.arange(kpool, device=q.device)).view(L, n * kpool) + start
+            rows = (best[..., None] * kpool + torch.arange(kpool, device=q.device)).view(L, n * kpool) + kstart
             rows = torch.where(chosen.repeat_interleave(kpool, dim=1), rows, -1)
             indices[start:end, : n * kpool] = rows.to(torch.int32)
         if tail and kpool > 1:
             count = (t + 1) % kpool                                              # keys past the last full pool
             offset = torch.arange(kpool - 1, device=q.device)
-            rows = (t + 1 - count)[:, None] + offset[None, :] + start
+            rows = (t + 1 - count)[:, None] + offset[None, :] + kstart
             rows = torch.where(offset[None, :] < count[:, None], rows, -1)
             indices[start:end, topk:] = rows.to(torch.int32)
     return indices
