@@ -107,26 +107,35 @@ CP_SEQS = [40, 7, 0, 61, 20]  # 128 tokens: across two shares, inside one, empty
 CP_CASES = {"kda+sparse": {}, "kda+dense+mhc": {"pattern": "KAD", "index_pattern": "FS", "hc_mult": 2},
             "deepseek indexer": {"pattern": "DK", "index_style": "deepseek", "dsa_topk": 8},
             "k-pooled indexer": {"pattern": "DK", "index_style": "deepseek", "dsa_topk": 8, "index_kpool": 4,
-                                 "kda_lower_bound": -5.0}}
+                                 "kda_lower_bound": -5.0},
+            "images": {"image_size": 16, "patch": 8}}
 
 
 def cp_batch(cfg):
+    """tokens, cu_seqlens, labels and (with an image front end) images: two images of 4 tokens in
+    the two sequences [6 text, image, 10 text] [3 text, image, 5 text], split by the shares' bounds
+    at 4 ranks."""
     g = torch.Generator().manual_seed(99)
-    tokens = torch.randint(0, cfg.vocab, (sum(CP_SEQS),), generator=g)
-    cu = torch.tensor([0] + CP_SEQS).cumsum(0).to(torch.int32)
+    lens = [20, 12] if cfg.image_size else CP_SEQS
+    tokens = torch.randint(0, cfg.vocab - 1, (sum(lens),), generator=g)
+    images = None
+    if cfg.image_size:
+        tokens[6:10] = tokens[23:27] = cfg.image_token
+        images = torch.rand(2, cfg.channels, cfg.image_size, cfg.image_size, generator=g, dtype=F64)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     labels = torch.roll(tokens, -1)
     labels[cu[1:].long() - 1] = -100  # no label across a sequence's end
     labels[:5] = -100  # and shares with fewer labels than others
-    return tokens, cu, labels
+    return tokens, cu, labels, images
 
 
 def _cp_worker(rank, world, case, lora_rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model, cfg = make_model(lora_rank, **CP_CASES[case])
-    tokens, cu, labels = cp_batch(cfg)
+    tokens, cu, labels, images = cp_batch(cfg)
     cp = ContextParallel(cu)
-    out = model(cp.local(tokens), cu, cp.local(labels), cp=cp)
+    out = model(cp.local(tokens), cu, cp.local(labels), images, cp=cp)
     out["loss"].backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for t in [out["loss"].detach(), *grads.values()]:  # the mean over the ranks, as data parallelism takes it
@@ -138,14 +147,15 @@ def _cp_worker(rank, world, case, lora_rank, init_file, out_dir):
 
 @pytest.mark.parametrize("world, case, lora_rank", [(2, "kda+sparse", 0), (4, "kda+sparse", 4),
                                                     (4, "kda+dense+mhc", 0), (2, "deepseek indexer", 4),
-                                                    (4, "k-pooled indexer", 0)])
+                                                    (4, "k-pooled indexer", 0), (4, "images", 0)])
 def test_context_parallel_matches_single_process(world, case, lora_rank):
     """KDA states, the short convolutions' halos and the MLA / indexer keys (GLM-5.3's pools and
-    bounded decay included) cross the shares' bounds; the mean of the ranks' losses and gradients
-    is the unsplit batch's (float64)."""
+    bounded decay included) cross the shares' bounds, and images' tokens land in the shares their
+    placeholders are in; the mean of the ranks' losses and gradients is the unsplit batch's
+    (float64)."""
     model, cfg = make_model(lora_rank, **CP_CASES[case])
-    tokens, cu, labels = cp_batch(cfg)
-    loss = model(tokens, cu, labels)["loss"]
+    tokens, cu, labels, images = cp_batch(cfg)
+    loss = model(tokens, cu, labels, images)["loss"]
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     with tempfile.TemporaryDirectory() as out_dir:

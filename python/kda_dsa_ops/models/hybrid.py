@@ -286,10 +286,12 @@ class HybridModel(nn.Module):
     def set_backend(self, name: str) -> None:
         self.backend = get_backend(name)
 
-    def embed_inputs(self, tokens: Tensor, images) -> Tensor:
+    def embed_inputs(self, tokens: Tensor, images, cp=None) -> Tensor:
         """Token embeddings, with the image tokens of `images` (in order) at the image placeholder
         tokens. images: [n, channels, image_size, image_size] (PatchEmbed), or (pixel_values,
-        image_grid_thw) as GLM-5.3's image processor gives them (VisionTower)."""
+        image_grid_thw) as GLM-5.3's image processor gives them (VisionTower). cp: tokens are one
+        share of the batch, images the whole batch's; the share's placeholders take the image
+        tokens after those of the earlier shares."""
         x = self.embed(tokens)
         if images is None:
             return x
@@ -297,26 +299,28 @@ class HybridModel(nn.Module):
             raise ValueError("this model has no image front end (HybridConfig.image_size = 0, vision = None)")
         features = self.vision(*images) if isinstance(self.vision, VisionTower) else self.vision(images)
         slots = (tokens == self.cfg.image_token).nonzero().squeeze(1)
-        if slots.numel() != features.shape[0]:
-            raise ValueError(f"the images give {features.shape[0]} image tokens, the batch has {slots.numel()} "
+        first, placeholders = 0, slots.numel()
+        if cp is not None:
+            first, placeholders = cp.counts(slots.numel(), tokens.device)
+        if placeholders != features.shape[0]:
+            raise ValueError(f"the images give {features.shape[0]} image tokens, the batch has {placeholders} "
                              f"placeholders (token {self.cfg.image_token})")
-        return x.index_copy(0, slots, features.to(x.dtype))
+        return x.index_copy(0, slots, features[first:first + slots.numel()].to(x.dtype))
 
     def hidden_states(self, tokens: Tensor, cu_seqlens: Tensor, images: Tensor | None = None,
                       cp=None) -> tuple[Tensor, Tensor]:
         """Final hidden states [T, hidden] and the summed indexer loss of the DSA blocks. cp (a
-        parallel.ContextParallel of cu_seqlens): tokens are this rank's share (cp.local), the
-        states and the indexer loss (a mean over the share's queries) the share's."""
+        parallel.ContextParallel of cu_seqlens): tokens are this rank's share (cp.local), images
+        the whole batch's, the states and the indexer loss (a mean over the share's queries) the
+        share's."""
         if cp is None:
             pos = positions_in_sequence(cu_seqlens, tokens.shape[0])
         else:
-            if images is not None:
-                raise ValueError("context parallelism does not take images yet")
             if tokens.shape[0] != cp.share or not cp.matches(cu_seqlens):
                 raise ValueError(f"with context parallelism the model takes this rank's {cp.share} tokens "
                                  "(cp.local(tokens)) and the whole batch's cu_seqlens, the one cp was made of")
             cu_seqlens, pos = cp.cu_seqlens(tokens.device), cp.positions(tokens.device)
-        x = self.embed_inputs(tokens, images)
+        x = self.embed_inputs(tokens, images, cp)
         offload = ActivationOffload(x.device) if self.offload else None
         aux = x.new_zeros((), dtype=accumulation_dtype(x))
         if self.cfg.hc_mult > 1:

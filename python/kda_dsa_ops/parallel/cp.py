@@ -109,6 +109,12 @@ class ContextParallel:
         starts = torch.tensor(self.cu[:-1])[torch.bucketize(t, torch.tensor(self.cu[1:]), right=True)]
         return (t - starts).to(device)
 
+    def counts(self, count: int, device) -> tuple[int, int]:
+        """(the sum of `count` over the earlier shares, over all shares): e.g. the image placeholders
+        before this share's and in the batch."""
+        counts = gather(torch.tensor([count], device=device), self.group)
+        return int(counts[:self.rank].sum()), int(counts.sum())
+
     def halo(self, x: Tensor, rows: int) -> Tensor:
         """The `rows` rows of the whole batch just before this share (zeros before the first
         token), from the previous rank; differentiable."""
