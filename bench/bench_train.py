@@ -8,7 +8,10 @@ CUDA allocator reports on a GPU; on the CPU it is the process's resident set (no
     python bench/bench_train.py --config kimi-linear-48b [--sequences 2]   # a real model's layer group
 
 bf16 weights on CUDA (fp32 on the CPU), --sequences packed sequences of --tokens tokens in all per
-step, AdamW on the trainable parameters. --config also takes a layer group of a real model
+step, AdamW on the trainable parameters. MFU: the FLOPs the step must do (kda_dsa_ops.plan.step_flops:
+matrices 2 N_active per token forward, 2 N_active input gradients, 2 N_trainable weight
+gradients; KDA, sparse / dense attention and the indexer by the kernels' formulas, forward and
+backward) / step time / --peak-tflops, printed by part. --config also takes a layer group of a real model
 (GROUPS: its released config.json shapes read by kda_dsa_ops.onboard, a few layers, the experts
 one rank of expert parallelism 8 holds, routed among themselves: each such rank's expert load).
 """
@@ -27,7 +30,7 @@ import torch
 from common import RESULTS_DIR, commit_id, gpu_tag
 from kda_dsa_ops import onboard
 from kda_dsa_ops.models import HybridModel, get_config
-from kda_dsa_ops.plan import Cluster, evaluate
+from kda_dsa_ops.plan import Cluster, evaluate, step_flops
 from kda_dsa_ops.train import peak_memory_mb
 
 
@@ -121,6 +124,7 @@ def main(argv=None) -> dict:
     p.add_argument("--recompute", choices=HybridModel.RECOMPUTE, default="none")
     p.add_argument("--backends", nargs="+", default=["native", "reference"])
     p.add_argument("--memory-gb", type=float, default=141.0, help="device memory for the planner")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU (H200: 989)")
     p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
     p.add_argument("--quick", action="store_true", help="3 timed steps of 1024 tokens")
     args = p.parse_args(argv)
@@ -135,9 +139,17 @@ def main(argv=None) -> dict:
               f"peak {runs[-1]['peak_mb']:,.0f} MB", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    seqlens = torch.linspace(0, args.tokens, args.sequences + 1).round().int().diff().tolist()
+    flops = step_flops(cfg, args.lora_rank, seqlens)
+    print("step GFLOPs (plan.step_flops): " + ", ".join(f"{k} {v / 1e9:,.1f}" for k, v in flops.items() if v),
+          flush=True)
+    for r in runs:  # MFU = the step's required FLOPs / step time / the GPU's dense bf16 peak
+        r["mfu"] = sum(flops.values()) / r["step_s"] / (args.peak_tflops * 1e12)
+        print(f"{args.config} {r['backend']:>9}: MFU {100 * r['mfu']:.1f}% of {args.peak_tflops:g} TFLOP/s", flush=True)
     planned = evaluate(cfg, Cluster(1, args.memory_gb, 1.0), 1, args.tokens, args.recompute, False, args.lora_rank)
     result = {"config": args.config, "tokens": args.tokens, "lora_rank": args.lora_rank, "recompute": args.recompute,
-              "runs": runs, "planned_bytes": planned.memory, "planned_total_mb": planned.total / 2**20}
+              "runs": runs, "step_flops": flops, "peak_tflops": args.peak_tflops, "planned_bytes": planned.memory,
+              "planned_total_mb": planned.total / 2**20}
     native = next((r for r in runs if r["backend"] == "native"), None)
     reference = next((r for r in runs if r["backend"] == "reference"), None)
     if native and reference:

@@ -7,7 +7,8 @@ import torch
 from kda_dsa_ops import plan as P
 from kda_dsa_ops.models import HybridModel, get_config
 from kda_dsa_ops.parallel import is_expert_param
-from kda_dsa_ops.plan import Cluster, block_activation_bytes, evaluate, parameter_counts, saved_bytes, search
+from kda_dsa_ops.plan import (Cluster, block_activation_bytes, evaluate, parameter_counts, saved_bytes, search,
+                              step_flops)
 
 
 def test_one_plan_by_hand():
@@ -65,6 +66,25 @@ def test_context_parallelism_fits_a_sequence_one_device_cannot():
     one, eight = [p.fits for p in plans if p.cp == 1], [p.fits for p in plans if p.cp == 8]
     assert len(one) == 4 and len(eight) == 1  # ep 1, 2, 4, 8; cp 8 leaves ep 1 only (cp divides devices / ep)
     assert not any(one) and all(eight)
+
+
+def test_step_flops_by_part():
+    """MFU's numerator: matrices linear in the tokens (weight gradients only for what trains),
+    KDA linear, dense attention quadratic, sparse attention over min(topk, t + 1) keys per query."""
+    cfg = get_config("tiny", pattern="KAD")  # dsa_topk 64
+    one, two, lora = step_flops(cfg, 0, [64]), step_flops(cfg, 0, [128]), step_flops(cfg, 4, [64])
+    assert one["matrices weight gradients"] == one["matrices forward"] == one["matrices input gradients"]
+    assert 0 < lora["matrices weight gradients"] < 0.5 * lora["matrices forward"]  # the adapters only
+    assert lora["matrices forward"] > one["matrices forward"] and lora["indexer backward"] == 0 < one["indexer backward"]
+    for part in ("matrices forward", "KDA forward", "KDA backward"):
+        assert two[part] == 2 * one[part]
+    assert two["dense attention forward"] == one["dense attention forward"] * (128 * 129) / (64 * 65)
+    assert two["sparse attention forward"] == one["sparse attention forward"] * (2080 + 64 * 64) / 2080
+    assert one["KDA backward"] == 2 * one["KDA forward"] and one["dense attention backward"] == 2.5 * one[
+        "dense attention forward"]
+    K = cfg.kda_head_dim
+    assert cfg.kinds() == ["K", "A", "D", "K"]
+    assert one["KDA forward"] == 2 * 64 * cfg.kda_value_heads * (2 * 64 * K * 5 + 2 * K * K * 3)
 
 
 def test_meta_activation_count_matches_a_real_forward():

@@ -97,6 +97,59 @@ def block_activation_bytes(cfg: HybridConfig, tokens: int, lora_rank: int, recom
     return out
 
 
+KDA_CHUNK = 64
+
+
+def step_flops(cfg: HybridConfig, lora_rank: int, seqlens: list[int]) -> dict:
+    """The FLOPs one training step must do on packed sequences of these lengths, by part (the
+    numerator of MFU, docs/benchmarks.md):
+
+      matrices      forward 2 N_active and input gradients 2 N_active per token, weight gradients
+                    2 N_trainable per token; N_active counts every matrix a token passes (the routed
+                    experts at moe_topk / experts of theirs, the LM head; not the embedding lookup,
+                    nor the vision tower's, which run on patches), N_trainable the trainable ones
+      KDA           forward per token and value head 2 C K 5 + 2 K V 3 (C = 64), backward twice that
+      sparse MLA    SFA 2 S H (Dqk + Dv), SFAG 2 S H (2 Dv + 3 Dqk) over the S = sum_t min(topk, t + 1)
+                    selected keys (Dqk = kv_rank + rope, Dv = kv_rank: the absorbed form the kernels
+                    run); the indexer 2 Hi Di per visible key (pool) per query, and where it trains
+                    (no LoRA) 4 Hi Di per selected key for its backward
+      dense MLA     causal attention 2 H (Dqk + Dv) per visible key per query, backward 2.5x
+    """
+    with torch.device("meta"):
+        model = HybridModel(cfg, lora_rank=lora_rank)
+    active = trainable = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name == "embed.weight" or name.startswith("vision."):
+            continue
+        share = cfg.moe_topk / cfg.experts if is_expert_param(name) else 1.0
+        active += share * p.numel()
+        trainable += share * p.numel() if p.requires_grad else 0.0
+    T = sum(seqlens)
+    visible = sum(L * (L + 1) // 2 for L in seqlens)               # causal (query, key) pairs
+    selected = sum(sum(min(cfg.dsa_topk, t + 1) for t in range(L)) for L in seqlens)
+    kinds = cfg.kinds()
+    K = cfg.kda_head_dim
+    kda = T * cfg.kda_value_heads * (2 * KDA_CHUNK * K * 5 + 2 * K * K * 3)
+    H, latent = cfg.dsa_heads, cfg.dsa_kv_rank
+    dqk, dv = latent + cfg.dsa_rope_dim, latent
+    own = sum(1 for i, kind in enumerate(kinds) if kind == "D" and cfg.index_kind(i) == "F")
+    index_keys = visible / cfg.index_kpool if cfg.index_kpool else visible
+    dense = 2 * H * (cfg.dsa_nope_dim + cfg.dsa_rope_dim + cfg.dsa_v_dim) * visible
+    return {
+        "matrices forward": 2 * active * T,
+        "matrices input gradients": 2 * active * T,
+        "matrices weight gradients": 2 * trainable * T,
+        "KDA forward": kinds.count("K") * kda,
+        "KDA backward": kinds.count("K") * 2 * kda,
+        "sparse attention forward": kinds.count("D") * 2 * selected * H * (dqk + dv),
+        "sparse attention backward": kinds.count("D") * 2 * selected * H * (2 * dv + 3 * dqk),
+        "indexer forward": own * 2 * cfg.index_heads * cfg.index_dim * index_keys,
+        "indexer backward": (own * 4 * cfg.index_heads * cfg.index_dim * selected) if lora_rank == 0 else 0.0,
+        "dense attention forward": kinds.count("A") * dense,
+        "dense attention backward": kinds.count("A") * 2.5 * dense,
+    }
+
+
 @dataclass
 class Plan:
     ep: int
