@@ -3,10 +3,11 @@
     python -m kda_dsa_ops.plan --config k3-2.8t --devices 128 --memory-gb 141 --link-gbps 400
 
 Lists plans (EP degree, context-parallel degree, micro-batch, recomputation, offload) that fit,
-ranked by estimated tokens/s per device, with per-device memory split into sharded bf16 weights, the gathered FSDP unit, trainable
-state (fp32 parameters, gradients and Adam moments of the trainable parameters), activations and
-all-to-all buffers; and the all-to-all and context-parallel bytes per step. Rejects plans with
-expert holes (experts % ep != 0) and plans over memory. With context parallelism (cp > 1) a
+ranked by estimated tokens/s per device, with per-device memory split into sharded bf16 weights,
+the gathered FSDP unit, trainable state (fp32 parameters, gradients and Adam moments of the
+trainable parameters), activations and all-to-all buffers; and the all-to-all and
+context-parallel bytes per step. Rejects plans with expert holes (experts % ep != 0) and plans
+over memory. With context parallelism (cp > 1) a
 sequence of `tokens` is split over cp ranks: each holds a share's activations plus the gathered
 key rows of its MLA layers (at most the whole sequence before its share) and exchanges, per KDA
 layer, one (transition, state) pair per rank and, per MLA layer, the key rows (forward gather,

@@ -12,8 +12,9 @@ a bound:
               bottom-right causal alignment), indices are rows of that key span
 
 Every collective is autograd-aware: a row's gradient flows back to the rank that owns it (every
-rank runs the same collectives in the same order, forward and backward). The losses are normalised by the global counts, so that their mean over the ranks is the unsplit
-batch's loss (and the mean of the gradients its gradient).
+rank runs the same collectives in the same order, forward and backward). The losses are
+normalised by the global counts, so that their mean over the ranks is the unsplit batch's loss
+(and the mean of the gradients its gradient).
 """
 
 from __future__ import annotations
