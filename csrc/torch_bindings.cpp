@@ -24,7 +24,7 @@ constexpr int kSwitches = static_cast<int>(Switch::kPortableSfa) + 1;
 // In the order of Switch; each starts from its environment variable ("" and "0" are off).
 SwitchEntry* switches() {
   static SwitchEntry table[kSwitches] = {{"value_checks", "KDA_DSA_OPS_CHECK_VALUES", {false}},
-                                {"portable_sfa", "KDA_DSA_OPS_PORTABLE_SFA", {false}}};
+                                         {"portable_sfa", "KDA_DSA_OPS_PORTABLE_SFA", {false}}};
   static const bool read = [] {
     for (auto& e : table) {
       const char* v = std::getenv(e.env);

@@ -7,11 +7,10 @@ ranked by estimated tokens/s per device, with per-device memory split into shard
 the gathered FSDP unit, trainable state (fp32 parameters, gradients and Adam moments of the
 trainable parameters), activations and all-to-all buffers; and the all-to-all and
 context-parallel bytes per step. Rejects plans with expert holes (experts % ep != 0) and plans
-over memory. With context parallelism (cp > 1) a
-sequence of `tokens` is split over cp ranks: each holds a share's activations plus the gathered
-key rows of its MLA layers (at most the whole sequence before its share) and exchanges, per KDA
-layer, one (transition, state) pair per rank and, per MLA layer, the key rows (forward gather,
-backward reduce-scatter).
+over memory. With context parallelism (cp > 1) a sequence of `tokens` is split over cp ranks:
+each holds a share's activations plus the gathered key rows of its MLA layers (at most the whole
+sequence before its share) and exchanges, per KDA layer, one (transition, state) pair per rank
+and, per MLA layer, the key rows (forward gather, backward reduce-scatter).
 
 Counts come from the implementation, not from formulas kept beside it: parameters from the model
 built on the meta device, activations from the tensors one block saves for its backward on the

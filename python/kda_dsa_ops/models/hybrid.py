@@ -352,10 +352,8 @@ class HybridModel(nn.Module):
         head = self.lm_head.to(h.dtype)
         lm = chunked_linear_cross_entropy(h, head, labels)
         if cp is not None:  # the share's mean -> its part of the batch's mean, times the ranks
-            count = (labels != -100).sum()
-            total = count.clone()
-            torch.distributed.all_reduce(total, group=cp.group)
-            lm = lm * count.clamp_min(1).to(lm.dtype) * cp.world / total.clamp_min(1).to(lm.dtype)
+            count = int((labels != -100).sum())
+            lm = lm * (max(count, 1) * cp.world / max(cp.counts(count, labels.device)[1], 1))
         with torch.no_grad():
             labelled = labels != -100
             hits = ((h[labelled] @ head.t()).argmax(-1) == labels[labelled]).to(torch.float32)

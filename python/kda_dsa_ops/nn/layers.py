@@ -147,8 +147,8 @@ class KDAAttention(nn.Module):
         """cp: a parallel.ContextParallel when x is one share of a batch split along T."""
         T = x.shape[0]
 
-        def conv(conv, y):
-            return conv(y, pos, None if cp is None else cp.halo(y, conv.weight.shape[1] - 1))
+        def conv(layer, y):
+            return layer(y, pos, None if cp is None else cp.halo(y, layer.weight.shape[1] - 1))
 
         q = conv(self.q_conv, self.q_proj(x)).view(1, T, self.H, self.D)
         k = conv(self.k_conv, self.k_proj(x)).view(1, T, self.H, self.D)

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..segments import segment_start_states
+
 
 class _Gather(torch.autograd.Function):
     """all_gather of same-shaped tensors, concatenated along dim 0; the backward sums the
@@ -75,10 +77,6 @@ class ContextParallel:
         """The first and last sequence with tokens in share r."""
         lo, hi = r * self.share, (r + 1) * self.share
         return bisect.bisect_right(self.cu, lo) - 1, bisect.bisect_right(self.cu, hi - 1) - 1
-
-    def _carries_out(self, r: int) -> bool:
-        """Share r's last sequence runs on into the next share."""
-        return self.cu[self._sequences(r)[1] + 1] > (r + 1) * self.share
 
     @property
     def carries_in(self) -> bool:
@@ -139,19 +137,19 @@ class ContextParallel:
         from where the earlier shares left it. Returns o."""
         if k.shape[0] != 1:
             raise ValueError("context parallelism runs KDA on packed batches (B = 1)")
-        cu = self.cu_seqlens(q.device)
         HV, K, V = v.shape[2], k.shape[3], v.shape[3]
         # every rank: its last sequence's part (the boundary segment when it runs on), M and S_end(0)
-        seg = [x[:, int(cu[-2]):] for x in (q, k, v, g, beta)]
+        seg = [x[:, max(self.cu[self.last], self.lo) - self.lo:] for x in (q, k, v, g, beta)]
         M = backend.segment_transition(seg[1], seg[3], seg[4], **options)
         E = backend.chunk_kda(*seg, output_final_state=True, **options)[1]
         both = gather(torch.cat([M, E], dim=-1), self.group)  # [world, HV, K, K + V]
         state = _zero_reaching(both) + E.new_zeros(HV, K, V)
-        if self.carries_in:  # compose the earlier shares' segments of the first sequence, in order
-            for r in range(self.cu[self.first] // self.share, self.rank):
-                state = both[r, ..., :K] @ state + both[r, ..., K:]
-        starts = torch.cat([state[None], state.new_zeros(int(cu.shape[0]) - 2, HV, K, V)])
-        return backend.chunk_kda(q, k, v, g, beta, initial_state=starts, cu_seqlens=cu, **options)[0]
+        if self.carries_in:  # the first sequence's segments on the earlier shares, composed in order
+            pairs = both[self.cu[self.first] // self.share:self.rank + 1]
+            state = state + segment_start_states(list(pairs[..., :K]), list(pairs[..., K:]))[-1]
+        starts = torch.cat([state[None], state.new_zeros(self.last - self.first, HV, K, V)])
+        return backend.chunk_kda(q, k, v, g, beta, initial_state=starts, cu_seqlens=self.cu_seqlens(q.device),
+                                 **options)[0]
 
 
 def _zero_reaching(x: Tensor) -> Tensor:
