@@ -9,7 +9,7 @@ L2-normalised in the kernel. This package's kernels are timed at both internal p
 against an fp32 run of this package's kernels, and ours at "medium" against fla).
 FLOPs: forward 2*C*K*5 + 2*K*V*3 per token and head (C = 64); forward+backward counted as 3x.
 
-    python bench/bench_kda.py [--quick | --cases I,J | --long] [--no-fla | --fla-cases N] [--out DIR]
+    python bench/bench_kda.py [--quick | --cases I,J | --long | --gate] [--no-fla | --fla-cases N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import torch
 
 import kda_dsa_ops as K
+from kda_dsa_ops import reference as R
 from common import Result, bench_ms, measure_ceilings, rel_rms, write_results
 
 CHUNK = 64
@@ -192,6 +193,48 @@ def bench_long() -> list[Result]:
     return results
 
 
+def bench_gate(B=2, T=8192, H=32, D=128) -> list[Result]:
+    """The in-kernel gate's cost (fla 0.6's use_gate_in_kernel with A_log, dt_bias and
+    use_beta_sigmoid_in_kernel) at the default precision: chunk_kda on the raw gate and beta against
+    the same call on a log-decay and beta computed first (the baseline), and against the gate and
+    sigmoid written in torch before the kernels."""
+    q, k, v, _, _ = make_inputs(B, T, H, D)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    g_raw = torch.randn(B, T, H, D, device="cuda", generator=gen).requires_grad_()
+    beta_raw = torch.randn(B, T, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    A_log = (torch.randn(H, device="cuda", generator=gen) * 0.5).requires_grad_()
+    dt_bias = torch.randn(H * D, device="cuda", generator=gen).requires_grad_()
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    leaves = (q, k, v, g_raw, beta_raw, A_log, dt_bias)
+    with torch.no_grad():
+        g_pre = R.kda_gate(g_raw, A_log, dt_bias)
+        beta_pre = torch.sigmoid(beta_raw.float()).to(torch.bfloat16)
+    plain_ins = [t.detach().requires_grad_() for t in (q, k, v, g_pre, beta_pre)]
+    variants = {
+        "log-decay inputs": (lambda: K.chunk_kda(*plain_ins, use_qk_l2norm_in_kernel=True)[0], plain_ins),
+        "gate in the kernels": (lambda: K.chunk_kda(q, k, v, g_raw, beta_raw, use_qk_l2norm_in_kernel=True,
+                                                    use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                                    use_beta_sigmoid_in_kernel=True)[0], leaves),
+        "gate in torch": (lambda: K.chunk_kda(q, k, v, R.kda_gate(g_raw, A_log, dt_bias),
+                                              torch.sigmoid(beta_raw.float()), use_qk_l2norm_in_kernel=True)[0],
+                          leaves),
+    }
+    shape = {"B": B, "T": T, "H": H, "K": D, "V": D, "gate": "softplus, dt_bias, beta sigmoid"}
+    results = []
+    for mode, mult in (("fwd", 1), ("fwd+bwd", 3)):
+        times = {}
+        for name, (fn, wrt) in variants.items():
+            step = fn if mode == "fwd" else (lambda fn=fn, wrt=wrt: torch.autograd.grad(fn(), wrt, do))
+            times[name] = bench_ms(step)
+            print(f"  gate {mode} {name}: {times[name]:.3f} ms", flush=True)
+        base = "log-decay inputs"
+        for name in ("gate in the kernels", "gate in torch"):
+            results.append(Result("kda", f"{mode} ({B},{T},{H},{D}) {name}", shape, times[name],
+                                  mult * fwd_flops(B, T, H, D), mult * fwd_bytes(B, T, H, D), f"ours, {base}",
+                                  times[base], {"matmul_precision": "medium"}))
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the first shape only")
@@ -202,12 +245,17 @@ def main():
                         help="compare with fla on the first N cases only (its first calls take minutes per shape)")
     parser.add_argument("--long", action="store_true",
                         help="the memory cases only (1M tokens at H 8, the longest at H 64)")
+    parser.add_argument("--gate", action="store_true",
+                        help="the in-kernel gate's cost only (raw gate and beta against log-decay inputs)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
     if args.long:
         print(write_results("kda-long", bench_long(), ceilings, args.out))
+        return
+    if args.gate:
+        print(write_results("kda-gate", bench_gate(), ceilings, args.out))
         return
     fla = None if args.no_fla else load_fla()
     cases = [(f"({B},{T},{H},{D})", B, T, H, D, None) for B, T, H, D in SHAPES]

@@ -51,12 +51,17 @@ void set_switch(Switch s, bool on) { switches()[static_cast<int>(s)].on.store(on
 
 TORCH_LIBRARY(kda_dsa_ops, m) {
   // KDA, chunked: o [B,T,HV,V] in q's dtype; final_state [N,HV,K,V] fp32 (fp64 for fp64 inputs), [0] when not asked for.
+  // With A_log, g is the raw gate (fla 0.6's use_gate_in_kernel: dt_bias, lower_bound 0 for the softplus gate);
+  // beta_scale 1 or 2: beta is raw, beta_scale * sigmoid(beta) (kda/kda.h, Gate).
   m.def("kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
-        "Tensor? cu_seqlens, bool output_final_state, bool use_qk_l2norm, bool bf16_products=False) -> (Tensor, Tensor)");
-  // (dq, dk, dv, dg, dbeta, dinitial_state); dinitial_state is [0] without an initial_state.
+        "Tensor? cu_seqlens, bool output_final_state, bool use_qk_l2norm, bool bf16_products=False, "
+        "Tensor? A_log=None, Tensor? dt_bias=None, float lower_bound=0., float beta_scale=0.) -> (Tensor, Tensor)");
+  // (dq, dk, dv, dg, dbeta, dinitial_state, dA_log, ddt_bias); dinitial_state is [0] without an initial_state,
+  // dA_log [HV] and ddt_bias [HV*K] (accumulation type) are [0] without A_log, dt_bias.
   m.def("kda_bwd(Tensor grad_o, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
-        "float scale, Tensor? initial_state, Tensor? cu_seqlens, bool use_qk_l2norm, bool bf16_products=False) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "float scale, Tensor? initial_state, Tensor? cu_seqlens, bool use_qk_l2norm, bool bf16_products=False, "
+        "Tensor? A_log=None, Tensor? dt_bias=None, float lower_bound=0., float beta_scale=0.) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Lightning indexer: indices [T,topk] int32 (-1 past the visible keys), scores [T,topk] fp32.
   m.def("lightning_indexer_fwd(Tensor q, Tensor k, Tensor w, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int topk) "
         "-> (Tensor, Tensor)");

@@ -256,47 +256,71 @@ def test_kda_segments_combine_to_the_unsplit_sequence(device, cuts):
         assert_close(a, e, dtype, name, table=table)
 
 
+# (B, T, H, HV, K, V, cu_seqlens lengths or None, input dtype, g / beta dtype): the exact family
+# (float64 on CPU, float32 3xTF32 on CUDA) and the bf16 kernels' reach, where the gate and beta
+# are computed in the kernels (K, V in {64, 128}, bf16 products; grouped and direct value heads,
+# partial chunks, g and beta in float32 or the inputs' dtype).
+GATE_SHAPES = {"exact": (1, 90, 2, 4, 16, 8, None, None, None),
+               "bf16-grouped": (1, 150, 2, 4, 64, 64, [70, 0, 80], torch.bfloat16, torch.float32),
+               "bf16-direct": (2, 100, 2, 2, 128, 64, None, torch.bfloat16, torch.bfloat16),
+               "fp16-direct": (1, 130, 1, 1, 64, 128, None, torch.float16, torch.float32)}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("gate, neg_eigval, v_first", [("softplus", False, False), ("lower_bound", True, True),
-                                                       ("none", True, False)])
-def test_kda_fla06_gate_and_beta_options_match_reference(device, gate, neg_eigval, v_first):
+@pytest.mark.parametrize("gate, neg_eigval, v_first, shape", [
+    ("softplus", False, False, "exact"), ("lower_bound", True, True, "exact"), ("none", True, False, "exact"),
+    ("softplus", False, False, "bf16-grouped"), ("lower_bound", True, False, "bf16-grouped"),
+    ("softplus", True, False, "bf16-direct"), ("lower_bound", False, False, "fp16-direct"),
+    ("none", False, False, "bf16-direct")])
+def test_kda_fla06_gate_and_beta_options_match_reference(device, gate, neg_eigval, v_first, shape):
     """fla 0.6's in-kernel options with its meaning: the raw gate through A_log / dt_bias (softplus
     or the lower-bounded sigmoid), the raw beta through sigmoid (x2 with allow_neg_eigval), the state
     V-first; outputs, final state and every gradient (raw g and beta, A_log, dt_bias, the state)
-    against the reference."""
-    B, T, H, HV, Kd, V = 1, 90, 2, 4, 16, 8
-    dtype = F64 if device == "cpu" else torch.float32
+    against the reference, in the exact family and in the bf16 kernels (which fuse the gate)."""
+    B, T, H, HV, Kd, V, lens, dtype, g_dtype = GATE_SHAPES[shape]
+    exact = dtype is None
+    dtype = (F64 if device == "cpu" else torch.float32) if exact else dtype
+    g_dtype = dtype if exact else g_dtype
     q, k, v, _, _ = make_inputs(B, T, H, HV, Kd, V, dtype, dtype, device)
-    g_raw = torch.randn(B, T, HV, Kd, dtype=dtype, device=device) * 2
-    beta_raw = torch.randn(B, T, HV, dtype=dtype, device=device)
-    A_log = torch.randn(HV, dtype=dtype, device=device) * 0.5
-    dt_bias = torch.randn(HV * Kd, dtype=dtype, device=device)
-    h0 = torch.randn(B, HV, V if v_first else Kd, Kd if v_first else V, dtype=dtype, device=device)
+    cu = None if lens is None else torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(device)
+    N = B if lens is None else len(lens)
+    state_dtype = F64 if dtype == F64 else torch.float32
+    g_raw = (torch.randn(B, T, HV, Kd, device=device) * 2).to(g_dtype)
+    beta_raw = torch.randn(B, T, HV, device=device).to(g_dtype)
+    A_log = (torch.randn(HV, device=device) * 0.5).to(state_dtype)
+    dt_bias = torch.randn(HV * Kd, device=device).to(state_dtype)
+    h0 = torch.randn(N, HV, V if v_first else Kd, Kd if v_first else V, dtype=state_dtype, device=device)
     leaves = [t.detach().requires_grad_() for t in (q, k, v, g_raw, beta_raw, A_log, dt_bias, h0)]
-    opts = dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval, state_v_first=v_first)
+    opts = dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval, state_v_first=v_first,
+                matmul_precision="highest" if exact else "medium")
     if gate != "none":
         opts.update(use_gate_in_kernel=True, lower_bound=-5.0 if gate == "lower_bound" else None,
                     safe_gate=gate == "lower_bound")
+    w_o = torch.randn(B, T, HV, V, device=device)
 
-    def run(kda, ins):
+    def run(kda, ins, cu_seqlens):
         q_, k_, v_, g_, b_, a_, d_, h_ = ins
         gate_args = dict(A_log=a_, dt_bias=d_) if gate != "none" else {}
         g_in = g_ if gate != "none" else torch.nn.functional.logsigmoid(g_)  # a log-decay without the gate
         o, ht = kda(q_, k_, v_, g_in, b_, initial_state=h_, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                    matmul_precision="highest", **opts, **gate_args)
-        w = torch.linspace(-1, 1, o.numel(), dtype=o.dtype, device=o.device).view_as(o)
+                    cu_seqlens=cu_seqlens, **opts, **gate_args)
         wrt = list(ins) if gate != "none" else [t for t in ins if t is not a_ and t is not d_]  # unused without
-        return o, ht, torch.autograd.grad((o * w).sum() + ht.square().sum(), wrt)
+        loss = (o * w_o.to(o.device, o.dtype)).sum() + (ht * h_.detach().to(ht.dtype)).sum()
+        return o, ht, torch.autograd.grad(loss, wrt)
 
-    o, ht, grads = run(K.chunk_kda, leaves)
-    o_ref, ht_ref, ref_grads = run(R.chunk_kda, [t.detach().cpu().to(F64).requires_grad_() for t in leaves])
+    o, ht, grads = run(K.chunk_kda, leaves, cu)
+    o_ref, ht_ref, ref_grads = run(R.chunk_kda, [t.detach().cpu().to(F64).requires_grad_() for t in leaves],
+                                   None if cu is None else cu.cpu())
     table = REL_RMS if device == "cpu" else CUDA_KDA_REL_RMS
-    assert ht.shape == h0.shape
-    assert_close(o, o_ref, dtype, "o", table=table)
-    assert_close(ht, ht_ref, dtype, "final state", table=table)
+    row = torch.bfloat16 if dtype == torch.float16 and device == "cuda" else dtype  # bf16 products on CUDA
+    assert ht.shape == h0.shape and o.dtype == dtype
+    assert_close(o, o_ref, row, "o", table=table)
+    assert_close(ht, ht_ref, row if not exact else state_dtype, "final state", table=table)
     names = ["dq", "dk", "dv", "dg_raw", "dbeta_raw"] + (["dA_log", "ddt_bias"] if gate != "none" else []) + ["dh0"]
-    for name, a, e in zip(names, grads, ref_grads):
-        assert_close(a, e, dtype, name, table=table)
+    for name, a, e, x in zip(names, grads, ref_grads, [t for t in leaves if gate != "none" or t.dim() != 1]):
+        assert a.dtype == x.dtype and a.shape == x.shape, name
+        assert_close(a, e, row if x.dtype in (torch.bfloat16, torch.float16) or not exact else x.dtype, name,
+                     table=table)
 
 
 def test_kda_segment_start_states_check_their_lists():
@@ -412,6 +436,14 @@ def test_kda_opcheck(device):
     opcheck(torch.ops.kda_dsa_ops.kda_bwd.default,  # the gradients come back contiguous whatever the strides
             (strided(torch.randn_like(o)), None, *[strided(t) for t in ins], 0.25, strided(h0), cu, True),
             test_utils=BACKWARD_UTILS)
+    gate = (torch.randn(4, dtype=dtype, device=device).requires_grad_(),
+            torch.randn(64, dtype=dtype, device=device).requires_grad_())
+    raw = [t.detach().requires_grad_() for t in (torch.randn_like(g), torch.randn_like(beta))]
+    for lower_bound, beta_scale in ((0.0, 1.0), (-5.0, 2.0)):  # the in-kernel gate and beta
+        opcheck(op, (*ins[:3], *raw, 0.25, h0, cu, True, True, False, *gate, lower_bound, beta_scale))
+        opcheck(torch.ops.kda_dsa_ops.kda_bwd.default,
+                (torch.randn_like(o), None, *ins[:3], *raw, 0.25, h0, cu, True, False, *gate, lower_bound,
+                 beta_scale), test_utils=BACKWARD_UTILS)
 
 
 @pytest.mark.parametrize("device", DEVICES)

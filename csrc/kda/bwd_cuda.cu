@@ -99,6 +99,12 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   const int rt = warp % 4, half = warp / 4;
   const int64_t row0 = hv * sq_.tokens + t0, gc = (hv * sq_.slots + slot) * kK, state = gc * V;
   const int64_t ldv = HV * V;  // token-major rows of dO, v, dv
+  float beta_rows[2];           // beta of this lane's rows 16 rt + lane / 4 + {0, 8} (dv = diag(beta) ZU)
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int t = 16 * rt + lane / 4 + 8 * hh;
+    beta_rows[hh] = t < L ? raw.beta_at((t0 + t) * HV + hv) : 0.f;
+  }
 
   // The chunk's terms and dO (rows from L on zero) by bulk copies; the states (and sum_j dS1 S0
   // per row, in fp32) rounded to bf16 meanwhile.
@@ -178,11 +184,9 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
     drain_tile(acc, rt, half * V / 2, V, [&](int t, int col, float x0, float x1) {
       mma::store_pair(sdO + t * kLd + col, x0, x1);
       if (t < L) {
-        const int64_t e = (t0 + t) * ldv + hv * V + col, eb = (t0 + t) * HV + hv;
-        const float b = raw.beta_f32 ? __ldg(static_cast<const float*>(raw.beta) + eb)
-                                     : to_float(__ldg(static_cast<const T*>(raw.beta) + eb));
+        const int64_t e = (t0 + t) * ldv + hv * V + col;
         const float v0 = to_float(__ldg(raw.v + e)), v1 = to_float(__ldg(raw.v + e + 1));
-        mma::store_pair(dv + e, b * x0, b * x1);
+        mma::store_pair(dv + e, beta_rows[(t / 8) % 2] * x0, beta_rows[(t / 8) % 2] * x1);
         part[(t / 8) % 2] += x0 * v0 + x1 * v1;
       }
     });
@@ -353,8 +357,8 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
     if (lane < 16) atomicAdd(sdb + b0 + lane, zsum);
   }
   __syncthreads();
-  if (tid < L) {
-    const float db = w.dbeta[row0 + tid] + sdb[tid];
+  if (tid < L) {  // w.r.t. the raw beta where its sigmoid is in the kernel
+    const float db = in.gate.beta_grad(w.dbeta[row0 + tid] + sdb[tid], sbeta[tid]);
     if (out.dbeta != nullptr) {
       store_elem(out.dbeta, (ch.t0 + tid) * HV + blockIdx.y, db, out.eb);
     } else {
@@ -506,13 +510,41 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   __syncthreads();
   float base = w.last[gc + c];
   for (int p = p0 + 1; p < kParts; ++p) base += ct.part[p * kK + c];
+  const GateIn& gate = in.gate;
+  float dx_sum = 0.f, da_sum = 0.f;  // with the in-kernel gate: this thread's share of dt_bias's, A_log's gradient
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int t = p0 * kRows + i;
-    if (t < L && direct) {
-      store_elem(out.dg, ((ch.t0 + t) * HV + blockIdx.y) * kK + c, old[i] + base, out.eg);
-    } else if (t < L) {
-      w.dg[(row0 + t) * kK + c] = old[i] + base;
+    if (t >= L) continue;
+    const int64_t e = ((ch.t0 + t) * HV + blockIdx.y) * kK + c;
+    float dg = old[i] + base;  // w.r.t. the log-decay
+    if (gate.A_log != nullptr) {  // w.r.t. the raw g
+      const float2 d = gate.decay_grad(dg, in.g_at(e), blockIdx.y, c, kK);
+      dg = d.x;
+      dx_sum += d.x;
+      da_sum += d.y;
+    }
+    if (direct) {
+      store_elem(out.dg, e, dg, out.eg);
+    } else {
+      w.dg[(row0 + t) * kK + c] = dg;
+    }
+  }
+  if (gate.A_log != nullptr) {  // the chunk's sums in a fixed order (the parts of a channel, then the warps),
+    float* red = sSg;            // over the spent dg terms
+    red[p0 * kK + c] = dx_sum;
+    da_sum = warp_reduce(da_sum, SumOp{});
+    if (lane == 0) red[kParts * kK + warp] = da_sum;
+    __syncthreads();
+    if (tid < kK) {
+      float sum = 0.f;
+      for (int p = 0; p < kParts; ++p) sum += red[p * kK + tid];
+      gate.bias_part[gc + tid] = sum;
+    }
+    if (tid == 0) {
+      float sum = 0.f;
+      for (int j = 0; j < C::kThreads / 32; ++j) sum += red[kParts * kK + j];
+      gate.alog_part[gc / kK] = sum;
     }
   }
   if (!direct) return;
@@ -654,7 +686,14 @@ void run_chunk_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const 
                          ws(rows * kChunk), ws(rows * kChunk), ws(p.HV * l.seqs.slots * kK)};
   const GradOut out = grad_out(gr);
   const bool direct = p.HV == p.H;
-  const RawIn<T> ri = raw_in<T>(raw, l2norm);
+  RawIn<T> ri = raw_in<T>(raw, l2norm, p.gate);
+  at::Tensor bias_part, alog_part;  // the in-kernel gate's per-chunk sums (zero for the unused slots)
+  if (p.gate.on()) {
+    bias_part = at::zeros({p.HV, l.seqs.slots, kK}, raw.q.options().dtype(at::kFloat));
+    alog_part = at::zeros({p.HV, l.seqs.slots}, bias_part.options());
+    ri.gate.bias_part = bias_part.data_ptr<float>();
+    ri.gate.alog_part = alog_part.data_ptr<float>();
+  }
   const dim3 grid(static_cast<unsigned>(l.seqs.slots), static_cast<unsigned>(p.HV));
   const auto dense = bwd_dense_bf16_kernel<kK, T>;
   set_smem(dense, BwdDenseBf16<kK>::bytes());
@@ -673,6 +712,10 @@ void run_chunk_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const 
       l.seqs, p.H, p.HV, ri, w, direct ? out : GradOut{});
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (!direct) run_finish(p, l, w.dq, w.dk, w.dg, w.dbeta, raw.q, raw.k, l2norm, out);
+  if (p.gate.on()) {
+    gr.ddt_bias = bias_part.sum(1).reshape({p.HV * kK});
+    gr.dA_log = alog_part.sum(1);
+  }
 }
 
 #define KDA_CHUNK_BWD_BF16(K, T)                                                                                  \

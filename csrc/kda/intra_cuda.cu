@@ -403,7 +403,7 @@ Intra<__nv_bfloat16> run_intra_bf16(const Problem& p, const Inputs& raw, bool l2
   const auto kernel = intra_bf16_kernel<kK, T>;
   set_smem(kernel, IntraBf16<kK>::bytes());
   kernel<<<dim3(l.seqs.slots, p.HV), IntraBf16<kK>::kThreads, IntraBf16<kK>::bytes(), l.stream>>>(
-      l.seqs, p.H, p.HV, static_cast<int>(p.V), raw_in<T>(raw, l2norm), w);
+      l.seqs, p.H, p.HV, static_cast<int>(p.V), raw_in<T>(raw, l2norm, p.gate), w);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return w;
 }

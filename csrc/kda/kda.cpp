@@ -57,36 +57,73 @@ Problem check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     TORCH_CHECK(h0.sizes() == at::IntArrayRef({N, HV, K, V}), "kda: initial_state must be [N, HV, K, V] = [", N, ", ",
                 HV, ", ", K, ", ", V, "] (N = number of sequences), got ", shape_str(h0));
   }
-  return Problem{B, T, H, HV, K, V, N, scale, cu, bf16_products};
+  return Problem{B, T, H, HV, K, V, N, scale, cu, bf16_products, Gate{}};
 }
 
-// The contract's values (a value check): g <= 0 (-inf allowed) and beta in [0, 2]. NaN passes (its
-// rule is the forward's, see kda_chunk.h).
-void check_values(const at::Tensor& g, const at::Tensor& beta) {
-  if (!run_value_checks(g)) return;
-  const at::Tensor g_over = g > 0, b_out = (beta < 0).logical_or(beta > 2);
-  TORCH_CHECK(!g_over.any().item<bool>(), "kda: g is a log-decay and must be <= 0 (-inf allowed), got ",
-              g_over.sum().item<int64_t>(), " values above 0, up to ", g.masked_select(g_over).max().item<double>());
-  TORCH_CHECK(!b_out.any().item<bool>(), "kda: beta must lie in [0, 2], got ", b_out.sum().item<int64_t>(),
-              " values outside, in [", beta.masked_select(b_out).min().item<double>(), ", ",
-              beta.masked_select(b_out).max().item<double>(), "]");
+// The in-kernel gate's arguments: A_log [HV] (any shape of HV values), dt_bias HV * K values (needs
+// A_log), lower_bound 0 (the softplus gate) or finite and < 0 (needs A_log), beta_scale 0, 1 or 2.
+Gate check_gate(const Problem& p, const at::Tensor& q, const GateArgs& a) {
+  TORCH_CHECK(a.beta_scale == 0 || a.beta_scale == 1 || a.beta_scale == 2,
+              "kda: beta_scale must be 0 (beta as given), 1 (sigmoid) or 2 (2 sigmoid), got ", a.beta_scale);
+  Gate gate;
+  gate.beta_scale = a.beta_scale;
+  TORCH_CHECK(a.A_log.has_value() || (!a.dt_bias.has_value() && a.lower_bound == 0),
+              "kda: dt_bias and lower_bound belong to the in-kernel gate, which A_log turns on");
+  if (!a.A_log.has_value()) return gate;
+  TORCH_CHECK(std::isfinite(a.lower_bound) && a.lower_bound <= 0,
+              "kda: lower_bound must be 0 (the softplus gate) or a finite number < 0, got ", a.lower_bound);
+  const auto acc = accumulation_type(q);
+  const auto take = [&](const at::Tensor& t, int64_t n, const char* name) {
+    check_same_device(t, q, name, "q");
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), "kda: ", name, " must be a floating-point tensor, got ",
+                t.scalar_type());
+    TORCH_CHECK(t.numel() == n, "kda: ", name, " must hold ", n, " values, got shape ", shape_str(t));
+    return t.to(acc).contiguous().view({n});
+  };
+  gate.A_log = take(*a.A_log, p.HV, "A_log (one value per value head)");
+  if (a.dt_bias.has_value()) gate.dt_bias = take(*a.dt_bias, p.HV * p.K, "dt_bias (HV * K values)");
+  gate.lower_bound = a.lower_bound;
+  return gate;
 }
+
+// The contract's values (a value check): g <= 0 (-inf allowed) and beta in [0, 2] where they are
+// given as such (the in-kernel gate and beta map any raw value into the contract). NaN passes
+// (its rule is the forward's, see kda_chunk.h).
+void check_values(const at::Tensor& g, const at::Tensor& beta, const Gate& gate) {
+  if (!run_value_checks(g)) return;
+  if (!gate.on()) {
+    const at::Tensor g_over = g > 0;
+    TORCH_CHECK(!g_over.any().item<bool>(), "kda: g is a log-decay and must be <= 0 (-inf allowed), got ",
+                g_over.sum().item<int64_t>(), " values above 0, up to ", g.masked_select(g_over).max().item<double>());
+  }
+  if (gate.beta_scale == 0) {
+    const at::Tensor b_out = (beta < 0).logical_or(beta > 2);
+    TORCH_CHECK(!b_out.any().item<bool>(), "kda: beta must lie in [0, 2], got ", b_out.sum().item<int64_t>(),
+                " values outside, in [", beta.masked_select(b_out).min().item<double>(), ", ",
+                beta.masked_select(b_out).max().item<double>(), "]");
+  }
+}
+
+// softplus(x), x above 20 as itself (fla's threshold), and its derivative.
+at::Tensor softplus20(const at::Tensor& x) { return at::where(x > 20, x, at::log1p(at::exp(at::clamp_max(x, 20)))); }
 
 }  // namespace
 
 Problem check_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                   const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
-                  const std::optional<at::Tensor>& cu_seqlens, bool bf16_products) {
-  const Problem p = check_shapes(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
-  check_values(g, beta);
+                  const std::optional<at::Tensor>& cu_seqlens, bool bf16_products, const GateArgs& gate) {
+  Problem p = check_shapes(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
+  p.gate = check_gate(p, q, gate);
+  check_values(g, beta, p.gate);
   return p;
 }
 
 Problem check_bwd(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
                   const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
-                  bool bf16_products, at::Tensor& dht) {
-  const Problem p = check_shapes(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
+                  bool bf16_products, const GateArgs& gate, at::Tensor& dht) {
+  Problem p = check_shapes(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
+  p.gate = check_gate(p, q, gate);
   TORCH_CHECK(grad_o.sizes() == v.sizes(), "kda_bwd: grad_o must have the shape of o ", shape_str(v), ", got ",
               shape_str(grad_o));
   check_same_device(grad_o, q, "grad_o", "q");
@@ -110,6 +147,55 @@ Inputs accumulation_inputs(const at::Tensor& qn, const at::Tensor& kn, const at:
   const auto acc = qn.scalar_type();
   return Inputs{qn, kn, v.to(acc).contiguous(), g.to(acc).contiguous(), beta.to(acc).contiguous(),
                 initial_state.has_value() ? initial_state->contiguous() : at::Tensor()};
+}
+
+std::pair<at::Tensor, at::Tensor> gated_inputs(const Problem& p, const at::Tensor& g, const at::Tensor& beta,
+                                               at::ScalarType acc) {
+  const Gate& gate = p.gate;
+  at::Tensor decay = g, b = beta;
+  if (gate.on()) {
+    const at::Tensor x = gate.dt_bias.defined() ? g.to(acc) + gate.dt_bias.view({p.HV, p.K}) : g.to(acc);
+    const at::Tensor a = gate.A_log.exp().view({p.HV, 1});
+    decay = gate.lower_bound == 0 ? -a * softplus20(x) : gate.lower_bound * at::sigmoid(a * x);
+  }
+  if (gate.beta_scale != 0) b = gate.beta_scale * at::sigmoid(beta.to(acc));
+  return {decay, b};
+}
+
+void gate_grads(const Problem& p, const at::Tensor& g, const at::Tensor& beta, Grads& gr) {
+  const Gate& gate = p.gate;
+  if (gate.beta_scale != 0) {
+    const at::Tensor s = at::sigmoid(beta.to(gr.dbeta.scalar_type()));
+    gr.dbeta = gr.dbeta * (gate.beta_scale * s * (1 - s));
+  }
+  if (!gate.on()) return;
+  const auto acc = gate.A_log.scalar_type();
+  const at::Tensor x = gate.dt_bias.defined() ? g.to(acc) + gate.dt_bias.view({p.HV, p.K}) : g.to(acc);
+  const at::Tensor a = gate.A_log.exp().view({p.HV, 1}), d = gr.dg.to(acc);
+  at::Tensor dx, da;  // per element: the gradients w.r.t. x and A_log
+  if (gate.lower_bound == 0) {  // d/dx -a softplus(x) = -a sigmoid(x) (-a above 20); d/dA_log = the decay
+    dx = d * -a * at::where(x > 20, at::ones_like(x), at::sigmoid(x));
+    da = d * -a * softplus20(x);
+  } else {  // d/dx lb sigmoid(a x) = lb a s (1 - s); d/dA_log = x d/dx
+    const at::Tensor s = at::sigmoid(a * x);
+    dx = d * (gate.lower_bound * a * s * (1 - s));
+    da = dx * x;
+  }
+  gr.dg = dx;
+  gr.dA_log = da.sum(at::IntArrayRef{0, 1, 3});
+  gr.ddt_bias = dx.sum(at::IntArrayRef{0, 1}).reshape({p.HV * p.K});
+}
+
+BwdResult bwd_result(const Problem& p, const Grads& gr, bool has_initial_state, const at::TensorOptions& acc) {
+  const auto none = [&] { return at::empty({0}, acc); };
+  return {gr.dq,
+          gr.dk,
+          gr.dv,
+          gr.dg,
+          gr.dbeta,
+          has_initial_state ? gr.dinitial_state : none(),
+          p.gate.on() ? gr.dA_log : none(),
+          p.gate.dt_bias.defined() ? gr.ddt_bias : none()};
 }
 
 }  // namespace kda_dsa_ops::kda

@@ -205,27 +205,34 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd_cpu(const at::Tensor& q, const at::Te
                                                const at::Tensor& g, const at::Tensor& beta, double scale,
                                                const std::optional<at::Tensor>& initial_state,
                                                const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
-                                               bool use_qk_l2norm, bool bf16_products) {
-  const Problem p = check_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
+                                               bool use_qk_l2norm, bool bf16_products,
+                                               const std::optional<at::Tensor>& A_log,
+                                               const std::optional<at::Tensor>& dt_bias, double lower_bound,
+                                               double beta_scale) {
+  const Problem p = check_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products,
+                              GateArgs{A_log, dt_bias, lower_bound, beta_scale});
   at::Tensor final_state = final_state_for(p, q, output_final_state);
   at::Tensor ht = output_final_state ? final_state : at::Tensor(), rinv_q, rinv_k;
+  const auto [decay, b] = gated_inputs(p, g, beta, accumulation_type(q));
   const Inputs in = accumulation_inputs(normalised(q, use_qk_l2norm, &rinv_q), normalised(k, use_qk_l2norm, &rinv_k),
-                                        v, g, beta, initial_state);
+                                        v, decay, b, initial_state);
   at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, in.q.options());
   fwd_kernel(p, in, o, ht);
   return {o.to(q.scalar_type()), final_state};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_bwd_cpu(
-    const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
-    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm,
-    bool bf16_products) {
+BwdResult kda_bwd_cpu(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                      double scale, const std::optional<at::Tensor>& initial_state,
+                      const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm, bool bf16_products,
+                      const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
+                      double lower_bound, double beta_scale) {
   at::Tensor dht, rinv_q, rinv_k;
   const Problem p = check_bwd(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens,
-                              bf16_products, dht);
+                              bf16_products, GateArgs{A_log, dt_bias, lower_bound, beta_scale}, dht);
+  const auto [decay, b] = gated_inputs(p, g, beta, accumulation_type(q));
   const Inputs in = accumulation_inputs(normalised(q, use_qk_l2norm, &rinv_q), normalised(k, use_qk_l2norm, &rinv_k),
-                                        v, g, beta, initial_state);
+                                        v, decay, b, initial_state);
   const auto opts = in.q.options();
   Grads gr;
   gr.dinitial_state = at::empty({p.N, p.HV, p.K, p.V}, opts);
@@ -235,12 +242,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   gr.dg = at::empty({p.B, p.T, p.HV, p.K}, opts);
   gr.dbeta = at::empty({p.B, p.T, p.HV}, opts);
   bwd_kernel(p, in, grad_o.to(opts.dtype()).contiguous(), dht, gr);
-  return {input_grad(gr.dq, p, in.q, rinv_q, use_qk_l2norm, q.scalar_type()),
-          input_grad(gr.dk, p, in.k, rinv_k, use_qk_l2norm, k.scalar_type()),
-          gr.dv.to(v.scalar_type()),
-          gr.dg.to(g.scalar_type()),
-          gr.dbeta.to(beta.scalar_type()),
-          initial_state.has_value() ? gr.dinitial_state : at::empty({0}, opts)};
+  gate_grads(p, g, beta, gr);
+  gr.dq = input_grad(gr.dq, p, in.q, rinv_q, use_qk_l2norm, q.scalar_type());
+  gr.dk = input_grad(gr.dk, p, in.k, rinv_k, use_qk_l2norm, k.scalar_type());
+  gr.dv = gr.dv.to(v.scalar_type());
+  gr.dg = gr.dg.to(g.scalar_type());
+  gr.dbeta = gr.dbeta.to(beta.scalar_type());
+  return bwd_result(p, gr, initial_state.has_value(), opts);
 }
 
 }  // namespace kda_dsa_ops::kda

@@ -169,42 +169,50 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd_cuda(const at::Tensor& q, const at::T
                                                 const at::Tensor& g, const at::Tensor& beta, double scale,
                                                 const std::optional<at::Tensor>& initial_state,
                                                 const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
-                                                bool use_qk_l2norm, bool bf16_products) {
-  const Problem p = check_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products);
+                                                bool use_qk_l2norm, bool bf16_products,
+                                                const std::optional<at::Tensor>& A_log,
+                                                const std::optional<at::Tensor>& dt_bias, double lower_bound,
+                                                double beta_scale) {
+  const Problem p = check_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, bf16_products,
+                              GateArgs{A_log, dt_bias, lower_bound, beta_scale});
   at::Tensor final_state = final_state_for(p, q, output_final_state);
   at::Tensor ht = output_final_state ? final_state : at::Tensor();
-  if (bf16_fwd_supported(p, q)) {
+  if (bf16_fwd_supported(p, q)) {  // the gate and beta in the kernels
     at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, q.options());
     fwd_cuda_bf16(p, raw_inputs(q, k, v, g, beta, initial_state), use_qk_l2norm, o, ht);
     return {o, final_state};
   }
-  const Inputs in = accumulation_inputs(l2norm_rows_cuda(q, use_qk_l2norm), l2norm_rows_cuda(k, use_qk_l2norm), v, g,
-                                        beta, initial_state);
+  const auto [decay, b] = gated_inputs(p, g, beta, at::kFloat);
+  const Inputs in = accumulation_inputs(l2norm_rows_cuda(q, use_qk_l2norm), l2norm_rows_cuda(k, use_qk_l2norm), v,
+                                        decay, b, initial_state);
   at::Tensor o = at::empty({p.B, p.T, p.HV, p.V}, in.q.options());
   fwd_cuda(p, in, o, ht);
   return {o.to(q.scalar_type()), final_state};
 }
 
 // The gradients come out as the op returns them: dq, dk [B,T,H,K] in q's dtype (w.r.t. the raw
-// q, k: through the normalisation when l2norm), dg, dbeta in the dtypes of g, beta,
-// dinitial_state in fp32; dv in v's dtype (bf16 family) or fp32 (cast here).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_bwd_cuda(
-    const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
-    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm,
-    bool bf16_products) {
+// q, k: through the normalisation when l2norm), dg, dbeta in the dtypes of g, beta (w.r.t. the
+// raw ones with the in-kernel gate, beta), dinitial_state, dA_log, ddt_bias in fp32; dv in v's
+// dtype (bf16 family) or fp32 (cast here).
+BwdResult kda_bwd_cuda(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,
+                       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
+                       const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm, bool bf16_products,
+                       const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
+                       double lower_bound, double beta_scale) {
   at::Tensor dht;
   const Problem p = check_bwd(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens,
-                              bf16_products, dht);
+                              bf16_products, GateArgs{A_log, dt_bias, lower_bound, beta_scale}, dht);
   const auto f32 = q.options().dtype(at::kFloat);
   Grads gr;
   gr.dinitial_state = at::empty({p.N, p.HV, p.K, p.V}, f32);
-  const at::Tensor dh0 = initial_state.has_value() ? gr.dinitial_state : at::empty({0}, f32);
   gr.dq = at::empty(q.sizes(), q.options());
   gr.dk = at::empty(k.sizes(), k.options());
-  gr.dg = at::empty(g.sizes(), g.options());
-  gr.dbeta = at::empty(beta.sizes(), beta.options());
-  if (bf16_fwd_supported(p, q)) {
+  if (bf16_fwd_supported(p, q)) {  // the gate's and beta's chain rule in the kernels
+    gr.dg = at::empty(g.sizes(), g.options());
+    gr.dbeta = at::empty(beta.sizes(), beta.options());
+    gr.dA_log = at::zeros({p.HV}, f32);  // (the kernels' sums replace them where there are tokens)
+    gr.ddt_bias = at::zeros({p.HV * p.K}, f32);
     // scale dO in bf16, rounded once from the product
     const at::Tensor dOs =
         (grad_o.scalar_type() == at::kBFloat16 ? grad_o * p.scale : grad_o.to(at::kFloat) * p.scale)
@@ -212,13 +220,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
             .contiguous();
     gr.dv = at::empty(v.sizes(), v.options());
     bwd_cuda_bf16(p, raw_inputs(q, k, v, g, beta, initial_state), use_qk_l2norm, dOs, dht, gr);
-    return {gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta, dh0};
+    return bwd_result(p, gr, initial_state.has_value(), f32);
   }
-  const Inputs in = accumulation_inputs(l2norm_rows_cuda(q, use_qk_l2norm), l2norm_rows_cuda(k, use_qk_l2norm), v, g,
-                                        beta, initial_state);
+  // w.r.t. the log-decay and beta first where the gate, beta are transformed here
+  gr.dg = at::empty(g.sizes(), p.gate.on() ? f32 : g.options());
+  gr.dbeta = at::empty(beta.sizes(), p.gate.beta_scale != 0 ? f32 : beta.options());
+  const auto [decay, b] = gated_inputs(p, g, beta, at::kFloat);
+  const Inputs in = accumulation_inputs(l2norm_rows_cuda(q, use_qk_l2norm), l2norm_rows_cuda(k, use_qk_l2norm), v,
+                                        decay, b, initial_state);
   gr.dv = at::empty({p.B, p.T, p.HV, p.V}, f32);
   bwd_cuda(p, in, q.contiguous(), k.contiguous(), use_qk_l2norm, grad_o.to(at::kFloat).contiguous(), dht, gr);
-  return {gr.dq, gr.dk, gr.dv.to(v.scalar_type()), gr.dg, gr.dbeta, dh0};
+  gate_grads(p, g, beta, gr);
+  gr.dv = gr.dv.to(v.scalar_type());
+  gr.dg = gr.dg.to(g.scalar_type());
+  gr.dbeta = gr.dbeta.to(beta.scalar_type());
+  return bwd_result(p, gr, initial_state.has_value(), f32);
 }
 
 }  // namespace kda_dsa_ops::kda

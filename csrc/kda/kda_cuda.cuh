@@ -241,13 +241,51 @@ __device__ void load_chunk(const BlockTeam& tm, const Sizes<T>& z, ChunkDims d, 
   chunk_cumsum(tm, d, sG, s.Glo);
 }
 
+// kda.h's Gate as the bf16 kernels compute it where they load g and beta (fp32 arithmetic; the
+// backward's chain rule at its last store of dg and dbeta), with the backward's per-chunk sums of
+// the gradients w.r.t. dt_bias and A_log (reduced over the chunks by the launcher).
+struct GateIn {
+  const float *A_log, *dt_bias;  // [HV], [HV * K]; nullptr: g is the log-decay; no bias
+  float lower_bound, beta_scale;
+  float *bias_part, *alog_part;  // the backward's [HV, slots, K], [HV, slots] (else nullptr)
+
+  __device__ static float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+  __device__ float x_of(float g, int64_t hv, int c, int K) const {
+    return dt_bias != nullptr ? g + __ldg(dt_bias + hv * K + c) : g;
+  }
+  // The log-decay from the raw g of channel c of value head hv.
+  __device__ float decay(float g, int64_t hv, int c, int K) const {
+    if (A_log == nullptr) return g;
+    const float x = x_of(g, hv, c, K), a = expf(__ldg(A_log + hv));
+    return lower_bound == 0.f ? -a * (x > 20.f ? x : log1pf(expf(x))) : lower_bound * sigmoid(a * x);
+  }
+  // The gradients w.r.t. x = g + dt_bias (so g's and dt_bias's) and A_log from d, the log-decay's.
+  __device__ float2 decay_grad(float d, float g, int64_t hv, int c, int K) const {
+    const float x = x_of(g, hv, c, K), a = expf(__ldg(A_log + hv));
+    if (lower_bound == 0.f) return {-a * d * (x > 20.f ? 1.f : sigmoid(x)), -a * d * (x > 20.f ? x : log1pf(expf(x)))};
+    const float s = sigmoid(a * x), dx = d * lower_bound * a * s * (1.f - s);
+    return {dx, dx * x};
+  }
+  __device__ float beta(float b) const { return beta_scale == 0.f ? b : beta_scale * sigmoid(b); }
+  // The gradient w.r.t. the raw beta from d, beta's, where b is the transformed value.
+  __device__ float beta_grad(float d, float b) const { return beta_scale == 0.f ? d : d * b * (1.f - b / beta_scale); }
+};
+
 // The op's inputs as given (contiguous, 16-byte aligned): q, k [B,T,H,K], v [B,T,HV,V] of T;
-// g [B,T,HV,K] and beta [B,T,HV] float or T.
+// g [B,T,HV,K] and beta [B,T,HV] float or T (raw where gate says so).
 template <typename T>
 struct RawIn {
   const T *q, *k, *v;
   const void *g, *beta;
   bool g_f32, beta_f32, l2norm;
+  GateIn gate;
+  __device__ float g_at(int64_t e) const {
+    return g_f32 ? __ldg(static_cast<const float*>(g) + e) : to_float(__ldg(static_cast<const T*>(g) + e));
+  }
+  __device__ float beta_at(int64_t e) const {
+    return gate.beta(beta_f32 ? __ldg(static_cast<const float*>(beta) + e)
+                              : to_float(__ldg(static_cast<const T*>(beta) + e)));
+  }
 };
 
 constexpr float kNormEps = 1e-6f;  // x / sqrt(|x|^2 + eps), as reference/kda.py
@@ -290,7 +328,8 @@ struct Launch {
 };
 
 template <typename T>
-RawIn<T> raw_in(const Inputs& raw, bool l2norm) {
+RawIn<T> raw_in(const Inputs& raw, bool l2norm, const Gate& gate) {
+  const auto f32 = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   return RawIn<T>{static_cast<const T*>(raw.q.data_ptr()),
                   static_cast<const T*>(raw.k.data_ptr()),
                   static_cast<const T*>(raw.v.data_ptr()),
@@ -298,7 +337,9 @@ RawIn<T> raw_in(const Inputs& raw, bool l2norm) {
                   raw.beta.data_ptr(),
                   raw.g.scalar_type() == at::kFloat,
                   raw.beta.scalar_type() == at::kFloat,
-                  l2norm};
+                  l2norm,
+                  GateIn{f32(gate.A_log), f32(gate.dt_bias), static_cast<float>(gate.lower_bound),
+                         static_cast<float>(gate.beta_scale), nullptr, nullptr}};
 }
 
 inline GradOut grad_out(const Grads& gr) {

@@ -118,7 +118,8 @@ __device__ __forceinline__ float warp_sum_transposed(float (&v)[N]) {
 
 // Shared-memory tiles of one chunk of one value head for the bf16 kernels (256 threads): the raw
 // q, k [kChunk, kK + 8] in T, G = log2(e) cumsum(g) [kChunk, kK + 4] in fp32 (plain fp32 sum,
-// scaled so that every exp is one ex2), beta and the factors 1 / |q_t|, 1 / |k_t| (ones without
+// scaled so that every exp is one ex2; g the log-decay, through the in-kernel gate where it is
+// on), beta (through its sigmoid where on) and the factors 1 / |q_t|, 1 / |k_t| (ones without
 // normalisation) [kChunk], and kThreads floats of scratch. Rows from L on are zero (g too: G
 // stays at its last value).
 template <int kK, typename T>
@@ -213,12 +214,7 @@ struct ChunkTiles16 {
         G[t * kLdG + c] = t < L ? to_float(g[((t0 + t) * HV + hv) * kK + c]) : 0.f;
       }
     }
-    if (tid < kChunk) {
-      const int64_t e = (t0 + tid) * HV + hv;
-      beta[tid] = tid >= L ? 0.f
-                   : in.beta_f32 ? static_cast<const float*>(in.beta)[e]
-                                 : to_float(static_cast<const T*>(in.beta)[e]);
-    }
+    if (tid < kChunk) beta[tid] = tid < L ? in.beta_at((t0 + tid) * HV + hv) : 0.f;
     mma::cp_async_wait_all();
     __syncthreads();
     if (mark != nullptr) find_nonfinite_v_beta(L, sv, V);
@@ -240,8 +236,9 @@ struct ChunkTiles16 {
       float run = 0.f;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
-        const float g = G[(p0 * kRows + i) * kLdG + c];
-        if (mark != nullptr && !(g < INFINITY)) note_nonfinite(V, p0 * kRows + i, V);  // NaN or +inf
+        const int t = p0 * kRows + i;
+        const float g = t < L ? in.gate.decay(G[t * kLdG + c], hv, c, kK) : 0.f;  // the log-decay
+        if (mark != nullptr && !(g < INFINITY)) note_nonfinite(V, t, V);  // NaN or +inf
         run += floor_log_decay(g);
         x[i] = run;
       }

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _C
@@ -63,11 +62,13 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     safe_gate (fla's kernel choice for a bounded gate) needs lower_bound and changes nothing else
     here (every exponential these kernels take is of a non-positive number anyway).
     use_beta_sigmoid_in_kernel takes beta raw: sigmoid(beta), times 2 with allow_neg_eigval.
+    The bf16 kernels compute both where they load g and beta, and their backward gives the
+    gradients w.r.t. the raw g, beta and A_log, dt_bias (the CPU kernels and the 3xTF32 / fp32
+    family transform their inputs first, in the accumulation type, and apply the chain rule after).
     state_v_first: initial_state and the final state are [N, HV, V, K]. cu_seqlens_cpu (a host copy
     of cu_seqlens) and disable_recompute (fla's memory / time trade) are accepted and not needed.
-    The gate and beta transforms are computed before the kernels for now (differentiable w.r.t.
-    the raw g, A_log, dt_bias and beta). Other fla arguments (cp_context, use_graph,
-    return_intermediate_states, chunk_size, ...) raise a TypeError naming them.
+    Other fla arguments (cp_context, use_graph, return_intermediate_states, chunk_size, ...) raise
+    a TypeError naming them.
     """
     if kwargs:
         raise TypeError(f"chunk_kda: unsupported arguments {sorted(kwargs)} (this implementation takes q, k, v, g, "
@@ -76,13 +77,14 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
                         "use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens_cpu, "
                         "disable_recompute)")
     if use_gate_in_kernel:
-        g = kda_gate(g, A_log, dt_bias, lower_bound, safe_gate)
+        gate = _gate_args(g, A_log, dt_bias, lower_bound, safe_gate)
     elif A_log is not None or dt_bias is not None or lower_bound is not None or safe_gate:
         raise ValueError("chunk_kda: A_log, dt_bias, lower_bound and safe_gate belong to use_gate_in_kernel=True")
-    if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.to(accumulation_dtype(beta))) * (2.0 if allow_neg_eigval else 1.0)
-    elif allow_neg_eigval:
+    else:
+        gate = (None, None, 0.0)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("chunk_kda: allow_neg_eigval (beta = 2 sigmoid(beta)) needs use_beta_sigmoid_in_kernel=True")
+    beta_scale = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else 0.0
     if cu_seqlens_cpu is not None and (cu_seqlens is None or cu_seqlens_cpu.shape != cu_seqlens.shape):
         raise ValueError("chunk_kda: cu_seqlens_cpu is a host copy of cu_seqlens and needs it, of the same shape")
     del disable_recompute  # fla's memory / time trade; these kernels keep no [T]-sized state to recompute
@@ -99,9 +101,10 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     windows = _windows(q.shape[0] * v.shape[2], q.shape[1])
     if windows is None:
         o, final_state = _ops.kda_fwd(q, k, v, g, beta, args[0], initial_state, cu_seqlens, output_final_state,
-                                      *args[1:])
+                                      *args[1:], *gate, beta_scale)
     else:
-        o, final_state = _Windows.apply(q, k, v, g, beta, initial_state, cu_seqlens, windows, args)
+        o, final_state = _Windows.apply(q, k, v, g, beta, initial_state, cu_seqlens, windows, args, *gate,
+                                        beta_scale)
     if not output_final_state:
         return o, None
     return o, final_state.transpose(-1, -2) if state_v_first else final_state
@@ -127,36 +130,49 @@ class _Windows(torch.autograd.Function):
     states (every sequence's: one still running carries on, one not yet begun or already ended
     passes its state through a window it has no tokens in), kda_bwd runs the windows backwards
     with the next window's initial-state gradient as its final-state gradient. The same
-    recurrence, workspaces of one window; outputs and gradients written into whole tensors."""
+    recurrence, workspaces of one window; outputs and gradients written into whole tensors (the
+    gate's parameters' gradients summed over the windows)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, windows, args):
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, windows, args, A_log, dt_bias, lower_bound,
+                beta_scale):
         scale, l2norm, bf16 = args
+        gate = (A_log, dt_bias, lower_bound, beta_scale)
         o = q.new_empty(q.shape[0], q.shape[1], v.shape[2], v.shape[3])
         starts, state = [], initial_state
         for a, b in windows:
             starts.append(state)
             o_w, state = _ops.kda_fwd(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, state,
-                                      _window_offsets(cu_seqlens, a, b), True, l2norm, bf16)
+                                      _window_offsets(cu_seqlens, a, b), True, l2norm, bf16, *gate)
             o[:, a:b].copy_(o_w)
-        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, *starts)
-        ctx.windows, ctx.args = windows, args
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, *starts)
+        ctx.windows, ctx.args, ctx.gate = windows, args, (lower_bound, beta_scale)
         return o, state
 
     @staticmethod
     def backward(ctx, grad_o, grad_final_state):
-        q, k, v, g, beta, cu_seqlens, *starts = ctx.saved_tensors
+        q, k, v, g, beta, cu_seqlens, A_log, dt_bias, *starts = ctx.saved_tensors
         scale, l2norm, bf16 = ctx.args
         grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
+        d_gate = [None, None]
         d_state = grad_final_state
         for (a, b), start in reversed(list(zip(ctx.windows, starts))):
-            *parts, dh0 = _ops.kda_bwd(grad_o[:, a:b].contiguous(), d_state, q[:, a:b], k[:, a:b], v[:, a:b],
-                                       g[:, a:b], beta[:, a:b], scale, start, _window_offsets(cu_seqlens, a, b),
-                                       l2norm, bf16)
+            *parts, dh0, dA_log, ddt_bias = _ops.kda_bwd(
+                grad_o[:, a:b].contiguous(), d_state, q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale,
+                start, _window_offsets(cu_seqlens, a, b), l2norm, bf16, A_log, dt_bias, *ctx.gate)
             for whole, part in zip(grads, parts):
                 whole[:, a:b].copy_(part)
+            d_gate = [_summed(d_gate[0], dA_log, A_log), _summed(d_gate[1], ddt_bias, dt_bias)]
             d_state = dh0 if start is not None else None
-        return (*grads, d_state, None, None, None)
+        return (*grads, d_state, None, None, None, *d_gate, None, None)
+
+
+def _summed(total: Tensor | None, part: Tensor, param: Tensor | None) -> Tensor | None:
+    """A gate parameter's gradient summed over windows (None where the parameter is absent)."""
+    if param is None:
+        return None
+    part = part.reshape(param.shape).to(param.dtype)
+    return part if total is None else total + part
 
 
 def _window_offsets(cu_seqlens: Tensor | None, a: int, b: int) -> Tensor | None:
@@ -164,10 +180,10 @@ def _window_offsets(cu_seqlens: Tensor | None, a: int, b: int) -> Tensor | None:
     return None if cu_seqlens is None else (cu_seqlens.clamp(a, b) - a).to(torch.int32)
 
 
-def kda_gate(g: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None,
-             safe_gate: bool) -> Tensor:
-    """fla 0.6's in-kernel gate on the raw g [B, T, HV, K] (chunk_kda's docstring), in the
-    accumulation type."""
+def _gate_args(g: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None,
+               safe_gate: bool) -> tuple[Tensor, Tensor | None, float]:
+    """fla 0.6's in-kernel gate's arguments (chunk_kda's docstring) as the op takes them: A_log
+    [HV], dt_bias [HV * K] or None, lower_bound (0 for the softplus gate)."""
     HV, K = g.shape[-2], g.shape[-1]
     if A_log is None or A_log.numel() != HV:
         raise ValueError(f"chunk_kda: use_gate_in_kernel needs A_log with one value per value head ({HV}), got "
@@ -178,10 +194,8 @@ def kda_gate(g: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, lower_boun
         raise ValueError("chunk_kda: safe_gate needs lower_bound (the gate's lower bound, < 0)")
     if lower_bound is not None and not -math.inf < lower_bound < 0:
         raise ValueError(f"chunk_kda: lower_bound must be a finite number < 0, got {lower_bound}")
-    acc = accumulation_dtype(g)
-    x = g.to(acc) if dt_bias is None else g.to(acc) + dt_bias.to(acc).reshape(HV, K)
-    a = A_log.to(acc).reshape(HV, 1).exp()
-    return -a * F.softplus(x) if lower_bound is None else lower_bound * torch.sigmoid(a * x)
+    return (A_log.reshape(HV), None if dt_bias is None else dt_bias.reshape(HV * K),
+            0.0 if lower_bound is None else float(lower_bound))
 
 
 def _int32_offsets(cu_seqlens: Tensor) -> Tensor:
@@ -212,7 +226,8 @@ def _num_sequences(q: Tensor, cu_seqlens: Tensor | None) -> int:
 
 
 @torch.library.register_fake("kda_dsa_ops::kda_fwd")
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, use_qk_l2norm, bf16_products=False):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, use_qk_l2norm, bf16_products=False,
+      A_log=None, dt_bias=None, lower_bound=0.0, beta_scale=0.0):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     shape = (_num_sequences(q, cu_seqlens), HV, K, V) if output_final_state else (0,)
@@ -221,27 +236,32 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, us
 
 @torch.library.register_fake("kda_dsa_ops::kda_bwd")
 def _(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
-      bf16_products=False):
+      bf16_products=False, A_log=None, dt_bias=None, lower_bound=0.0, beta_scale=0.0):
     # the kernels return contiguous gradients whatever the inputs' strides (new_empty: contiguous)
-    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(
-        0, dtype=accumulation_dtype(q))
+    acc = accumulation_dtype(q)
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(0, dtype=acc)
+    d_gate = [q.new_empty(0 if x is None else x.numel(), dtype=acc) for x in (A_log, dt_bias)]
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
-            beta.new_empty(beta.shape), dh0)
+            beta.new_empty(beta.shape), dh0, *d_gate)
 
 
 def _kda_setup(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, _, use_qk_l2norm, bf16_products = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, _, use_qk_l2norm, bf16_products, *gate = inputs
+    A_log, dt_bias, lower_bound, beta_scale = gate + [None, None, 0.0, 0.0][len(gate):]
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     ctx.scale, ctx.use_qk_l2norm, ctx.bf16_products = scale, use_qk_l2norm, bf16_products
+    ctx.gate = (lower_bound, beta_scale)
 
 
 def _kda_backward(ctx, grad_o, grad_final_state):
-    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = ctx.saved_tensors
     if grad_final_state is not None and grad_final_state.numel() == 0:
         grad_final_state = None
-    dq, dk, dv, dg, dbeta, dh0 = _ops.kda_bwd(grad_o.contiguous(), grad_final_state, q, k, v, g, beta, ctx.scale,
-                                              initial_state, cu_seqlens, ctx.use_qk_l2norm, ctx.bf16_products)
-    return dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _ops.kda_bwd(
+        grad_o.contiguous(), grad_final_state, q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
+        ctx.use_qk_l2norm, ctx.bf16_products, A_log, dt_bias, *ctx.gate)
+    return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None,
+            _summed(None, dA_log, A_log), _summed(None, ddt_bias, dt_bias), None, None)
 
 
 torch.library.register_autograd("kda_dsa_ops::kda_fwd", _kda_backward, setup_context=_kda_setup)
