@@ -511,6 +511,7 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   float base = w.last[gc + c];
   for (int p = p0 + 1; p < kParts; ++p) base += ct.part[p * kK + c];
   const GateIn& gate = in.gate;
+  const GateIn::Channel channel = gate.channel(blockIdx.y, c, kK);
   float dx_sum = 0.f, da_sum = 0.f;  // with the in-kernel gate: this thread's share of dt_bias's, A_log's gradient
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
@@ -519,7 +520,7 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     const int64_t e = ((ch.t0 + t) * HV + blockIdx.y) * kK + c;
     float dg = old[i] + base;  // w.r.t. the log-decay
     if (gate.A_log != nullptr) {  // w.r.t. the raw g
-      const float2 d = gate.decay_grad(dg, in.g_at(e), blockIdx.y, c, kK);
+      const float2 d = gate.decay_grad(dg, in.g_at(e), channel);
       dg = d.x;
       dx_sum += d.x;
       da_sum += d.y;
