@@ -16,6 +16,7 @@ import kda_dsa_ops as K
 from kda_dsa_ops import reference as R
 from kda_dsa_ops.nn.loss import indexer_kl_loss
 
+from conftest import DEVICES
 from helpers import BACKWARD_UTILS, opcheck, poison, strided
 from strategies import SEEDS, seqlens
 from tolerances import assert_close
@@ -56,6 +57,42 @@ def test_lightning_indexer_matches_reference(seed, lens, extra_keys, topk, Hi, d
     assert idx.dtype == torch.int32 and sc.dtype == (F64 if dtype == F64 else torch.float32)
     assert torch.equal(idx, idx_ref)
     assert torch.equal(sc.to(F64), sc_ref)
+
+
+def kpool_inputs(T, Tk, Hi, Di, kpool, dtype, exact):
+    """q, k, gate, ape, w for the k-pooled indexer. exact: integer q, k, w and a zero gate and ape
+    (uniform pools: the pooled keys are sums / kpool, exact in every dtype for kpool a power of
+    two, and so is every score), else normal draws."""
+    if exact:
+        zeros = torch.zeros(Tk, Di, dtype=dtype), torch.zeros(kpool, Di, dtype=dtype)
+        return small_ints(T, Hi, Di, dtype=dtype), small_ints(Tk, Di, dtype=dtype), *zeros, small_ints(T, Hi,
+                                                                                                     dtype=dtype)
+    return (torch.randn(T, Hi, Di, dtype=dtype), torch.randn(Tk, Di, dtype=dtype), torch.randn(Tk, Di, dtype=dtype),
+            torch.randn(kpool, Di, dtype=dtype), torch.randn(T, Hi, dtype=dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=90), extra_keys=st.lists(st.integers(0, 40), min_size=3,
+       max_size=3), kpool=st.sampled_from([1, 2, 4, 16]), pools=st.sampled_from([0, 1, 3, 8]), tail=st.booleans(),
+       exact=st.booleans())
+def test_kpool_indexer_matches_reference(device, seed, lens, extra_keys, kpool, pools, tail, exact):
+    """GLM-5.3's k-pooled indexer on the indexer kernel (its queries split by pool phase) against
+    the reference: the same indices, ties to the lower pool, with more keys than queries per
+    sequence, empty sequences, fewer visible pools than wanted, kpool 1. CPU in float64 (normal
+    draws, or exact scores in float32 / bf16); CUDA bf16 with exact scores."""
+    torch.manual_seed(seed)
+    if device == "cuda" and not exact:
+        exact = True  # bf16 pooled keys and scores: only exact scores rank as the float64 reference does
+    dtype = torch.bfloat16 if device == "cuda" else (F64 if not exact else [torch.float32, torch.bfloat16][seed % 2])
+    klens = [n + e for n, e in zip(lens, extra_keys)]
+    T, Tk, Hi, Di = sum(lens), sum(klens), 3, 16
+    topk = max(pools * kpool, 1)
+    ins = kpool_inputs(T, Tk, Hi, Di, kpool, dtype, exact)
+    got = K.kpool_indexer(*[t.to(device) for t in ins], cu_of(lens).to(device), topk, kpool, tail,
+                          cu_of(klens).to(device))
+    expected = R.kpool_indexer(*[t.to(F64) for t in ins], cu_of(lens), topk, kpool, tail, cu_of(klens))
+    assert got.dtype == torch.int32 and got.shape == expected.shape
+    assert torch.equal(got.cpu(), expected)
 
 
 @given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=30), topk=st.sampled_from([1, 4, 32]),

@@ -14,8 +14,8 @@ from .. import ops
 from .. import reference as R
 from ..contracts import attention_defaults, attention_kernel_refuses, indexer_kernel_refuses
 
-OPS = ("chunk_kda", "segment_transition", "lightning_indexer", "sparse_attention", "moe_route", "moe_permute",
-       "moe_unpermute", "grouped_mm")
+OPS = ("chunk_kda", "segment_transition", "lightning_indexer", "kpool_indexer", "sparse_attention", "moe_route",
+       "moe_permute", "moe_unpermute", "grouped_mm")
 
 
 class Backend(SimpleNamespace):
@@ -27,6 +27,13 @@ def _lightning_indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
     return (R.lightning_indexer if refused else ops.lightning_indexer)(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
 
 
+def _kpool_indexer(q, k, gate, ape, w, cu_seqlens, topk, kpool, tail=True, cu_seqlens_k=None):
+    refused = q.dim() == 3 and indexer_kernel_refuses(q.device.type, q.dtype, max(topk // max(kpool, 1), 1),
+                                                      q.shape[1], q.shape[2])
+    return (R.kpool_indexer if refused or q.is_meta else ops.kpool_indexer)(q, k, gate, ape, w, cu_seqlens, topk,
+                                                                            kpool, tail, cu_seqlens_k)
+
+
 def _sparse_attention(q, kv, indices, scale=None, dv=None, gate=None, return_p=False, deterministic=False):
     refused = q.dim() == 3 and attention_kernel_refuses(q.device.type, q.dtype, indices.shape[-1], q.shape[-1],
                                                         attention_defaults(q, scale, dv)[1])
@@ -35,7 +42,8 @@ def _sparse_attention(q, kv, indices, scale=None, dv=None, gate=None, return_p=F
 
 
 NATIVE = Backend(name="native", **{op: getattr(ops, op) for op in OPS}
-                 | {"lightning_indexer": _lightning_indexer, "sparse_attention": _sparse_attention})
+                 | {"lightning_indexer": _lightning_indexer, "kpool_indexer": _kpool_indexer,
+                    "sparse_attention": _sparse_attention})
 REFERENCE = Backend(name="reference", **{op: getattr(R, op) for op in OPS})
 
 BACKENDS = {"native": NATIVE, "reference": REFERENCE}

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
-from .. import reference as R
 from .._dtypes import accumulation_dtype
 from .backend import Backend
 from .loss import indexer_kl_loss
@@ -250,8 +249,8 @@ class LightningIndexer(nn.Module):
     q from the attention's q latent, k LayerNorm-ed (with bias), the first rope_dim dims of q and k
     rotated (half style), w scaled by heads^-1/2 * dim^-1/2. Its inputs are detached: the indexer
     learns only from its own loss (the KL to the attention's probabilities). kpool > 0 (GLM-5.3,
-    deepseek style): it scores pools of kpool keys instead (reference.kpool_indexer; no kernel yet,
-    and no KL loss: scores is None)."""
+    deepseek style): it scores pools of kpool keys instead (kpool_indexer, on the indexer kernel;
+    no KL loss: scores is None)."""
 
     STYLES = ("plain", "deepseek")
 
@@ -287,10 +286,10 @@ class LightningIndexer(nn.Module):
         if self.kpool:
             gate = F.linear(x, self.kpool_gate.to(x.dtype))
             if cp is None:
-                return R.kpool_indexer(q, k, gate, self.kpool_ape, w, cu_seqlens, self.topk, self.kpool,
-                                       self.kpool_tail), None
-            return R.kpool_indexer(q, cp.key_rows(k), cp.key_rows(gate), self.kpool_ape, w, cu_seqlens, self.topk,
-                                   self.kpool, self.kpool_tail, cp.key_cu_seqlens(x.device)), None
+                return backend.kpool_indexer(q, k, gate, self.kpool_ape, w, cu_seqlens, self.topk, self.kpool,
+                                             self.kpool_tail), None
+            return backend.kpool_indexer(q, cp.key_rows(k), cp.key_rows(gate), self.kpool_ape, w, cu_seqlens,
+                                         self.topk, self.kpool, self.kpool_tail, cp.key_cu_seqlens(x.device)), None
         if cp is None:
             return backend.lightning_indexer(q, k, w, cu_seqlens, cu_seqlens, self.topk)
         return backend.lightning_indexer(q, cp.key_rows(k), w, cu_seqlens, cp.key_cu_seqlens(x.device), self.topk)

@@ -1,11 +1,11 @@
 """Typed wrappers over torch.ops.kda_dsa_ops.*, with fake kernels and autograd."""
 
 from ..segments import segment_start_states, transition_over
-from .dsa import lightning_indexer, sparse_attention
+from .dsa import kpool_indexer, lightning_indexer, sparse_attention
 from .kda import chunk_kda
 from .moe import grouped_mm, grouped_mm_wgrad, moe_permute, moe_route, moe_unpermute
 
 segment_transition = transition_over(chunk_kda)
 
-__all__ = ["chunk_kda", "grouped_mm", "grouped_mm_wgrad", "lightning_indexer", "moe_permute", "moe_route",
-           "moe_unpermute", "segment_start_states", "segment_transition", "sparse_attention"]
+__all__ = ["chunk_kda", "grouped_mm", "grouped_mm_wgrad", "kpool_indexer", "lightning_indexer", "moe_permute",
+           "moe_route", "moe_unpermute", "segment_start_states", "segment_transition", "sparse_attention"]

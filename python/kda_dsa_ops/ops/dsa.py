@@ -36,6 +36,79 @@ def lightning_indexer(q: Tensor, k: Tensor, w: Tensor, cu_seqlens_q: Tensor, cu_
     return _ops.lightning_indexer_fwd(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
 
 
+def kpool_indexer(q: Tensor, k: Tensor, gate: Tensor, ape: Tensor, w: Tensor, cu_seqlens: Tensor, topk: int,
+                  kpool: int, tail: bool = True, cu_seqlens_k: Tensor | None = None) -> Tensor:
+    """GLM-5.3's k-pooled indexer (reference.kpool_indexer's contract: the keys of the topk //
+    kpool best complete pools visible to each query, then with tail the latest incomplete pool's)
+    on the lightning-indexer kernel.
+
+    A complete pool j is visible to the query at position t of its sequence when (j + 1) kpool - 1
+    <= t, so the count visible to t is (t + 1) // kpool: it grows by one every kpool positions, not
+    by one per query as the kernel's bottom-right rule does. Splitting each sequence's queries by
+    the phase (t + 1) % kpool makes it one per query: the queries of one phase form a kernel
+    sequence whose keys are the first (t_last + 1) // kpool pools (t_last its last query), and the
+    kernel's rule gives each of them exactly its visible pools. The kpool phases take one copy of
+    the pooled keys each (as many rows as there are keys), and the kernel scores each query against
+    its visible pools only. Pooling (softmax-weighted averages), the phases' layout and the tail
+    are torch; indices [T, topk + (kpool - 1 if tail else 0)] int32, -1 padded, not
+    differentiable.
+    """
+    T = q.shape[0]
+    width = topk + (kpool - 1 if tail else 0)
+    indices = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
+    n_best = topk // kpool
+    bounds = cu_seqlens.tolist()
+    kbounds = bounds if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    seqs = [(a, b, ka, kb) for a, b, ka, kb in zip(bounds[:-1], bounds[1:], kbounds[:-1], kbounds[1:])]
+    dev = q.device
+    arange = lambda *a: torch.arange(*a, device=dev)  # noqa: E731
+    if n_best > 0 and T > 0:
+        # pooled keys of every sequence's complete pools, in order: pool j of a sequence averages
+        # its kpool keys weighted by softmax(gate + ape) over the pool
+        pool_rows = [arange(ka, ka + (kb - ka) // kpool * kpool) for _, _, ka, kb in seqs]
+        rows = torch.cat(pool_rows) if pool_rows else arange(0)
+        acc = accumulation_dtype(q)
+        weight = torch.softmax(gate[rows].to(acc).view(-1, kpool, gate.shape[-1]) + ape.to(acc)[None], dim=1)
+        pooled = (weight * k[rows].to(acc).view(-1, kpool, k.shape[-1])).sum(1).to(k.dtype)
+        first_pool = [0]
+        for r in pool_rows:
+            first_pool.append(first_pool[-1] + r.numel() // kpool)
+        # one kernel sequence per (sequence, phase): its queries and the prefix of pools they see
+        order, key_rows, cu_q, cu_k, key_base, seg_pool0 = [], [], [0], [0], [], []
+        for n, (a, b, ka, kb) in enumerate(seqs):
+            L, Lk = b - a, kb - ka
+            for phase in range(kpool):
+                # queries i with (i + Lk - L + 1) % kpool == phase
+                i0 = (phase - 1 - (Lk - L)) % kpool
+                idx = arange(a + i0, max(a + i0, b), kpool)
+                last = i0 + (L - 1 - i0) // kpool * kpool  # the phase's last query (when i0 < L)
+                seen = max(0, (last + Lk - L + 1) // kpool) if i0 < L else 0
+                order.append(idx)
+                key_rows.append(arange(first_pool[n], first_pool[n] + seen))
+                cu_q.append(cu_q[-1] + idx.numel())
+                cu_k.append(cu_k[-1] + seen)
+                key_base.append(torch.full((idx.numel(),), ka, device=dev))     # the sequence's first key
+                seg_pool0.append(torch.full((idx.numel(),), cu_k[-2], device=dev))  # the segment's first row
+        order = torch.cat(order)
+        key_rows = torch.cat(key_rows)
+        if key_rows.numel() > 0:
+            cu32 = lambda c: torch.tensor(c, dtype=torch.int32, device=dev)  # noqa: E731
+            best, _ = lightning_indexer(q[order], pooled[key_rows].contiguous(), w[order], cu32(cu_q), cu32(cu_k),
+                                        n_best)
+            pool = best.long() - torch.cat(seg_pool0)[:, None]                 # pool index in its sequence
+            tokens = (pool[..., None] * kpool + arange(kpool)).flatten(1) + torch.cat(key_base)[:, None]
+            chosen = (best >= 0).repeat_interleave(kpool, dim=1)
+            indices[order, : n_best * kpool] = torch.where(chosen, tokens, -1).to(torch.int32)
+    if tail and kpool > 1:  # the (t + 1) % kpool keys after the last complete pool, always chosen
+        for a, b, ka, kb in seqs:
+            t = arange(kb - ka - (b - a), kb - ka)
+            count = (t + 1) % kpool
+            offset = arange(kpool - 1)
+            tail_rows = (t + 1 - count)[:, None] + offset[None, :] + ka
+            indices[a:b, topk:] = torch.where(offset[None, :] < count[:, None], tail_rows, -1).to(torch.int32)
+    return indices
+
+
 def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None = None, dv: int | None = None,
                      gate: Tensor | None = None, return_p: bool = False,
                      deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
