@@ -6,6 +6,7 @@ CUDA allocator reports on a GPU; on the CPU it is the process's resident set (no
     python bench/bench_train.py [--config small] [--tokens 4096] [--steps 10] [--reference-steps 2] [--lora-rank 16]
                                 [--quick] [--out DIR]
     python bench/bench_train.py --config kimi-linear-48b [--sequences 2]   # a real model's layer group
+    python bench/bench_train.py --config glm-5.3-flash --backends native transformers   # beside transformers + peft
 
 bf16 weights on CUDA (fp32 on the CPU), --sequences packed sequences of --tokens tokens in all per
 step, AdamW on the trainable parameters. MFU: the FLOPs the step must do (kda_dsa_ops.plan.step_flops:
@@ -77,6 +78,88 @@ def config_of(name: str):
     return get_config(name)
 
 
+# our layer kinds as transformers names them (its config's layer_types / mlp_layer_types / indexer_types)
+HF_ATTENTION = {"K": "linear_attention", "A": "full_attention", "D": "indexed_attention"}
+HF_FFN = {"M": "sparse", "F": "dense"}
+HF_INDEXER = {"F": "full", "S": "shared"}
+HF_CLASS = {"glm5_next": "AutoModelForImageTextToText"}  # (its text model has no causal-LM head of its own)
+
+
+def transformers_group(raw: dict, cfg, lora_rank: int):
+    """The anchor: the same layer group as transformers builds it from the family's config.json (its
+    modules, SDPA attention, its grouped-GEMM experts, fla's kernels for KDA where fla is
+    installed), with our group's layers, experts and routing groups, and peft LoRA of rank
+    lora_rank on every linear layer of the language model (peft's "all-linear": attention
+    projections, dense and shared-expert MLPs; transformers' routed experts are 3-D parameters,
+    which stay frozen as ours are). Returns the peft model, weights as transformers initialises them."""
+    import peft
+    import transformers
+
+    hf = transformers.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    text = getattr(hf, "text_config", hf)
+    text.num_hidden_layers = cfg.layers
+    text.layer_types = [HF_ATTENTION[k] for k in cfg.kinds()]
+    text.mlp_layer_types = [HF_FFN[k] for k in cfg.ffn_kinds()]
+    if hasattr(text, "indexer_types"):
+        text.indexer_types = [HF_INDEXER[cfg.index_kind(i)] for i in range(cfg.layers)]
+    for name in ("num_local_experts", "n_routed_experts", "num_experts"):
+        if hasattr(text, name):
+            setattr(text, name, cfg.experts)
+    for name, value in (("n_group", cfg.moe_groups), ("num_expert_group", cfg.moe_groups),
+                        ("topk_group", cfg.moe_topk_groups)):
+        if hasattr(text, name):
+            setattr(text, name, value)
+    auto = getattr(transformers, HF_CLASS.get(raw["model_type"], "AutoModelForCausalLM"))
+    model = auto.from_config(hf, attn_implementation="sdpa", experts_implementation="grouped_mm")
+    language = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "visual" not in n
+                and not n.endswith("lm_head")]
+    return peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=language))
+
+
+def timed_steps(step, steps: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    """(seconds per step, the last loss) over `steps` steps after `warmup`; the peak memory counter
+    starts after the warm-up."""
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps, loss.item()
+
+
+def run_anchor(raw: dict, cfg, args, device: torch.device) -> dict:
+    """transformers + peft on the same tokens: --sequences rows of --tokens / --sequences (it takes
+    no packed varlen batch for every family), AdamW on the LoRA parameters."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = transformers_group(raw, cfg, args.lora_rank).to(dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    per_row = args.tokens // args.sequences
+    tokens = torch.randint(0, cfg.vocab, (args.sequences, per_row), generator=g).to(device)
+
+    def step():
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    try:
+        seconds, loss = timed_steps(step, args.steps, args.warmup, device)
+    except torch.OutOfMemoryError:
+        return {"backend": "transformers + peft", "error": "out of memory", "peak_mb": peak_memory_mb(device)}
+    return {"backend": "transformers + peft", "step_s": seconds, "tokens_per_s": tokens.numel() / seconds,
+            "peak_mb": peak_memory_mb(device), "loss": loss, "trainable": sum(p.numel() for p in trainable)}
+
+
 def run(cfg, backend: str, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -97,19 +180,10 @@ def run(cfg, backend: str, args, device: torch.device) -> dict:
 
     # The reference ops (a Python loop over tokens for KDA) take far longer per step: fewer steps.
     steps, warmup = (args.reference_steps, 1) if backend == "reference" else (args.steps, args.warmup)
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / steps
+    seconds, loss = timed_steps(step, steps, warmup, device)
     return {"backend": backend, "step_s": seconds, "tokens_per_s": args.tokens / seconds,
-            "peak_mb": peak_memory_mb(device), "loss": loss.item()}
+            "peak_mb": peak_memory_mb(device), "loss": loss,
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
 def main(argv=None) -> dict:
@@ -122,7 +196,9 @@ def main(argv=None) -> dict:
     p.add_argument("--reference-steps", type=int, default=2, help="timed steps of the reference run (after one warm-up)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--recompute", choices=HybridModel.RECOMPUTE, default="none")
-    p.add_argument("--backends", nargs="+", default=["native", "reference"])
+    p.add_argument("--backends", nargs="+", default=["native", "reference"],
+                   help="native, reference, and for a real model's layer group transformers (its modules with "
+                        "peft LoRA: the anchor)")
     p.add_argument("--memory-gb", type=float, default=141.0, help="device memory for the planner")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU (H200: 989)")
     p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
@@ -134,16 +210,22 @@ def main(argv=None) -> dict:
     cfg = config_of(args.config)
     runs = []
     for backend in args.backends:
-        runs.append(run(cfg, backend, args, device))
-        print(f"{args.config} {backend:>9}: {runs[-1]['tokens_per_s']:,.0f} tok/s, step {runs[-1]['step_s']:.3f} s, "
-              f"peak {runs[-1]['peak_mb']:,.0f} MB", flush=True)
+        if backend == "transformers" and args.config not in GROUPS:
+            raise SystemExit(f"--backends transformers needs a real model's layer group: {sorted(GROUPS)}")
+        runs.append(run_anchor(GROUPS[args.config][0], cfg, args, device) if backend == "transformers"
+                    else run(cfg, backend, args, device))
+        if "error" in runs[-1]:
+            print(f"{args.config} {backend:>9}: {runs[-1]['error']}", flush=True)
+        else:
+            print(f"{args.config} {backend:>9}: {runs[-1]['tokens_per_s']:,.0f} tok/s, step {runs[-1]['step_s']:.3f} s, "
+                  f"peak {runs[-1]['peak_mb']:,.0f} MB", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     seqlens = torch.linspace(0, args.tokens, args.sequences + 1).round().int().diff().tolist()
     flops = step_flops(cfg, args.lora_rank, seqlens)
     print("step GFLOPs (plan.step_flops): " + ", ".join(f"{k} {v / 1e9:,.1f}" for k, v in flops.items() if v),
           flush=True)
-    for r in runs:  # MFU = the step's required FLOPs / step time / the GPU's dense bf16 peak
+    for r in (r for r in runs if "error" not in r):  # MFU = the step's required FLOPs / step time / the peak
         r["mfu"] = sum(flops.values()) / r["step_s"] / (args.peak_tflops * 1e12)
         print(f"{args.config} {r['backend']:>9}: MFU {100 * r['mfu']:.1f}% of {args.peak_tflops:g} TFLOP/s", flush=True)
     planned = evaluate(cfg, Cluster(1, args.memory_gb, 1.0), 1, args.tokens, args.recompute, False, args.lora_rank)
@@ -155,6 +237,11 @@ def main(argv=None) -> dict:
     if native and reference:
         result["native_speedup"] = native["tokens_per_s"] / reference["tokens_per_s"]
         print(f"native / reference tokens/s: {result['native_speedup']:.2f}x")
+    anchor = next((r for r in runs if r["backend"] == "transformers + peft" and "error" not in r), None)
+    if native and anchor:
+        result["native_over_transformers"] = native["tokens_per_s"] / anchor["tokens_per_s"]
+        print(f"native / transformers + peft tokens/s: {result['native_over_transformers']:.2f}x, peak memory "
+              f"{native['peak_mb'] / anchor['peak_mb']:.2f}x theirs")
     if native:
         result["measured_over_planned"] = native["peak_mb"] / result["planned_total_mb"]
         print(f"planned {result['planned_total_mb']:,.0f} MB vs measured peak {native['peak_mb']:,.0f} MB "

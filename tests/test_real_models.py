@@ -11,6 +11,10 @@ import json
 import math
 import os
 import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -310,3 +314,35 @@ def test_bf16_logits_on_the_cuda_kernels(family, tmp_path):
         ours = model.logits(tokens.cuda(), cu.cuda())
     assert_close(ours.float(), judged_logits(judge, tokens, cu), torch.bfloat16, f"{family} bf16 logits",
                  table=TOLERANCES[family])
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_bench_train_anchor_builds_our_layer_group(family):
+    """bench/bench_train.py's anchor (transformers' modules with peft LoRA, timed beside ours) is
+    our layer group: its layers' kinds (KDA where ours has KDA, an indexer where ours is sparse),
+    our expert count, LoRA on the language model's linear layers only (not the vision tower, not
+    the head), and a training step gives a finite loss."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_train
+
+    raw = CONFIGS[family]().to_dict()
+    read = onboard.FAMILIES[family].read_config(raw)
+    cfg = replace(read, experts=4, moe_groups=min(read.moe_groups, 2), moe_topk_groups=min(read.moe_topk_groups, 1))
+    cfg.validate()
+    model = bench_train.transformers_group(raw, cfg, lora_rank=4)
+    names = [n for n, _ in model.named_parameters()]
+    for i, kind in enumerate(cfg.kinds()):
+        layer = [n for n in names if re.search(rf"layers\.{i}\.", n)]
+        assert any("A_log" in n for n in layer) == (kind == "K"), (i, kind)
+        assert any(".indexer." in n for n in layer) == (kind == "D" and cfg.index_kind(i) == "F"), (i, kind)
+    assert not any(re.search(rf"layers\.{cfg.layers}\.", n) for n in names)
+    experts = [p for n, p in model.named_parameters() if "experts" in n and "shared" not in n and p.dim() == 3]
+    assert experts and all(p.shape[0] == cfg.experts for p in experts)
+    lora = [n for n in names if "lora_" in n]
+    assert lora and not any("visual" in n or "lm_head" in n for n in lora)
+    assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+    args = SimpleNamespace(lora_rank=4, tokens=24, sequences=2, steps=1, warmup=1)
+    run = bench_train.run_anchor(raw, cfg, args, torch.device("cpu"))
+    assert math.isfinite(run["loss"]) and run["trainable"] == sum(p.numel() for n, p in model.named_parameters()
+                                                                   if "lora_" in n)
+
