@@ -260,24 +260,32 @@ def test_kda_segments_combine_to_the_unsplit_sequence(device, cuts):
 # (float64 on CPU, float32 3xTF32 on CUDA) and the bf16 kernels' reach, where the gate and beta
 # are computed in the kernels (K, V in {64, 128}, bf16 products; grouped and direct value heads,
 # partial chunks, g and beta in float32 or the inputs' dtype).
-GATE_SHAPES = {"exact": (1, 90, 2, 4, 16, 8, None, None, None),
+GATE_SHAPES = {"exact": (1, 150, 2, 4, 16, 8, None, None, None),
                "bf16-grouped": (1, 150, 2, 4, 64, 64, [70, 0, 80], torch.bfloat16, torch.float32),
                "bf16-direct": (2, 100, 2, 2, 128, 64, None, torch.bfloat16, torch.bfloat16),
                "fp16-direct": (1, 130, 1, 1, 64, 128, None, torch.float16, torch.float32)}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("gate, neg_eigval, v_first, shape", [
-    ("softplus", False, False, "exact"), ("lower_bound", True, True, "exact"), ("none", True, False, "exact"),
-    ("softplus", False, False, "bf16-grouped"), ("lower_bound", True, False, "bf16-grouped"),
-    ("softplus", True, False, "bf16-direct"), ("lower_bound", False, False, "fp16-direct"),
-    ("none", False, False, "bf16-direct")])
-def test_kda_fla06_gate_and_beta_options_match_reference(device, gate, neg_eigval, v_first, shape):
+@pytest.mark.parametrize("gate, neg_eigval, v_first, shape, windowed", [
+    ("softplus", False, False, "exact", False), ("lower_bound", True, True, "exact", False),
+    ("none", True, False, "exact", False), ("softplus", False, False, "exact", True),
+    ("softplus", False, False, "bf16-grouped", False), ("lower_bound", True, False, "bf16-grouped", False),
+    ("softplus", True, False, "bf16-direct", False), ("lower_bound", False, False, "fp16-direct", False),
+    ("none", False, False, "bf16-direct", False), ("lower_bound", False, False, "bf16-grouped", True)])
+def test_kda_fla06_gate_and_beta_options_match_reference(device, gate, neg_eigval, v_first, shape, windowed,
+                                                         monkeypatch):
     """fla 0.6's in-kernel options with its meaning: the raw gate through A_log / dt_bias (softplus
     or the lower-bounded sigmoid), the raw beta through sigmoid (x2 with allow_neg_eigval), the state
     V-first; outputs, final state and every gradient (raw g and beta, A_log, dt_bias, the state)
-    against the reference, in the exact family and in the bf16 kernels (which fuse the gate)."""
+    against the reference, in the exact family and in the bf16 kernels (which fuse the gate), also
+    as windows along T (A_log's and dt_bias's gradients summed over the windows)."""
     B, T, H, HV, Kd, V, lens, dtype, g_dtype = GATE_SHAPES[shape]
+    if windowed:
+        from kda_dsa_ops.ops import kda as kda_ops
+
+        monkeypatch.setattr(kda_ops, "WINDOW_TOKEN_HEADS", 64 * B * HV)  # 64-token windows
+        assert len(kda_ops._windows(B * HV, T)) == -(-T // 64) > 1
     exact = dtype is None
     dtype = (F64 if device == "cpu" else torch.float32) if exact else dtype
     g_dtype = dtype if exact else g_dtype
