@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 
-FAMILIES = {"kda": "bench_kda.py", "dsa": "bench_dsa.py", "moe": "bench_moe.py", "train": "bench_train.py"}
+FAMILIES = {"kda": "bench_kda.py", "dsa": "bench_dsa.py", "moe": "bench_moe.py", "ce": "bench_ce.py",
+            "train": "bench_train.py"}
 
 
 def main():

@@ -12,8 +12,9 @@
 # split at spaces: a -k expression must be one word), SANITIZE (scripts for compute-sanitizer,
 # default tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only), FLA_CASES (the KDA
 # cases timed beside fla: its first calls autotune for ~4 minutes per shape),
-# MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline) are
-# installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
+# MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline;
+# cut-cross-entropy and liger-kernel, the linear cross-entropy's; transformers and peft, the
+# training anchor's) are installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
 # keeps fla's autotuning between calls.
 set -uo pipefail
 
