@@ -50,62 +50,54 @@ def kpool_indexer(q: Tensor, k: Tensor, gate: Tensor, ape: Tensor, w: Tensor, cu
     kernel's rule gives each of them exactly its visible pools. The kpool phases take one copy of
     the pooled keys each (as many rows as there are keys), and the kernel scores each query against
     its visible pools only. Pooling (softmax-weighted averages), the phases' layout and the tail
-    are torch; indices [T, topk + (kpool - 1 if tail else 0)] int32, -1 padded, not
-    differentiable.
+    are torch, without a loop over sequences; indices [T, topk + (kpool - 1 if tail else 0)] int32,
+    -1 padded, not differentiable.
     """
-    T = q.shape[0]
-    width = topk + (kpool - 1 if tail else 0)
-    indices = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
+    T, dev = q.shape[0], q.device
+    indices = torch.full((T, topk + (kpool - 1 if tail else 0)), -1, dtype=torch.int32, device=dev)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    lens, klens = cu_seqlens.diff().long(), cu_k.diff().long()
+    N = lens.numel()
+    seq = torch.repeat_interleave(torch.arange(N, device=dev), lens, output_size=T)  # each query's sequence
+    kstart = cu_k[:-1].long()[seq]                                                    # its sequence's first key
+    t = torch.arange(T, device=dev) - cu_seqlens[:-1].long()[seq] + (klens - lens)[seq]  # its position there
     n_best = topk // kpool
-    bounds = cu_seqlens.tolist()
-    kbounds = bounds if cu_seqlens_k is None else cu_seqlens_k.tolist()
-    seqs = [(a, b, ka, kb) for a, b, ka, kb in zip(bounds[:-1], bounds[1:], kbounds[:-1], kbounds[1:])]
-    dev = q.device
-    arange = lambda *a: torch.arange(*a, device=dev)  # noqa: E731
     if n_best > 0 and T > 0:
         # pooled keys of every sequence's complete pools, in order: pool j of a sequence averages
         # its kpool keys weighted by softmax(gate + ape) over the pool
-        pool_rows = [arange(ka, ka + (kb - ka) // kpool * kpool) for _, _, ka, kb in seqs]
-        rows = torch.cat(pool_rows) if pool_rows else arange(0)
+        pools = klens // kpool
+        first_pool = torch.cat([pools.new_zeros(1), pools.cumsum(0)])
+        P = int(first_pool[-1])
+        pool_seq = torch.repeat_interleave(torch.arange(N, device=dev), pools, output_size=P)
+        rows = ((cu_k[:-1].long()[pool_seq] + (torch.arange(P, device=dev) - first_pool[pool_seq]) * kpool)[:, None]
+                + torch.arange(kpool, device=dev)).flatten()
         acc = accumulation_dtype(q)
-        weight = torch.softmax(gate[rows].to(acc).view(-1, kpool, gate.shape[-1]) + ape.to(acc)[None], dim=1)
-        pooled = (weight * k[rows].to(acc).view(-1, kpool, k.shape[-1])).sum(1).to(k.dtype)
-        first_pool = [0]
-        for r in pool_rows:
-            first_pool.append(first_pool[-1] + r.numel() // kpool)
-        # one kernel sequence per (sequence, phase): its queries and the prefix of pools they see
-        order, key_rows, cu_q, cu_k, key_base, seg_pool0 = [], [], [0], [0], [], []
-        for n, (a, b, ka, kb) in enumerate(seqs):
-            L, Lk = b - a, kb - ka
-            for phase in range(kpool):
-                # queries i with (i + Lk - L + 1) % kpool == phase
-                i0 = (phase - 1 - (Lk - L)) % kpool
-                idx = arange(a + i0, max(a + i0, b), kpool)
-                last = i0 + (L - 1 - i0) // kpool * kpool  # the phase's last query (when i0 < L)
-                seen = max(0, (last + Lk - L + 1) // kpool) if i0 < L else 0
-                order.append(idx)
-                key_rows.append(arange(first_pool[n], first_pool[n] + seen))
-                cu_q.append(cu_q[-1] + idx.numel())
-                cu_k.append(cu_k[-1] + seen)
-                key_base.append(torch.full((idx.numel(),), ka, device=dev))     # the sequence's first key
-                seg_pool0.append(torch.full((idx.numel(),), cu_k[-2], device=dev))  # the segment's first row
-        order = torch.cat(order)
-        key_rows = torch.cat(key_rows)
-        if key_rows.numel() > 0:
-            cu32 = lambda c: torch.tensor(c, dtype=torch.int32, device=dev)  # noqa: E731
-            best, _ = lightning_indexer(q[order], pooled[key_rows].contiguous(), w[order], cu32(cu_q), cu32(cu_k),
-                                        n_best)
-            pool = best.long() - torch.cat(seg_pool0)[:, None]                 # pool index in its sequence
-            tokens = (pool[..., None] * kpool + arange(kpool)).flatten(1) + torch.cat(key_base)[:, None]
+        weight = torch.softmax(gate[rows].to(acc).view(P, kpool, gate.shape[-1]) + ape.to(acc)[None], dim=1)
+        pooled = (weight * k[rows].to(acc).view(P, kpool, k.shape[-1])).sum(1).to(k.dtype)
+        # one kernel sequence per (sequence, phase), its queries in order: it sees the first pools
+        # up to its last query's count
+        segment = seq * kpool + (t + 1) % kpool
+        order = torch.sort(segment, stable=True).indices
+        S = N * kpool
+        q_count = torch.bincount(segment, minlength=S)
+        seen = torch.zeros(S, dtype=torch.long, device=dev).scatter_reduce(
+            0, segment, torch.div(t + 1, kpool, rounding_mode="floor").clamp_min(0), "amax")
+        cu_q, cu_seen = (torch.cat([x.new_zeros(1), x.cumsum(0)]) for x in (q_count, seen))
+        K_rows = int(cu_seen[-1])
+        if K_rows > 0:
+            row_seg = torch.repeat_interleave(torch.arange(S, device=dev), seen, output_size=K_rows)
+            key_rows = first_pool[row_seg // kpool] + torch.arange(K_rows, device=dev) - cu_seen[row_seg]
+            best, _ = lightning_indexer(q[order], pooled[key_rows], w[order], cu_q.to(torch.int32),
+                                        cu_seen.to(torch.int32), n_best)
+            pool = best.long() - cu_seen[segment[order]][:, None]             # pool index in its sequence
+            tokens = (pool[..., None] * kpool + torch.arange(kpool, device=dev)).flatten(1) + kstart[order, None]
             chosen = (best >= 0).repeat_interleave(kpool, dim=1)
             indices[order, : n_best * kpool] = torch.where(chosen, tokens, -1).to(torch.int32)
     if tail and kpool > 1:  # the (t + 1) % kpool keys after the last complete pool, always chosen
-        for a, b, ka, kb in seqs:
-            t = arange(kb - ka - (b - a), kb - ka)
-            count = (t + 1) % kpool
-            offset = arange(kpool - 1)
-            tail_rows = (t + 1 - count)[:, None] + offset[None, :] + ka
-            indices[a:b, topk:] = torch.where(offset[None, :] < count[:, None], tail_rows, -1).to(torch.int32)
+        count = (t + 1) % kpool
+        offset = torch.arange(kpool - 1, device=dev)
+        tail_rows = (t + 1 - count)[:, None] + offset[None, :] + kstart[:, None]
+        indices[:, topk:] = torch.where(offset[None, :] < count[:, None], tail_rows, -1).to(torch.int32)
     return indices
 
 
