@@ -104,7 +104,7 @@ void check_values(const at::Tensor& g, const at::Tensor& beta, const Gate& gate)
   }
 }
 
-// softplus(x), x above 20 as itself (fla's threshold), and its derivative.
+// softplus(x), x itself above 20 (fla's threshold).
 at::Tensor softplus20(const at::Tensor& x) { return at::where(x > 20, x, at::log1p(at::exp(at::clamp_max(x, 20)))); }
 
 }  // namespace

@@ -73,10 +73,11 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& dt_bias, double lower_bound,
                                                double beta_scale);
 BwdResult kda_bwd_cpu(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
-                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
-                    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
-                    bool use_qk_l2norm, bool bf16_products, const std::optional<at::Tensor>& A_log,
-                    const std::optional<at::Tensor>& dt_bias, double lower_bound, double beta_scale);
+                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                      double scale, const std::optional<at::Tensor>& initial_state,
+                      const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm, bool bf16_products,
+                      const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
+                      double lower_bound, double beta_scale);
 #ifdef KDA_DSA_OPS_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> kda_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const at::Tensor& g, const at::Tensor& beta, double scale,
@@ -87,10 +88,11 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd_cuda(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& dt_bias, double lower_bound,
                                                 double beta_scale);
 BwdResult kda_bwd_cuda(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
-                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
-                    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
-                    bool use_qk_l2norm, bool bf16_products, const std::optional<at::Tensor>& A_log,
-                    const std::optional<at::Tensor>& dt_bias, double lower_bound, double beta_scale);
+                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                       double scale, const std::optional<at::Tensor>& initial_state,
+                       const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm, bool bf16_products,
+                       const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
+                       double lower_bound, double beta_scale);
 #endif
 
 // The checks both entry points make (kda.cpp). check_fwd: shapes, dtypes, devices, cu_seqlens, the
