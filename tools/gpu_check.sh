@@ -4,8 +4,9 @@
 # end into $OUT/gpu_check-HHMMSS.tgz beside $OUT/summary.txt (the device tool brings back few files);
 # a short table is printed last.
 #
-#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [bench|bench-quick] ...
-#   (default: build test sanitize demo train bench; ep needs two or more GPUs)
+#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [groups] [bench|bench-quick] ...
+#   (default: build test sanitize demo train bench; ep needs two or more GPUs; groups: the real
+#   models' layer groups beside transformers + peft, GROUPS and GROUP_TOKENS to choose)
 #
 # Environment: KDA_DSA_OPS_COMMIT (the commit id the results record; pass it: a copied tree's
 # .git can name an older commit than the files that run), TEST_ARGS (extra pytest arguments,
@@ -80,6 +81,13 @@ for step in "${steps[@]}"; do
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 run_step ep 500 \
         python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench/bench_ep.py --out "$OUT/results"
       grep -E "^equivalence|^all-to-all|^\{'ep'|^wrote" "$OUT/ep.log" | tee -a "$summary"
+      ;;
+    groups)  # the real models' layer groups, ours beside transformers + peft (GROUPS: the groups to run)
+      for group in ${GROUPS:-glm-5.3-flash kimi-linear-48b deepseek-v3.2}; do
+        run_step "group-$group" 400 python3 bench/bench_train.py --config "$group" --tokens "${GROUP_TOKENS:-16384}" \
+          --sequences 2 --backends native transformers --out "$OUT/results"
+        grep -E "tok/s|MFU|out of memory|native /|planned" "$OUT/group-$group.log" | tee -a "$summary"
+      done
       ;;
     bench | bench-quick)
       quick=()
