@@ -89,9 +89,10 @@ def transformers_group(raw: dict, cfg, lora_rank: int):
     """The anchor: the same layer group as transformers builds it from the family's config.json (its
     modules, SDPA attention, its grouped-GEMM experts, fla's kernels for KDA where fla is
     installed), with our group's layers, experts and routing groups, and peft LoRA of rank
-    lora_rank on every linear layer of the language model (peft's "all-linear": attention
-    projections, dense and shared-expert MLPs; transformers' routed experts are 3-D parameters,
-    which stay frozen as ours are). Returns the peft model, weights as transformers initialises them."""
+    lora_rank on every nn.Linear of the language model (attention projections, the indexer, dense
+    and shared-expert MLPs; not the vision tower or the head; transformers' routed experts are 3-D
+    parameters, which stay frozen as ours are). Returns the peft model, weights as transformers
+    initialises them."""
     import peft
     import transformers
 

@@ -107,6 +107,13 @@ void check_values(const at::Tensor& g, const at::Tensor& beta, const Gate& gate)
 // softplus(x), x itself above 20 (fla's threshold).
 at::Tensor softplus20(const at::Tensor& x) { return at::where(x > 20, x, at::log1p(at::exp(at::clamp_max(x, 20)))); }
 
+// The in-kernel gate's x = g + dt_bias [B,T,HV,K] and a = exp(A_log) [HV, 1], in its accumulation type.
+std::pair<at::Tensor, at::Tensor> gate_x_a(const Problem& p, const at::Tensor& g) {
+  const Gate& gate = p.gate;
+  const at::Tensor x = g.to(gate.A_log.scalar_type());
+  return {gate.dt_bias.defined() ? x + gate.dt_bias.view({p.HV, p.K}) : x, gate.A_log.exp().view({p.HV, 1})};
+}
+
 }  // namespace
 
 Problem check_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -154,8 +161,7 @@ std::pair<at::Tensor, at::Tensor> gated_inputs(const Problem& p, const at::Tenso
   const Gate& gate = p.gate;
   at::Tensor decay = g, b = beta;
   if (gate.on()) {
-    const at::Tensor x = gate.dt_bias.defined() ? g.to(acc) + gate.dt_bias.view({p.HV, p.K}) : g.to(acc);
-    const at::Tensor a = gate.A_log.exp().view({p.HV, 1});
+    const auto [x, a] = gate_x_a(p, g);
     decay = gate.lower_bound == 0 ? -a * softplus20(x) : gate.lower_bound * at::sigmoid(a * x);
   }
   if (gate.beta_scale != 0) b = gate.beta_scale * at::sigmoid(beta.to(acc));
@@ -169,9 +175,8 @@ void gate_grads(const Problem& p, const at::Tensor& g, const at::Tensor& beta, G
     gr.dbeta = gr.dbeta * (gate.beta_scale * s * (1 - s));
   }
   if (!gate.on()) return;
-  const auto acc = gate.A_log.scalar_type();
-  const at::Tensor x = gate.dt_bias.defined() ? g.to(acc) + gate.dt_bias.view({p.HV, p.K}) : g.to(acc);
-  const at::Tensor a = gate.A_log.exp().view({p.HV, 1}), d = gr.dg.to(acc);
+  const auto [x, a] = gate_x_a(p, g);
+  const at::Tensor d = gr.dg.to(x.scalar_type());
   at::Tensor dx, da;  // per element: the gradients w.r.t. x and A_log
   if (gate.lower_bound == 0) {  // d/dx -a softplus(x) = -a sigmoid(x) (-a above 20); d/dA_log = the decay
     dx = d * -a * at::where(x > 20, at::ones_like(x), at::sigmoid(x));

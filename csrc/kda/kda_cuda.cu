@@ -211,8 +211,10 @@ BwdResult kda_bwd_cuda(const at::Tensor& grad_o, const std::optional<at::Tensor>
   if (bf16_fwd_supported(p, q)) {  // the gate's and beta's chain rule in the kernels
     gr.dg = at::empty(g.sizes(), g.options());
     gr.dbeta = at::empty(beta.sizes(), beta.options());
-    gr.dA_log = at::zeros({p.HV}, f32);  // (the kernels' sums replace them where there are tokens)
-    gr.ddt_bias = at::zeros({p.HV * p.K}, f32);
+    if (p.gate.on()) {  // (the kernels' sums replace them where there are tokens)
+      gr.dA_log = at::zeros({p.HV}, f32);
+      gr.ddt_bias = at::zeros({p.HV * p.K}, f32);
+    }
     // scale dO in bf16, rounded once from the product
     const at::Tensor dOs =
         (grad_o.scalar_type() == at::kBFloat16 ? grad_o * p.scale : grad_o.to(at::kFloat) * p.scale)

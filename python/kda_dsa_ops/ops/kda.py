@@ -246,8 +246,8 @@ def _(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqle
 
 
 def _kda_setup(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, _, use_qk_l2norm, bf16_products, *gate = inputs
-    A_log, dt_bias, lower_bound, beta_scale = gate + [None, None, 0.0, 0.0][len(gate):]
+    (q, k, v, g, beta, scale, initial_state, cu_seqlens, _, use_qk_l2norm, bf16_products, A_log, dt_bias, lower_bound,
+     beta_scale) = inputs  # (torch fills in the defaults)
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     ctx.scale, ctx.use_qk_l2norm, ctx.bf16_products = scale, use_qk_l2norm, bf16_products
     ctx.gate = (lower_bound, beta_scale)
