@@ -20,9 +20,11 @@ one rank of expert parallelism 8 holds, routed among themselves: each such rank'
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
+import re
 import time
 from dataclasses import replace
 
@@ -133,6 +135,61 @@ def timed_steps(step, steps: int, warmup: int, device: torch.device) -> tuple[fl
     return (time.perf_counter() - start) / steps, loss.item()
 
 
+# A kernel's part of the step: the first pattern its name matches (ours by namespace first, so
+# that our grouped GEMM counts as MoE, not as GEMM; torch's copies before its other elementwise
+# kernels).
+PARTS = (("KDA (ours)", r"kda_dsa_ops::kda"), ("DSA (ours)", r"kda_dsa_ops::dsa"), ("MoE (ours)", r"kda_dsa_ops::moe"),
+         ("fla (Triton)", r"chunk_|fused_recurrent|kda|gated_delta"), ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|wgmma"),
+         ("SDPA", r"flash|fmha|attention"), ("copies and indexing", r"copy|memcpy|memset|cat|index|scatter|gather|fill"),
+         ("elementwise", r"elementwise"), ("reductions", r"reduce|norm|softmax"), ("other", r""))
+
+
+def kernel_parts(kernels: dict[str, float]) -> dict[str, float]:
+    """{part: time} from {kernel name: time} by PARTS."""
+    parts = dict.fromkeys(name for name, _ in PARTS)
+    for kernel, time_us in kernels.items():
+        part = next(name for name, pattern in PARTS if re.search(pattern, kernel, re.IGNORECASE))
+        parts[part] = (parts[part] or 0.0) + time_us
+    return {name: t for name, t in parts.items() if t}
+
+
+def profile_step(step, top: int = 25) -> dict:
+    """One step (after the timed ones) under torch.profiler: GPU time by kernel and by part (the
+    per-kernel breakdown --profile prints and records), in milliseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.time_range.elapsed_us() / 1e3
+    total = sum(kernels.values())
+    return {"gpu_ms": total, "parts": kernel_parts(kernels), "kernels": kernels.most_common(top)}
+
+
+def print_profile(label: str, prof: dict) -> None:
+    total = prof["gpu_ms"]
+    print(f"{label}: {total:.1f} ms of GPU time in one step", flush=True)
+    for part, ms in sorted(prof["parts"].items(), key=lambda kv: -kv[1]):
+        print(f"  part {part:<20} {ms:9.2f} ms {100 * ms / total:5.1f}%", flush=True)
+    for name, ms in prof["kernels"]:
+        print(f"  {ms:9.2f} ms {100 * ms / total:5.1f}%  {name[:110]}", flush=True)
+
+
+def timed_run(step, steps: int, warmup: int, device: torch.device, profile: bool) -> dict:
+    """timed_steps' time and loss, the peak memory, and with profile (on a GPU) profile_step's
+    breakdown; out of memory gives {"error": ..., "peak_mb"}."""
+    try:
+        seconds, loss = timed_steps(step, steps, warmup, device)
+        peak = peak_memory_mb(device)
+        prof = profile_step(step) if profile and device.type == "cuda" else None
+    except torch.OutOfMemoryError:
+        return {"error": "out of memory", "peak_mb": peak_memory_mb(device)}
+    return {"step_s": seconds, "loss": loss, "peak_mb": peak} | ({"profile": prof} if prof else {})
+
+
 def run_anchor(raw: dict, cfg, args, device: torch.device) -> dict:
     """transformers + peft on the same tokens: --sequences rows of --tokens / --sequences (it takes
     no packed varlen batch for every family), AdamW on the LoRA parameters."""
@@ -153,12 +210,10 @@ def run_anchor(raw: dict, cfg, args, device: torch.device) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    try:
-        seconds, loss = timed_steps(step, args.steps, args.warmup, device)
-    except torch.OutOfMemoryError:
-        return {"backend": "transformers + peft", "error": "out of memory", "peak_mb": peak_memory_mb(device)}
-    return {"backend": "transformers + peft", "step_s": seconds, "tokens_per_s": tokens.numel() / seconds,
-            "peak_mb": peak_memory_mb(device), "loss": loss, "trainable": sum(p.numel() for p in trainable)}
+    run = {"backend": "transformers + peft"} | timed_run(step, args.steps, args.warmup, device, args.profile)
+    if "error" not in run:
+        run |= {"tokens_per_s": tokens.numel() / run["step_s"], "trainable": sum(p.numel() for p in trainable)}
+    return run
 
 
 def run(cfg, backend: str, args, device: torch.device) -> dict:
@@ -181,10 +236,11 @@ def run(cfg, backend: str, args, device: torch.device) -> dict:
 
     # The reference ops (a Python loop over tokens for KDA) take far longer per step: fewer steps.
     steps, warmup = (args.reference_steps, 1) if backend == "reference" else (args.steps, args.warmup)
-    seconds, loss = timed_steps(step, steps, warmup, device)
-    return {"backend": backend, "step_s": seconds, "tokens_per_s": args.tokens / seconds,
-            "peak_mb": peak_memory_mb(device), "loss": loss,
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    run = {"backend": backend} | timed_run(step, steps, warmup, device, args.profile)
+    if "error" not in run:
+        run |= {"tokens_per_s": args.tokens / run["step_s"],
+                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    return run
 
 
 def main(argv=None) -> dict:
@@ -204,6 +260,8 @@ def main(argv=None) -> dict:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU (H200: 989)")
     p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
     p.add_argument("--quick", action="store_true", help="3 timed steps of 1024 tokens")
+    p.add_argument("--profile", action="store_true",
+                   help="on a GPU: one more step under torch.profiler, its GPU time by part and by kernel")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.reference_steps, args.tokens = 3, 1, 1024
@@ -220,6 +278,8 @@ def main(argv=None) -> dict:
         else:
             print(f"{args.config} {backend:>9}: {runs[-1]['tokens_per_s']:,.0f} tok/s, step {runs[-1]['step_s']:.3f} s, "
                   f"peak {runs[-1]['peak_mb']:,.0f} MB", flush=True)
+            if "profile" in runs[-1]:
+                print_profile(f"{args.config} {backend}", runs[-1]["profile"])
         if device.type == "cuda":
             torch.cuda.empty_cache()
     seqlens = torch.linspace(0, args.tokens, args.sequences + 1).round().int().diff().tolist()

@@ -337,9 +337,10 @@ def test_dsa_bad_inputs_raise():
         f(q, kv, idx, 0.5, 9)
     with pytest.raises(RuntimeError, match="gate must be"):
         f(q, kv, idx, 0.5, 8, gate[:, :, :4])
-    with pytest.raises(RuntimeError, match=r"topk must be in \[1, 2048\]"):
-        f(q, kv, torch.zeros(4, 2, 2049, dtype=torch.int32), 0.5, 8)
-    with pytest.raises(RuntimeError, match=r"topk must be in \[1, 2048\]"):
+    f(q, kv, torch.zeros(4, 2, 4096, dtype=torch.int32), 0.5, 8)  # attention takes more keys than the indexer
+    with pytest.raises(RuntimeError, match=r"topk must be in \[1, 4096\]"):
+        f(q, kv, torch.zeros(4, 2, 4097, dtype=torch.int32), 0.5, 8)
+    with pytest.raises(RuntimeError, match=r"topk must be in \[1, 4096\]"):
         f(q, kv, idx[:, :, :0], 0.5, 8)
     qi, ki, w = torch.randn(6, 2, 8), torch.randn(6, 8), torch.randn(6, 2)
     cu = cu_of([6])
@@ -423,17 +424,19 @@ def test_lightning_indexer_bwd_cuda_matches_reference(seed, lens, topk, Hi, Di, 
 
 
 MLA = (1, 576, 512)
+NOPE = (1, 512, 512)  # GLM-5.3's MLA without rope dims
 
 
 @pytest.mark.cuda
 @given(seed=SEEDS, T=st.integers(1, 20), Tk=st.integers(1, 300),
-       layout=st.sampled_from([MLA, (2, 128, 128), (4, 64, 48), (1, 32, 32)]), G=st.sampled_from([1, 5, 16, 64, 128]),
-       topk=st.sampled_from([1, 37, 64, 2048]), gated=st.booleans(), return_p=st.booleans(),
-       portable=st.booleans(), dtype=st.sampled_from(HALF))
+       layout=st.sampled_from([MLA, NOPE, (2, 128, 128), (4, 64, 48), (1, 32, 32)]),
+       G=st.sampled_from([1, 5, 16, 64, 128]), topk=st.sampled_from([1, 37, 64, 2048, 2063, 4096]), gated=st.booleans(),
+       return_p=st.booleans(), portable=st.booleans(), dtype=st.sampled_from(HALF))
 def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, gated, return_p, portable,
                                                  dtype):
-    """On sm_90 the MLA layout takes the Hopper forward kernel (p from its second pass) unless
-    set_portable_sfa(True) keeps it on the portable one, which other GPUs take."""
+    """On sm_90 the MLA layouts (576 / 512, NoPE 512 / 512) take the Hopper forward kernel (p from
+    its second pass) unless set_portable_sfa(True) keeps it on the portable one, which other GPUs
+    take; 2063 keys: GLM-5.3's pooled selection with its tail, past the indexer's 2048."""
     torch.manual_seed(seed)
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated)
@@ -463,7 +466,7 @@ def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, g
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layout", [MLA, (2, 128, 128)])
+@pytest.mark.parametrize("layout", [MLA, NOPE, (2, 128, 128)])
 def test_sparse_attention_cuda_deterministic_dkv(layout):
     """deterministic=True: dkv bitwise equal over repeated runs, and equal to the atomic path
     within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters."""

@@ -161,18 +161,21 @@ def test_the_native_backend_takes_what_the_report_says(monkeypatch, device_type)
         for op in ("lightning_indexer", "sparse_attention"):
             monkeypatch.setattr(module, op, lambda *a, _n=name, _op=op, **kw: calls.append((_op, _n)))
     fake = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
-    cases = [((96, 64), (576, 512)), ((64, 64), (576, 512)), ((64, 64), (1024, 512)), ((64, 12), (128, 128))]
-    for (heads, dim), (dqk, dv) in cases:
+    # (indexer heads, dim), (Dqk, dv), keys per query: GLM-5.3's NoPE layer with its pooled tail
+    # (2063 keys) on the kernels, past MAX_KEYS on the reference
+    cases = [((96, 64), (576, 512), 16), ((64, 64), (576, 512), 16), ((64, 64), (1024, 512), 16),
+             ((64, 12), (128, 128), 16), ((32, 128), (512, 512), 2063), ((32, 128), (512, 512), 4097)]
+    for (heads, dim), (dqk, dv), keys in cases:
         calls.clear()
         with monkeypatch.context() as m:  # meta tensors that say they live on device_type
             m.setattr(torch.Tensor, "device", property(lambda self: torch.device(device_type)))
             backend.NATIVE.lightning_indexer(fake(4, heads, dim), fake(4, dim), fake(4, heads), None, None, 16)
-            backend.NATIVE.sparse_attention(fake(4, 8, dqk), fake(4, 1, dqk), fake(4, 1, 16, dtype=torch.int32),
+            backend.NATIVE.sparse_attention(fake(4, 8, dqk), fake(4, 1, dqk), fake(4, 1, keys, dtype=torch.int32),
                                             dv=dv)
         cuda = device_type == "cuda"
         want = [("lightning_indexer", "reference" if cuda and (heads > 64 or dim % 8) else "native"),
-                ("sparse_attention", "reference" if cuda and dqk > 576 else "native")]
-        assert calls == want, ((heads, dim), (dqk, dv), device_type)
+                ("sparse_attention", "reference" if keys > 4096 or cuda and dqk > 576 else "native")]
+        assert calls == want, ((heads, dim), (dqk, dv), keys, device_type)
 
 
 def write_raw(path, header: dict | list, data: bytes = b"", header_bytes: bytes | None = None):

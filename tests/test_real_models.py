@@ -341,8 +341,28 @@ def test_bench_train_anchor_builds_our_layer_group(family):
     lora = [n for n in names if "lora_" in n]
     assert lora and not any("visual" in n or "lm_head" in n for n in lora)
     assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
-    args = SimpleNamespace(lora_rank=4, tokens=24, sequences=2, steps=1, warmup=1)
+    args = SimpleNamespace(lora_rank=4, tokens=24, sequences=2, steps=1, warmup=1, profile=False)
     run = bench_train.run_anchor(raw, cfg, args, torch.device("cpu"))
     assert math.isfinite(run["loss"]) and run["trainable"] == sum(p.numel() for n, p in model.named_parameters()
                                                                    if "lora_" in n)
 
+
+
+def test_bench_train_profile_parts():
+    """--profile's breakdown: each kernel in the first part whose pattern it matches, ours by
+    namespace before the generic GEMM / copy patterns (our grouped GEMM is MoE, fla's Triton
+    kernels are fla's), indexing before elementwise, times summed per part."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_train
+
+    kernels = {"void kda_dsa_ops::moe::(anonymous namespace)::grouped_mm_kernel<__nv_bfloat16>(GemmArgs)": 3.0,
+               "void kda_dsa_ops::kda::(anonymous namespace)::intra_bf16_kernel<128, __nv_bfloat16>(RawIn)": 2.0,
+               "void kda_dsa_ops::dsa::(anonymous namespace)::attn_bwd_kernel<__nv_bfloat16, 576>(AttnBwdArgs)": 4.0,
+               "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": 1.5, "chunk_kda_fwd_kernel_intra_sub_chunk": 0.5,
+               "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": 0.25,
+               "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t>>": 0.5,
+               "Memcpy DtoD (Device -> Device)": 0.75, "void at::native::index_elementwise_kernel<128, 4>": 0.25,
+               "void pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel<Flash_bwd_kernel_traits>": 1.0, "mystery": 0.125}
+    assert bench_train.kernel_parts(kernels) == {
+        "KDA (ours)": 2.0, "DSA (ours)": 4.0, "MoE (ours)": 3.0, "fla (Triton)": 0.5, "GEMM": 1.5, "SDPA": 1.0,
+        "elementwise": 0.25, "reductions": 0.5, "copies and indexing": 0.75 + 0.25, "other": 0.125}

@@ -9,9 +9,9 @@
 #   models' layer groups beside transformers + peft, GROUPS and GROUP_TOKENS to choose)
 #
 # Environment: KDA_DSA_OPS_COMMIT (the commit id the results record; pass it: a copied tree's
-# .git can name an older commit than the files that run), TEST_ARGS (extra pytest arguments,
-# split at spaces: a -k expression must be one word), SANITIZE (scripts for compute-sanitizer,
-# default tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only), FLA_CASES (the KDA
+# .git can name an older commit than the files that run), TEST_PATHS (test files or node ids,
+# default tests), TEST_ARGS (extra pytest arguments, split at spaces: a -k expression must be one
+# word), SANITIZE (scripts for compute-sanitizer, default tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only), FLA_CASES (the KDA
 # cases timed beside fla: its first calls autotune for ~4 minutes per shape),
 # MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline;
 # cut-cross-entropy and liger-kernel, the linear cross-entropy's; transformers and peft, the
@@ -57,7 +57,7 @@ for step in "${steps[@]}"; do
         | head -20 >>"$summary"
       ;;
     test)
-      HYPOTHESIS_PROFILE=gpu run_step tests 480 python3 -m pytest tests -q -p no:cacheprovider \
+      HYPOTHESIS_PROFILE=gpu run_step tests 480 python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
         ${TEST_ARGS:-}
       tail -15 "$OUT/tests.log" | tee -a "$summary"
       ;;
@@ -85,8 +85,8 @@ for step in "${steps[@]}"; do
     groups)  # the real models' layer groups, ours beside transformers + peft (GROUPS: the groups to run)
       for group in ${GROUPS:-glm-5.3-flash kimi-linear-48b deepseek-v3.2}; do
         run_step "group-$group" 400 python3 bench/bench_train.py --config "$group" --tokens "${GROUP_TOKENS:-16384}" \
-          --sequences 2 --backends native transformers --out "$OUT/results"
-        grep -E "tok/s|MFU|out of memory|native /|planned" "$OUT/group-$group.log" | tee -a "$summary"
+          --sequences 2 --backends native transformers --profile --out "$OUT/results"
+        grep -E "tok/s|MFU|out of memory|native /|planned|GPU time|  part " "$OUT/group-$group.log" | tee -a "$summary"
       done
       ;;
     bench | bench-quick)

@@ -11,8 +11,8 @@ namespace {
 
 constexpr auto kFloating = {at::kBFloat16, at::kHalf, at::kFloat, at::kDouble};
 
-void check_topk(int64_t topk, const char* op) {
-  TORCH_CHECK(topk >= 1 && topk <= kMaxTopk, op, ": topk must be in [1, ", kMaxTopk, "], got ", topk);
+void check_topk(int64_t topk, const char* op, int64_t limit = kMaxTopk) {
+  TORCH_CHECK(topk >= 1 && topk <= limit, op, ": topk must be in [1, ", limit, "], got ", topk);
 }
 
 IndexerShapes check_indexer_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, const char* op) {
@@ -52,7 +52,7 @@ AttnProblem check_attn_shapes(const at::Tensor& q, const at::Tensor& kv, const a
               shape_str(kv));
   TORCH_CHECK(indices.size(0) == p.T && indices.size(1) == p.Hkv, op, ": indices must be [T, Hkv, topk] with T = ",
               p.T, ", Hkv = ", p.Hkv, ", got ", shape_str(indices));
-  check_topk(p.topk, op);
+  check_topk(p.topk, op, kMaxKeys);
   TORCH_CHECK(dv >= 1 && dv <= p.Dqk, op, ": dv must be in [1, Dqk = ", p.Dqk, "] (values are kv[..., :dv]), got ", dv);
   TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
   if (gate.has_value()) {

@@ -11,7 +11,9 @@
 
 namespace kda_dsa_ops::dsa {
 
-constexpr int64_t kMaxTopk = 2048;
+constexpr int64_t kMaxTopk = 2048;  // the indexer's topk
+constexpr int64_t kMaxKeys = 4096;  // keys per (query, kv head) of sparse attention (GLM-5.3's
+                                    // pooled selection with its tail: 2048 + kpool - 1)
 
 // Sizes of an indexer call: T queries of Hi heads of Di, Tk keys.
 struct IndexerShapes {

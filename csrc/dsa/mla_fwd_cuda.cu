@@ -1,5 +1,5 @@
-// Sparse attention's forward for the MLA layout (Dqk 576, dv 512, one kv head) on sm_90a: the
-// equations of attn_fwd_cuda.cu, with wgmma.
+// Sparse attention's forward for the MLA layouts (one kv head, dv 512: DeepSeek's Dqk 576, GLM-5.3's
+// NoPE Dqk 512) on sm_90a: the equations of attn_fwd_cuda.cu, with wgmma.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/dispatch.h"
@@ -12,39 +12,42 @@ namespace kda_dsa_ops::dsa {
 
 namespace {
 
-// One block per (query, block of up to 64 heads) of the MLA layout (Hkv 1, Dqk 576, dv 512). A
+// One block per (query, block of up to 64 heads) of an MLA layout (Hkv 1, Dqk 576 or 512, dv 512). A
 // producer warpgroup gathers the selected rows, 64 keys a tile, into a 2-stage ring of
 // 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer warpgroups each take
-// 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the 576 columns) and half of the value
+// 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the Dqk columns) and half of the value
 // columns for O += P V (wgmma m64n256k16: P from shared memory, V the tile's first 512 columns read
 // N-major). The row maxima cross between the groups every tile; each group keeps its own row sums,
 // added at the end. Where probabilities are asked for, a second pass over the tiles recomputes S
 // and sums the final probabilities over the heads.
 // Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
 // alone would cost as much; setmaxnreg moves the producer's to the consumers.
+template <int Dqk>
 struct MlaFwd : sm90::WarpSpecialized<2, 56, 224> {
-  static constexpr int kDqk = 576, kDv = 512, kRows = 64, kKeys = 64;
+  static constexpr int kDqk = Dqk, kDv = 512, kRows = 64, kKeys = 64;
   static constexpr int kChunks = kDqk / 64;                 // 64-column swizzled chunks of a row
   static constexpr int kChunkBytes = 64 * 128;              // 64 rows x 64 columns
-  static constexpr int kTileBytes = kChunks * kChunkBytes;  // Q, or a key tile: 72 KB
+  static constexpr int kTileBytes = kChunks * kChunkBytes;  // Q, or a key tile: 72 KB (576) / 64 KB (512)
   static constexpr int kStages = 2;
   static constexpr int kSplit = 5;  // S starts on a tile's first chunks while the rest arrive
   static constexpr int kPBytes = kRows * kKeys * 2;
   using Ring = sm90::StageRing<kStages, 2>;  // full: a tile's first kSplit chunks, the rest
+  static_assert(Dqk == 576 || Dqk == 512);
 };
 
 struct MlaFwdShared {
-  MlaFwd::Ring ring;
+  MlaFwd<576>::Ring ring;  // (the same ring for both widths)
   // Bit k of word w: slot 32 w + k of the selection has a key. Written once, in the first pass,
   // before the tile's first barrier arrival: the second pass reads it again, nothing rewrites it.
-  uint32_t valid[kMaxTopk / 32];
-  float row_max[2][MlaFwd::kRows];            // per consumer group, this tile
-  float row_sum[2][MlaFwd::kRows];            // per consumer group, at the end
+  uint32_t valid[kMaxKeys / 32];
+  float row_max[2][64];  // per consumer group, this tile
+  float row_sum[2][64];  // per consumer group, at the end
 };
 
-constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + (1 + MlaFwd::kStages) * MlaFwd::kTileBytes + MlaFwd::kPBytes +
-                               sizeof(MlaFwdShared);
-static_assert(kMlaFwdSmem <= kMaxSmem);
+template <int Dqk>
+constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + (1 + MlaFwd<Dqk>::kStages) * MlaFwd<Dqk>::kTileBytes +
+                               MlaFwd<Dqk>::kPBytes + sizeof(MlaFwdShared);
+static_assert(kMlaFwdSmem<576> <= kMaxSmem);
 
 // One consumer thread's place: its warpgroup (group), warp and lane in it, fragment row g and
 // column pair c, accumulator rows r0 and r0 + 8; the block's query t, heads head0.. (rows of
@@ -60,10 +63,9 @@ struct MlaThread {
 // the threads 8g .. 8g + 7), so that each request covers whole cache lines; a tile's first kSplit
 // chunks and the rest arrive on two barriers. With probabilities asked for, the tiles go round
 // twice. Marks the selection's valid slots in sh.valid on the first round.
-template <typename T>
+template <typename T, typename M>
 __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK, int64_t t,
                                             int head0, int rows, int tiles) {
-  using M = MlaFwd;
   using namespace sm90;
   const int32_t* sel = a.indices + t * a.topk;
   const T* kv = static_cast<const T*>(a.kv);
@@ -108,10 +110,9 @@ __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& 
 }
 
 // sc = S = Q K^T over this group's 32 keys of the tile loaded i-th, once its chunks arrive.
-template <typename T>
+template <typename T, typename M>
 __device__ __forceinline__ void mla_logits(float (&sc)[16], MlaFwdShared& sh, const uint8_t* sK, const MlaThread& th,
                                            int i) {
-  using M = MlaFwd;
   using namespace sm90;
   const uint32_t k_base = smem_addr(sK + M::Ring::stage(i) * M::kTileBytes);
 #pragma unroll
@@ -134,10 +135,9 @@ __device__ __forceinline__ void mla_logits(float (&sc)[16], MlaFwdShared& sh, co
 // The consumers' main loop over the tiles: S, the online softmax (the row maxima cross between
 // the two groups every tile; each group keeps its row sums l_run of its columns), P into shared
 // memory, O += P V over the group's 256 value columns. A tile is released once its P V is done.
-template <typename T>
+template <typename T, typename M>
 __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, uint8_t* sK, uint8_t* sP, const MlaThread& th,
                                            float (&o)[128], float (&m_run)[2], float (&l_run)[2]) {
-  using M = MlaFwd;
   using namespace sm90;
   const int group = th.group, c = th.c, r0 = th.r0;
   float sc[16];
@@ -149,7 +149,7 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, uint8_t* sK, uint8_
       fence_accumulators(o);
       if (th.lane == 0) sh.ring.release(i - 1);
     }
-    mla_logits<T>(sc, sh, sK, th, i);
+    mla_logits<T, M>(sc, sh, sK, th, i);
     const uint32_t valid_bits = sh.valid[i % th.tiles * 2 + group];  // this group's 32 slots
 
     // Logits in log2 units (no key: -inf); thread columns 32 group + 8 j + 2c (+1), rows r0, r0 + 8.
@@ -217,10 +217,9 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, uint8_t* sK, uint8_
 
 // Epilogue: both groups' row sums into sh.row_sum, then o / l times sigmoid(gate) (the row's gate
 // loads all issued before its first store) and lse.
-template <typename T>
+template <typename T, typename M>
 __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh, const MlaThread& th,
                                           const float (&o)[128], const float (&m_run)[2], float (&l_run)[2]) {
-  using M = MlaFwd;
   using namespace sm90;
   const int group = th.group, c = th.c, r0 = th.r0;
 #pragma unroll
@@ -263,10 +262,9 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
 // Second pass (probabilities asked for): exp(S - lse) summed over the block's heads, per key
 // (rows without a key, and the padding rows past `rows`, add nothing); P's shared memory holds
 // the per-warp column sums.
-template <typename T>
+template <typename T, typename M>
 __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdShared& sh, const uint8_t* sK,
                                                   uint8_t* sP, const MlaThread& th, const float (&m_run)[2]) {
-  using M = MlaFwd;
   using namespace sm90;
   const int group = th.group, warp = th.warp, lane = th.lane, c = th.c, r0 = th.r0, tiles = th.tiles;
   float lse2[2];
@@ -279,7 +277,7 @@ __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdSh
   float* colsum = reinterpret_cast<float*>(sP);  // [group][warp][32 keys]; P is done with
   float sc[16];
   for (int i = tiles; i < 2 * tiles; ++i) {
-    mla_logits<T>(sc, sh, sK, th, i);
+    mla_logits<T, M>(sc, sh, sK, th, i);
     const uint32_t valid_bits = sh.valid[i % tiles * 2 + group];  // this group's 32 slots
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -314,10 +312,9 @@ __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdSh
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __grid_constant__ AttnFwdArgs a) {
+template <typename T, typename M>
+__global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_constant__ AttnFwdArgs a) {
 #ifdef KDA_SM90A_ENABLED
-  using M = MlaFwd;
   using namespace sm90;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
@@ -338,14 +335,14 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
     }
     cp_async_commit();
   }
-  for (int w = threadIdx.x; w < kMaxTopk / 32; w += blockDim.x) sh.valid[w] = 0;
+  for (int w = threadIdx.x; w < kMaxKeys / 32; w += blockDim.x) sh.valid[w] = 0;
   if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
   __syncthreads();
   const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
 
   if (M::is_producer()) {
     M::producer_registers();
-    mla_produce<T>(a, sh, sK, t, head0, rows, tiles);
+    mla_produce<T, M>(a, sh, sK, t, head0, rows, tiles);
     return;
   }
   M::consumer_registers();
@@ -359,30 +356,40 @@ __global__ void __launch_bounds__(MlaFwd::kThreads, 1) mla_fwd_kernel(const __gr
   cp_async_wait<0>();
   fence_proxy_async();  // Q is read by wgmma
   named_barrier_sync(1, 256);
-  mla_attend<T>(sh, sK, sP, th, o, m_run, l_run);
+  mla_attend<T, M>(sh, sK, sP, th, o, m_run, l_run);
   if (a.probs != nullptr && tiles > 0 && th.lane == 0) sh.ring.release(tiles - 1);
-  mla_store<T>(a, sh, th, o, m_run, l_run);
-  if (a.probs != nullptr) mla_probabilities<T>(a, sh, sK, sP, th, m_run);
+  mla_store<T, M>(a, sh, th, o, m_run, l_run);
+  if (a.probs != nullptr) mla_probabilities<T, M>(a, sh, sK, sP, th, m_run);
 #endif
 }
 
 }  // namespace
 
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q) {
-  return p.Dqk == MlaFwd::kDqk && p.dv == MlaFwd::kDv && p.Hkv == 1 && is_sm90(q) && !switch_on(Switch::kPortableSfa);
+  return (p.Dqk == 576 || p.Dqk == 512) && p.dv == 512 && p.Hkv == 1 && is_sm90(q) &&
+         !switch_on(Switch::kPortableSfa);
 }
 
 void mla_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
                   const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
   const c10::cuda::CUDAGuard guard(q.device());
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
-    // probs: zeros (atomics over head blocks)
-    const AttnFwdArgs a{attn_args(p, q, kv, indices, gate, MlaFwd::kRows), o.data_ptr(), lse.data_ptr<float>(),
-                        probs.defined() ? probs.data_ptr<float>() : nullptr};
-    const auto kernel = mla_fwd_kernel<scalar_t>;
-    set_smem(kernel, kMlaFwdSmem);
-    kernel<<<dim3(p.T, 1, a.head_blocks), MlaFwd::kThreads, kMlaFwdSmem, c10::cuda::getCurrentCUDAStream()>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto launch = [&](auto width) {
+      using M = MlaFwd<decltype(width)::value>;
+      constexpr size_t smem = kMlaFwdSmem<M::kDqk>;
+      // probs: zeros (atomics over head blocks)
+      const AttnFwdArgs a{attn_args(p, q, kv, indices, gate, M::kRows), o.data_ptr(), lse.data_ptr<float>(),
+                          probs.defined() ? probs.data_ptr<float>() : nullptr};
+      const auto kernel = mla_fwd_kernel<scalar_t, M>;
+      set_smem(kernel, smem);
+      kernel<<<dim3(p.T, 1, a.head_blocks), M::kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (p.Dqk == 576) {
+      launch(std::integral_constant<int, 576>{});
+    } else {
+      launch(std::integral_constant<int, 512>{});
+    }
   });
 }
 

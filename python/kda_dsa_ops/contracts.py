@@ -9,7 +9,8 @@ import math
 import torch
 from torch import Tensor
 
-MAX_TOPK = 2048  # keys per query of the indexer and sparse attention
+MAX_TOPK = 2048  # the indexer's topk
+MAX_KEYS = 4096  # keys per (query, kv head) of sparse attention (a pooled selection and its tail)
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -38,9 +39,9 @@ def attention_defaults(q: Tensor, scale: float | None, dv: int | None) -> tuple[
     return float(scale), (512 if Dqk == 576 else Dqk) if dv is None else dv
 
 
-def _dsa_kernel_refuses(device_type: str, dtype: torch.dtype, keys_per_query: int) -> str | None:
-    if keys_per_query > MAX_TOPK:
-        return f"{keys_per_query} keys per query exceed the kernels' {MAX_TOPK}"
+def _dsa_kernel_refuses(device_type: str, dtype: torch.dtype, keys_per_query: int, limit: int) -> str | None:
+    if keys_per_query > limit:
+        return f"{keys_per_query} keys per query exceed the kernels' {limit}"
     if device_type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
         return f"the CUDA kernels take bf16 / fp16, the model is {str(dtype).removeprefix('torch.')}"
     return None
@@ -51,7 +52,7 @@ def indexer_kernel_refuses(device_type: str, dtype: torch.dtype, topk: int, head
     shape; CUDA: bf16 / fp16 (tensor-core operands), up to 64 heads of a dim that is a multiple of 8
     up to 128; both at most MAX_TOPK keys per query. The model's native backend sends a refused call
     to the reference; onboard's report prints the reason."""
-    why = _dsa_kernel_refuses(device_type, dtype, topk)
+    why = _dsa_kernel_refuses(device_type, dtype, topk, MAX_TOPK)
     if why is None and device_type == "cuda" and (heads > 64 or dim % 8 or not 8 <= dim <= 128):
         why = f"the CUDA indexer takes up to 64 heads of a multiple of 8 up to 128, got {heads} x {dim}"
     return why
@@ -61,8 +62,8 @@ def attention_kernel_refuses(device_type: str, dtype: torch.dtype, keys_per_quer
                              dv: int) -> str | None:
     """Why the sparse-attention kernels cannot take a call, or None. CPU: any float dtype and shape;
     CUDA: bf16 / fp16, Dqk a multiple of 8 up to 128 (GQA) or up to 576 with dv <= 512 (MLA); both at
-    most MAX_TOPK keys per query."""
-    why = _dsa_kernel_refuses(device_type, dtype, keys_per_query)
+    most MAX_KEYS keys per query."""
+    why = _dsa_kernel_refuses(device_type, dtype, keys_per_query, MAX_KEYS)
     if why is None and device_type == "cuda" and (dqk % 8 or not (dqk <= 128 or (dqk <= 576 and dv <= 512))):
         why = f"the CUDA sparse attention takes Dqk <= 128, or <= 576 with dv <= 512 (multiples of 8), got {dqk} / {dv}"
     return why
