@@ -6,7 +6,7 @@
 #
 #   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [groups] [bench|bench-quick] ...
 #   (default: build test sanitize demo train bench; ep needs two or more GPUs; groups: the real
-#   models' layer groups beside transformers + peft, GROUPS and GROUP_TOKENS to choose)
+#   models' layer groups beside transformers + peft, LAYER_GROUPS and GROUP_TOKENS (bash keeps GROUPS for itself) to choose)
 #
 # Environment: KDA_DSA_OPS_COMMIT (the commit id the results record; pass it: a copied tree's
 # .git can name an older commit than the files that run), TEST_PATHS (test files or node ids,
@@ -82,8 +82,8 @@ for step in "${steps[@]}"; do
         python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench/bench_ep.py --out "$OUT/results"
       grep -E "^equivalence|^all-to-all|^\{'ep'|^wrote" "$OUT/ep.log" | tee -a "$summary"
       ;;
-    groups)  # the real models' layer groups, ours beside transformers + peft (GROUPS: the groups to run)
-      for group in ${GROUPS:-glm-5.3-flash kimi-linear-48b deepseek-v3.2}; do
+    groups)  # the real models' layer groups, ours beside transformers + peft (LAYER_GROUPS: the groups to run)
+      for group in ${LAYER_GROUPS:-glm-5.3-flash kimi-linear-48b deepseek-v3.2}; do
         run_step "group-$group" 400 python3 bench/bench_train.py --config "$group" --tokens "${GROUP_TOKENS:-16384}" \
           --sequences 2 --backends native transformers --profile --out "$OUT/results"
         grep -E "tok/s|MFU|out of memory|native /|planned|GPU time|  part " "$OUT/group-$group.log" | tee -a "$summary"

@@ -232,7 +232,7 @@ struct AttnShape {
 };
 
 // f(Dqk, dv, rows) as integral constants for the problem's kernel instance: head dims padded to
-// 128 or to 576 / 512 (MLA), 16 or 64 heads per block.
+// 128, to 512 / 512 (GLM-5.3's NoPE MLA) or to 576 / 512 (MLA), 16 or 64 heads per block.
 template <typename F>
 void with_attn_instance(const AttnProblem& p, F&& f) {
   using I128 = std::integral_constant<int, 128>;
@@ -240,9 +240,11 @@ void with_attn_instance(const AttnProblem& p, F&& f) {
   using I512 = std::integral_constant<int, 512>;
   using R16 = std::integral_constant<int, 16>;
   using R64 = std::integral_constant<int, 64>;
-  const bool wide = p.Dqk > 128, tall = p.H / p.Hkv > 16;
-  if (wide) {
+  const bool tall = p.H / p.Hkv > 16;
+  if (p.Dqk > 512) {
     tall ? f(I576{}, I512{}, R64{}) : f(I576{}, I512{}, R16{});
+  } else if (p.Dqk > 128) {
+    tall ? f(I512{}, I512{}, R64{}) : f(I512{}, I512{}, R16{});
   } else {
     tall ? f(I128{}, I128{}, R64{}) : f(I128{}, I128{}, R16{});
   }
