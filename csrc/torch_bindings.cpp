@@ -9,6 +9,7 @@
 
 #include "common/checks.h"
 #include "dsa/dsa.h"
+#include "hc/hc.h"
 #include "kda/kda.h"
 #include "moe/moe.h"
 
@@ -87,9 +88,13 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   // Grouped expert GEMM, torch._grouped_mm semantics (2-D a, 3-D b; 2-D a, 2-D dy for the weight gradient).
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
   m.def("grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs) -> Tensor");
+  // Hyper-connections: y [T,m,D] = a [T,m,n] applied to x [T,n,D] per token (+ b[..., None] * z[:, None]).
+  m.def("hc_mix(Tensor x, Tensor a, Tensor? z, Tensor? b) -> Tensor");
+  // (dx, da, dz, db); dz and db are [0] without z, b.
+  m.def("hc_mix_bwd(Tensor grad_y, Tensor x, Tensor a, Tensor? z, Tensor? b) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-// One implementation per dispatch key, each checking its arguments (kda.cpp, dsa.cpp, moe_args.cpp).
+// One implementation per dispatch key, each checking its arguments (kda.cpp, dsa.cpp, moe_args.cpp, hc.cpp).
 TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
   using namespace kda_dsa_ops;
   m.impl("kda_fwd", &kda::kda_fwd_cpu);
@@ -105,6 +110,8 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
   m.impl("moe_unpermute_bwd", &moe::unpermute_bwd_cpu);
   m.impl("grouped_mm", &moe::grouped_mm_cpu);
   m.impl("grouped_mm_wgrad", &moe::grouped_mm_wgrad_cpu);
+  m.impl("hc_mix", &hc::hc_mix_cpu);
+  m.impl("hc_mix_bwd", &hc::hc_mix_bwd_cpu);
 }
 
 #ifdef KDA_DSA_OPS_WITH_CUDA
@@ -123,6 +130,8 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CUDA, m) {
   m.impl("moe_unpermute_bwd", &moe::unpermute_bwd_cuda);
   m.impl("grouped_mm", &moe::grouped_mm_cuda);
   m.impl("grouped_mm_wgrad", &moe::grouped_mm_wgrad_cuda);
+  m.impl("hc_mix", &hc::hc_mix_cuda);
+  m.impl("hc_mix_bwd", &hc::hc_mix_bwd_cuda);
 }
 #endif
 

@@ -233,7 +233,7 @@ class HybridBlock(nn.Module):
                  shared_indices: Tensor | None = None, cp=None):
         streams = x
         if self.attn_hc is not None:
-            post, comb, x = self.attn_hc(streams)
+            post, comb, x = self.attn_hc(streams, backend)
         if recompute_attention:
             attn, aux, indices = checkpoint(self.attention, x, cu_seqlens, pos, backend, shared_indices, cp,
                                             use_reentrant=False)
@@ -242,9 +242,10 @@ class HybridBlock(nn.Module):
         if self.attn_hc is None:
             x = x + attn
             return x + self.feed_forward(self.mlp_norm(x), backend), aux, indices
-        streams = HyperConnection.mix(post, comb, attn, streams)
-        post, comb, x = self.ffn_hc(streams)
-        return HyperConnection.mix(post, comb, self.feed_forward(self.mlp_norm(x), backend), streams), aux, indices
+        streams = HyperConnection.mix(post, comb, attn, streams, backend)
+        post, comb, x = self.ffn_hc(streams, backend)
+        return (HyperConnection.mix(post, comb, self.feed_forward(self.mlp_norm(x), backend), streams, backend), aux,
+                indices)
 
 
 class HybridModel(nn.Module):

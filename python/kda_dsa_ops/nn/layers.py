@@ -407,7 +407,8 @@ class HyperConnection(nn.Module):
     eps: the weights that collapse the streams into the block's input), post [n] (2 sigmoid: how
     the block's output enters each stream) and comb [n, n] (softmax rows + eps, then Sinkhorn
     normalisation towards doubly stochastic: how the streams mix). The next streams are
-    post * block(collapsed) + comb^T streams (see mix)."""
+    post * block(collapsed) + comb^T streams (see mix). The collapse and the mix are the backend's
+    hc_mix (one pass over the streams each, fp32 accumulation)."""
 
     def __init__(self, hidden: int, n: int, eps: float = 1e-6, sinkhorn_iters: int = 20, norm_eps: float = 1e-6):
         super().__init__()
@@ -416,7 +417,7 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = nn.Parameter(torch.ones(3))
 
-    def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, streams: Tensor, backend: Backend) -> tuple[Tensor, Tensor, Tensor]:
         """streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed block input [T, D])."""
         n, acc = self.n, accumulation_dtype(streams)
         flat = streams.reshape(streams.shape[0], -1).to(acc)
@@ -432,14 +433,13 @@ class HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
-        collapsed = (pre[..., None] * streams).sum(1).to(streams.dtype)
+        collapsed = backend.hc_mix(streams, pre[:, None])[:, 0]
         return post, comb, collapsed
 
     @staticmethod
-    def mix(post: Tensor, comb: Tensor, out: Tensor, streams: Tensor) -> Tensor:
+    def mix(post: Tensor, comb: Tensor, out: Tensor, streams: Tensor, backend: Backend) -> Tensor:
         """The next streams: post[t, i] * out[t] + sum_j comb[t, j, i] * streams[t, j]."""
-        dtype = streams.dtype
-        return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
+        return backend.hc_mix(streams, comb.transpose(-1, -2), out, post)
 
 
 class LatentMoE(nn.Module):
