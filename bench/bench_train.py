@@ -136,11 +136,13 @@ def timed_steps(step, steps: int, warmup: int, device: torch.device) -> tuple[fl
 
 
 # A kernel's part of the step: the first pattern its name matches (ours by namespace first, so
-# that our grouped GEMM counts as MoE, not as GEMM; torch's copies before its other elementwise
-# kernels).
+# that our grouped GEMM counts as MoE, not as GEMM; attention before GEMM, cuDNN's SDPA kernels
+# name wgmma; torch's copies before its other elementwise kernels).
 PARTS = (("KDA (ours)", r"kda_dsa_ops::kda"), ("DSA (ours)", r"kda_dsa_ops::dsa"), ("MoE (ours)", r"kda_dsa_ops::moe"),
-         ("fla (Triton)", r"chunk_|fused_recurrent|kda|gated_delta"), ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|wgmma"),
-         ("SDPA", r"flash|fmha|attention"), ("copies and indexing", r"copy|memcpy|memset|cat|index|scatter|gather|fill"),
+         ("mHC (ours)", r"kda_dsa_ops::hc"), ("cross-entropy (ours)", r"kda_dsa_ops::loss"),
+         ("fla (Triton)", r"chunk_|fused_recurrent|kda|gated_delta"), ("SDPA", r"sdpa|flash|fmha|attention"),
+         ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|wgmma"),
+         ("copies and indexing", r"copy|memcpy|memset|cat|index|scatter|gather|fill"),
          ("elementwise", r"elementwise"), ("reductions", r"reduce|norm|softmax"), ("other", r""))
 
 
@@ -154,19 +156,22 @@ def kernel_parts(kernels: dict[str, float]) -> dict[str, float]:
 
 
 def profile_step(step, top: int = 25) -> dict:
-    """One step (after the timed ones) under torch.profiler: GPU time by kernel and by part (the
-    per-kernel breakdown --profile prints and records), in milliseconds."""
+    """One step (after the timed ones) under torch.profiler: GPU time by kernel, by part, and by
+    the torch op that launched it (its self GPU time: which op the glue kernels belong to), in
+    milliseconds; the per-kernel breakdown --profile prints and records."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     kernels = collections.Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] += event.time_range.elapsed_us() / 1e3
-    total = sum(kernels.values())
-    return {"gpu_ms": total, "parts": kernel_parts(kernels), "kernels": kernels.most_common(top)}
+    ops = collections.Counter({e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
+                               if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0})
+    return {"gpu_ms": sum(kernels.values()), "parts": kernel_parts(kernels), "kernels": kernels.most_common(top),
+            "ops": ops.most_common(top)}
 
 
 def print_profile(label: str, prof: dict) -> None:
@@ -176,6 +181,8 @@ def print_profile(label: str, prof: dict) -> None:
         print(f"  part {part:<20} {ms:9.2f} ms {100 * ms / total:5.1f}%", flush=True)
     for name, ms in prof["kernels"]:
         print(f"  {ms:9.2f} ms {100 * ms / total:5.1f}%  {name[:110]}", flush=True)
+    for name, ms in prof["ops"]:
+        print(f"  op {ms:9.2f} ms {100 * ms / total:5.1f}%  {name[:100]}", flush=True)
 
 
 def timed_run(step, steps: int, warmup: int, device: torch.device, profile: bool) -> dict:

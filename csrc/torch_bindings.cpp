@@ -11,6 +11,7 @@
 #include "dsa/dsa.h"
 #include "hc/hc.h"
 #include "kda/kda.h"
+#include "loss/ce.h"
 #include "moe/moe.h"
 
 namespace kda_dsa_ops {
@@ -92,9 +93,14 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   m.def("hc_mix(Tensor x, Tensor a, Tensor? z, Tensor? b) -> Tensor");
   // (dx, da, dz, db); dz and db are [0] without z, b.
   m.def("hc_mix_bwd(Tensor grad_y, Tensor x, Tensor a, Tensor? z, Tensor? b) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Cross-entropy per row of logits [N,V]: loss [N] (accumulation type); with write_grad the logits become
+  // scale * (softmax - onehot) in place.
+  m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor labels, int ignore_index, float scale, bool write_grad) "
+        "-> Tensor");
 }
 
-// One implementation per dispatch key, each checking its arguments (kda.cpp, dsa.cpp, moe_args.cpp, hc.cpp).
+// One implementation per dispatch key, each checking its arguments (kda.cpp, dsa.cpp, moe_args.cpp, hc.cpp,
+// ce.cpp).
 TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
   using namespace kda_dsa_ops;
   m.impl("kda_fwd", &kda::kda_fwd_cpu);
@@ -112,6 +118,7 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
   m.impl("grouped_mm_wgrad", &moe::grouped_mm_wgrad_cpu);
   m.impl("hc_mix", &hc::hc_mix_cpu);
   m.impl("hc_mix_bwd", &hc::hc_mix_bwd_cpu);
+  m.impl("cross_entropy_rows_", &loss::cross_entropy_rows_cpu);
 }
 
 #ifdef KDA_DSA_OPS_WITH_CUDA
@@ -132,6 +139,7 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CUDA, m) {
   m.impl("grouped_mm_wgrad", &moe::grouped_mm_wgrad_cuda);
   m.impl("hc_mix", &hc::hc_mix_cuda);
   m.impl("hc_mix_bwd", &hc::hc_mix_bwd_cuda);
+  m.impl("cross_entropy_rows_", &loss::cross_entropy_rows_cuda);
 }
 #endif
 

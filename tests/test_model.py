@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICES
+from kda_dsa_ops import reference as R
 from kda_dsa_ops.models import HybridModel, get_config
 from kda_dsa_ops.nn import LoRALinear, Rope, ShortConv, chunked_linear_cross_entropy, positions_in_sequence
 
@@ -40,18 +41,34 @@ def test_lora_linear_freezes_the_base_and_merges():
     torch.testing.assert_close(layer.base(x), x @ layer.base.weight.t())
 
 
+@pytest.mark.parametrize("rows", ["kernel", "reference"])
 @pytest.mark.parametrize("chunk", [7, 64, 1000])
-def test_chunked_cross_entropy_matches_full(chunk):
+def test_chunked_cross_entropy_matches_full(chunk, rows):
+    """Loss, accuracy and both gradients (each alone too) against F.cross_entropy on the whole
+    logits; without grad mode only the loss is computed, and it is the same."""
     torch.manual_seed(0)
     h = torch.randn(50, 16, dtype=F64, requires_grad=True)
     w = torch.randn(30, 16, dtype=F64, requires_grad=True)
     labels = torch.randint(0, 30, (50,))
     labels[::5] = -100
-    loss = chunked_linear_cross_entropy(h, w, labels, chunk=chunk)
-    ref = F.cross_entropy(h @ w.t(), labels, ignore_index=-100)
+    fn = R.cross_entropy_rows_ if rows == "reference" else None
+    loss, accuracy = chunked_linear_cross_entropy(h, w, labels, chunk=chunk, rows=fn, with_accuracy=True)
+    logits = h @ w.t()
+    ref = F.cross_entropy(logits, labels, ignore_index=-100)
     assert_close(loss, ref, F64, "loss")
+    labelled = labels != -100
+    assert accuracy == (logits[labelled].argmax(-1) == labels[labelled]).double().mean()
     for a, b in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(ref, (h, w))):
         assert_close(a, b, F64, "grad")
+    for wrt in (h, w):
+        other = w if wrt is h else h
+        other.requires_grad_(False)
+        (a,) = torch.autograd.grad(chunked_linear_cross_entropy(h, w, labels, chunk=chunk, rows=fn), wrt)
+        (b,) = torch.autograd.grad(F.cross_entropy(h @ w.t(), labels), wrt)
+        assert_close(a, b, F64, "grad alone")
+        other.requires_grad_(True)
+    with torch.no_grad():
+        assert_close(chunked_linear_cross_entropy(h, w, labels, chunk=chunk, rows=fn), ref, F64, "no-grad loss")
 
 
 def test_short_conv_stays_inside_each_sequence():

@@ -350,8 +350,9 @@ def test_bench_train_anchor_builds_our_layer_group(family):
 
 def test_bench_train_profile_parts():
     """--profile's breakdown: each kernel in the first part whose pattern it matches, ours by
-    namespace before the generic GEMM / copy patterns (our grouped GEMM is MoE, fla's Triton
-    kernels are fla's), indexing before elementwise, times summed per part."""
+    namespace before the generic GEMM / copy patterns (our grouped GEMM is MoE, our mHC kernels are
+    not fla's Triton kernels), cuDNN's attention (its names say wgmma) before GEMM, indexing before
+    elementwise, times summed per part."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_train
 
@@ -362,7 +363,11 @@ def test_bench_train_profile_parts():
                "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": 0.25,
                "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t>>": 0.5,
                "Memcpy DtoD (Device -> Device)": 0.75, "void at::native::index_elementwise_kernel<128, 4>": 0.25,
-               "void pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel<Flash_bwd_kernel_traits>": 1.0, "mystery": 0.125}
+               "void pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel<Flash_bwd_kernel_traits>": 1.0, "mystery": 0.125,
+               "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x256": 2.0,
+               "void kda_dsa_ops::hc::(anonymous namespace)::hc_mix_bwd_kernel<__nv_bfloat16, 4>(MixArgs)": 0.375,
+               "void kda_dsa_ops::loss::(anonymous namespace)::ce_rows_kernel<__nv_bfloat16>(CeArgs)": 0.0625}
     assert bench_train.kernel_parts(kernels) == {
-        "KDA (ours)": 2.0, "DSA (ours)": 4.0, "MoE (ours)": 3.0, "fla (Triton)": 0.5, "GEMM": 1.5, "SDPA": 1.0,
+        "KDA (ours)": 2.0, "DSA (ours)": 4.0, "MoE (ours)": 3.0, "mHC (ours)": 0.375, "cross-entropy (ours)": 0.0625,
+        "fla (Triton)": 0.5, "GEMM": 1.5, "SDPA": 1.0 + 2.0,
         "elementwise": 0.25, "reductions": 0.5, "copies and indexing": 0.75 + 0.25, "other": 0.125}

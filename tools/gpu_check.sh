@@ -6,13 +6,15 @@
 #
 #   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [groups] [bench|bench-quick] ...
 #   (default: build test sanitize demo train bench; ep needs two or more GPUs; groups: the real
-#   models' layer groups beside transformers + peft, LAYER_GROUPS and GROUP_TOKENS (bash keeps GROUPS for itself) to choose)
+#   models' layer groups beside transformers + peft; LAYER_GROUPS, GROUP_TOKENS and GROUP_BACKENDS
+#   choose (bash keeps GROUPS for itself))
 #
 # Environment: KDA_DSA_OPS_COMMIT (the commit id the results record; pass it: a copied tree's
 # .git can name an older commit than the files that run), TEST_PATHS (test files or node ids,
 # default tests), TEST_ARGS (extra pytest arguments, split at spaces: a -k expression must be one
-# word), SANITIZE (scripts for compute-sanitizer, default tools/sanitize_*.py), BENCH_ONLY (families for bench/run_all.py --only), FLA_CASES (the KDA
-# cases timed beside fla: its first calls autotune for ~4 minutes per shape),
+# word), SANITIZE (scripts for compute-sanitizer, default tools/sanitize_*.py), BENCH_ONLY
+# (families for bench/run_all.py --only), FLA_CASES (the KDA cases timed beside fla: its first
+# calls autotune for ~4 minutes per shape),
 # MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline;
 # cut-cross-entropy and liger-kernel, the linear cross-entropy's; transformers and peft, the
 # training anchor's) are installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
@@ -85,8 +87,8 @@ for step in "${steps[@]}"; do
     groups)  # the real models' layer groups, ours beside transformers + peft (LAYER_GROUPS: the groups to run)
       for group in ${LAYER_GROUPS:-glm-5.3-flash kimi-linear-48b deepseek-v3.2}; do
         run_step "group-$group" 400 python3 bench/bench_train.py --config "$group" --tokens "${GROUP_TOKENS:-16384}" \
-          --sequences 2 --backends native transformers --profile --out "$OUT/results"
-        grep -E "tok/s|MFU|out of memory|native /|planned|GPU time|  part " "$OUT/group-$group.log" | tee -a "$summary"
+          --sequences 2 --backends ${GROUP_BACKENDS:-native transformers} --profile --out "$OUT/results"
+        grep -E "tok/s|MFU|out of memory|native /|planned|GPU time|  part |  op " "$OUT/group-$group.log" | tee -a "$summary"
       done
       ;;
     bench | bench-quick)

@@ -6,8 +6,9 @@ The ops live in torch.ops.kda_dsa_ops; the functions here are their typed wrappe
 import torch  # noqa: F401  (the native library needs torch loaded first)
 
 from . import _C
-from .ops import (chunk_kda, grouped_mm, grouped_mm_wgrad, hc_mix, kpool_indexer, lightning_indexer, moe_permute,
-                  moe_route, moe_unpermute, segment_start_states, segment_transition, sparse_attention)
+from .ops import (chunk_kda, cross_entropy_rows_, grouped_mm, grouped_mm_wgrad, hc_mix, kpool_indexer,
+                  lightning_indexer, moe_permute, moe_route, moe_unpermute, segment_start_states, segment_transition,
+                  sparse_attention)
 
 from .onboard import from_pretrained  # noqa: E402  (after the ops: the model is built on them)
 
@@ -58,8 +59,8 @@ def set_portable_sfa(enabled: bool) -> None:
 
 
 __all__ = [
-    "build_info", "chunk_kda", "cuda_available", "from_pretrained", "grouped_mm", "grouped_mm_wgrad", "hc_mix",
-    "kpool_indexer", "lightning_indexer", "moe_permute", "moe_route", "moe_unpermute", "portable_sfa_enabled",
+    "build_info", "chunk_kda", "cross_entropy_rows_", "cuda_available", "from_pretrained", "grouped_mm",
+    "grouped_mm_wgrad", "hc_mix", "kpool_indexer", "lightning_indexer", "moe_permute", "moe_route", "moe_unpermute", "portable_sfa_enabled",
     "segment_start_states", "segment_transition", "set_portable_sfa", "set_value_checks", "sparse_attention",
     "value_checks_enabled",
 ]

@@ -351,14 +351,11 @@ class HybridModel(nn.Module):
         unsplit batch's (accuracy stays the share's)."""
         h, aux = self.hidden_states(tokens, cu_seqlens, images, cp)
         head = self.lm_head.to(h.dtype)
-        lm = chunked_linear_cross_entropy(h, head, labels)
+        lm, accuracy = chunked_linear_cross_entropy(h, head, labels, rows=self.backend.cross_entropy_rows_,
+                                                    with_accuracy=True)
         if cp is not None:  # the share's mean -> its part of the batch's mean, times the ranks
             count = int((labels != -100).sum())
             lm = lm * (max(count, 1) * cp.world / max(cp.counts(count, labels.device)[1], 1))
-        with torch.no_grad():
-            labelled = labels != -100
-            hits = ((h[labelled] @ head.t()).argmax(-1) == labels[labelled]).to(torch.float32)
-            accuracy = hits.mean() if hits.numel() else hits.new_zeros(())
         return {"loss": lm + self.cfg.indexer_loss_weight * aux.to(lm.dtype), "lm_loss": lm, "indexer_loss": aux,
                 "accuracy": accuracy}
 

@@ -1,57 +1,66 @@
 """The model's losses: chunked linear cross-entropy (mean CE of (h W^T) against labels without the
-[T, vocab] logits ever existing whole; each chunk's logits are recomputed in the backward) and
-the DSA indexer's KL loss."""
+[T, vocab] logits ever existing whole; the gradient is computed with the loss, a chunk at a time,
+by cross_entropy_rows_) and the DSA indexer's KL loss."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .. import ops
 from .._dtypes import accumulation_dtype
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int, ignore_index: int) -> Tensor:
-        count = (labels != ignore_index).sum().clamp_min(1)
-        total = h.new_zeros((), dtype=torch.float32 if h.dtype != torch.float64 else torch.float64)
-        for s in range(0, h.shape[0], chunk):
-            logits = (h[s:s + chunk] @ weight.t()).to(total.dtype)
-            total = total + F.cross_entropy(logits, labels[s:s + chunk], ignore_index=ignore_index, reduction="sum")
-        ctx.save_for_backward(h, weight, labels, count)
-        ctx.chunk, ctx.ignore_index = chunk, ignore_index
-        return total / count
+    """Forward: per chunk, the logits (in h's dtype: bf16 operands, fp32 accumulation), the argmax
+    hits, then rows() turns them into the loss and, in place, the gradient of the summed loss, which
+    gives dh (and dW, summed over the chunks in fp32) right away; the backward only scales them."""
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        h, weight, labels, count = ctx.saved_tensors
-        dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype != torch.float64 else torch.float64,
-                         device=weight.device) if ctx.needs_input_grad[1] else None
-        scale = grad / count
-        for s in range(0, h.shape[0], ctx.chunk):
-            hs, ls = h[s:s + ctx.chunk], labels[s:s + ctx.chunk]
-            logits = (hs @ weight.t()).to(scale.dtype)
-            d = torch.softmax(logits, dim=-1)
-            valid = ls != ctx.ignore_index
-            d[valid, ls[valid]] -= 1
-            d = d * (valid[:, None] * scale)
+    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int, ignore_index: int, want_dh: bool,
+                want_dw: bool, rows) -> tuple[Tensor, Tensor]:
+        acc = accumulation_dtype(h)
+        valid = labels != ignore_index
+        count = valid.sum().clamp_min(1)
+        total, hits = h.new_zeros((), dtype=acc), h.new_zeros((), dtype=torch.int64)
+        dh = torch.empty_like(h) if want_dh else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_dw else None
+        for s in range(0, h.shape[0], chunk):
+            hs, ls = h[s:s + chunk], labels[s:s + chunk]
+            logits = hs @ weight.t()
+            hits = hits + ((logits.argmax(-1) == ls) & valid[s:s + chunk]).sum()
+            total = total + rows(logits, ls, ignore_index, 1.0, want_dh or want_dw).sum()
             if dh is not None:
-                dh[s:s + ctx.chunk] = (d.to(weight.dtype) @ weight).to(h.dtype)
+                dh[s:s + chunk] = logits @ weight
             if dw is not None:
-                dw += d.t().to(dw.dtype) @ hs.to(dw.dtype)
-        return dh, (dw.to(weight.dtype) if dw is not None else None), None, None, None
+                dw += logits.t() @ hs
+        ctx.save_for_backward(dh, dw, count)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(hits)
+        return total / count, hits.to(torch.float32) / count.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, grad_hits: Tensor):
+        dh, dw, count = ctx.saved_tensors
+        scale = grad / count
+        return ((dh * scale).to(dh.dtype) if dh is not None else None,
+                (dw * scale).to(ctx.weight_dtype) if dw is not None else None, None, None, None, None, None, None)
 
 
 def chunked_linear_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int = 4096,
-                                 ignore_index: int = -100) -> Tensor:
+                                 ignore_index: int = -100, rows=None, with_accuracy: bool = False):
     """Mean cross-entropy of softmax(h @ weight^T) against labels over the tokens whose label is
     not ignore_index. h [T, hidden], weight [vocab, hidden], labels [T] int64. Peak memory holds
-    one [chunk, vocab] block of logits (fp32), in the forward and in the backward."""
-    return _ChunkedLinearCE.apply(h, weight, labels, chunk, ignore_index)
+    one [chunk, vocab] block of logits in h's dtype; where a gradient is wanted it is computed in
+    the forward (no second pass over the logits). rows: cross_entropy_rows_ as the backend gives it
+    (default: the kernels). with_accuracy: also the share of labelled tokens whose argmax logit
+    is the label (from the same logits), as (loss, accuracy)."""
+    grad = torch.is_grad_enabled()
+    loss, accuracy = _ChunkedLinearCE.apply(h, weight, labels, chunk, ignore_index, grad and h.requires_grad,
+                                            grad and weight.requires_grad, rows or ops.cross_entropy_rows_)
+    return (loss, accuracy) if with_accuracy else loss
 
 
 def indexer_kl_loss(attn_p: Tensor, scores: Tensor, indices: Tensor) -> Tensor:

@@ -10,12 +10,13 @@ from .dsa import (indexer_scores, kpool_indexer, lightning_indexer, lightning_in
                   sparse_attn_bwd)
 from .hc import hc_mix
 from .kda import chunk_kda, kda_gate, l2norm
+from .loss import cross_entropy_rows_
 from .moe import grouped_mm, grouped_mm_wgrad, moe_permute, moe_route, moe_unpermute, route_scores
 
 segment_transition = transition_over(chunk_kda)
 
 __all__ = [
-    "chunk_kda", "grouped_mm", "grouped_mm_wgrad", "hc_mix", "indexer_scores", "kda_gate", "kpool_indexer", "l2norm",
+    "chunk_kda", "cross_entropy_rows_", "grouped_mm", "grouped_mm_wgrad", "hc_mix", "indexer_scores", "kda_gate", "kpool_indexer", "l2norm",
     "lightning_indexer", "lightning_indexer_bwd", "moe_permute", "moe_route", "moe_unpermute", "route_scores",
     "segment_start_states", "segment_transition", "sparse_attention", "sparse_attn_bwd",
 ]
