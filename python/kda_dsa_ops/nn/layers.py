@@ -58,10 +58,13 @@ class LoRALinear(nn.Module):
             freeze_all_but_adapters(self)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.base(x)
-        if self.rank > 0 and not self.merged:
-            y = y + F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.scaling
-        return y
+        if self.rank == 0 or self.merged:
+            return self.base(x)
+        rows = x.reshape(-1, x.shape[-1])
+        # the adapter's product is added by the GEMM itself (addmm: y + scaling * (x A^T) B^T)
+        y = torch.addmm(self.base(rows), F.linear(rows, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype).t(),
+                        alpha=self.scaling)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def _delta(self) -> Tensor:
         return (self.lora_b @ self.lora_a) * self.scaling

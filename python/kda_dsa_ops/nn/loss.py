@@ -36,6 +36,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 dh[s:s + chunk] = logits @ weight
             if dw is not None:
                 dw += logits.t() @ hs
+            del logits  # before the next chunk's: one [chunk, vocab] block at a time
         ctx.save_for_backward(dh, dw, count)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(hits)
