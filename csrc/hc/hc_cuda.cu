@@ -116,6 +116,29 @@ __global__ void __launch_bounds__(kThreads) hc_mix_kernel(const __grid_constant_
   }
 }
 
+// One input row's part of the backward over channels d .. d + C: out = sum_i w[i * kStride] g[i]
+// (dx[j] from a's column j, or dz from b) and sums[i * kStride] += <g[i], row> (da's column j, or
+// db). Unrolled with constant offsets, sums stays in registers.
+template <typename T, int kS, int kStride, int C>
+__device__ __forceinline__ void row_grads(const T* row, T* out, int64_t d, int64_t D, const MixArgs& p,
+                                          const float (&gs)[kS][C], const float* w, float* sums) {
+  float xs[C], acc[C];
+  load_cols<T, C>(row, d, D, p.vec, xs);
+#pragma unroll
+  for (int e = 0; e < C; ++e) acc[e] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kS; ++i) {
+    if (i < p.m) {
+#pragma unroll
+      for (int e = 0; e < C; ++e) {
+        acc[e] += w[i * kStride] * gs[i][e];
+        sums[i * kStride] += gs[i][e] * xs[e];
+      }
+    }
+  }
+  store_cols<T, C>(out, d, D, p.vec, acc);
+}
+
 // dx[j] = sum_i a[i, j] g[i], da[i, j] = <g[i], x[j]>; with z: dz = sum_i b[i] g[i], db[i] = <g[i], z>.
 template <typename T, int kS>
 __global__ void __launch_bounds__(kThreads) hc_mix_bwd_kernel(const __grid_constant__ MixArgs p) {
@@ -140,39 +163,9 @@ __global__ void __launch_bounds__(kThreads) hc_mix_bwd_kernel(const __grid_const
 #pragma unroll
     for (int j = 0; j < kS; ++j) {
       if (j >= p.n) break;
-      float xs[C], acc[C];
-      load_cols<T, C>(x + j * D, d, D, p.vec, xs);
-#pragma unroll
-      for (int e = 0; e < C; ++e) acc[e] = 0.f;
-#pragma unroll
-      for (int i = 0; i < kS; ++i) {
-        if (i < p.m) {
-#pragma unroll
-          for (int e = 0; e < C; ++e) {
-            acc[e] += sa[i * kS + j] * gs[i][e];
-            sums[i * kS + j] += gs[i][e] * xs[e];
-          }
-        }
-      }
-      store_cols<T, C>(dx + j * D, d, D, p.vec, acc);
+      row_grads<T, kS, kS>(x + j * D, dx + j * D, d, D, p, gs, sa + j, sums + j);
     }
-    if (z != nullptr) {
-      float zs[C], acc[C];
-      load_cols<T, C>(z, d, D, p.vec, zs);
-#pragma unroll
-      for (int e = 0; e < C; ++e) acc[e] = 0.f;
-#pragma unroll
-      for (int i = 0; i < kS; ++i) {
-        if (i < p.m) {
-#pragma unroll
-          for (int e = 0; e < C; ++e) {
-            acc[e] += sb[i] * gs[i][e];
-            sums[kS * kS + i] += gs[i][e] * zs[e];
-          }
-        }
-      }
-      store_cols<T, C>(dz, d, D, p.vec, acc);
-    }
+    if (z != nullptr) row_grads<T, kS, 1>(z, dz, d, D, p, gs, sb, sums + kS * kS);
   }
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 #pragma unroll
