@@ -424,8 +424,10 @@ class HyperConnection(nn.Module):
         """streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed block input [T, D])."""
         n, acc = self.n, accumulation_dtype(streams)
         flat = streams.reshape(streams.shape[0], -1).to(acc)
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        mixed = F.linear(flat, self.fn.to(acc))
+        # the RMS norm is one factor per token: it scales the projection, not the [T, n * D] streams
+        # (vector_norm reduces without a squared copy)
+        mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1]
+        mixed = F.linear(flat, self.fn.to(acc)) * torch.rsqrt(mean_square + self.norm_eps)
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.to(acc).split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.to(acc).unbind(0)
