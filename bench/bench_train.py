@@ -7,6 +7,7 @@ CUDA allocator reports on a GPU; on the CPU it is the process's resident set (no
                                 [--quick] [--out DIR]
     python bench/bench_train.py --config kimi-linear-48b [--sequences 2]   # a real model's layer group
     python bench/bench_train.py --config glm-5.3-flash --backends native transformers   # beside transformers + peft
+    python bench/bench_train.py --config glm-5.3-flash --tokens 16384 --sequences 2 --profile   # where the time goes
 
 bf16 weights on CUDA (fp32 on the CPU), --sequences packed sequences of --tokens tokens in all per
 step, AdamW on the trainable parameters. MFU: the FLOPs the step must do (kda_dsa_ops.plan.step_flops:
@@ -149,9 +150,9 @@ PARTS = (("KDA (ours)", r"kda_dsa_ops::kda"), ("DSA (ours)", r"kda_dsa_ops::dsa"
 def kernel_parts(kernels: dict[str, float]) -> dict[str, float]:
     """{part: time} from {kernel name: time} by PARTS."""
     parts = dict.fromkeys(name for name, _ in PARTS)
-    for kernel, time_us in kernels.items():
+    for kernel, ms in kernels.items():
         part = next(name for name, pattern in PARTS if re.search(pattern, kernel, re.IGNORECASE))
-        parts[part] = (parts[part] or 0.0) + time_us
+        parts[part] = (parts[part] or 0.0) + ms
     return {name: t for name, t in parts.items() if t}
 
 
@@ -268,7 +269,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
     p.add_argument("--quick", action="store_true", help="3 timed steps of 1024 tokens")
     p.add_argument("--profile", action="store_true",
-                   help="on a GPU: one more step under torch.profiler, its GPU time by part and by kernel")
+                   help="on a GPU: one more step under torch.profiler, its GPU time by part, kernel and torch op")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.reference_steps, args.tokens = 3, 1, 1024
