@@ -51,7 +51,8 @@ at::Tensor hc_mix_cpu(const at::Tensor& x_in, const at::Tensor& a_in, const std:
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_mix_bwd_cpu(const at::Tensor& grad_y_in,
-                                                                          const at::Tensor& x_in, const at::Tensor& a_in,
+                                                                          const at::Tensor& x_in,
+                                                                          const at::Tensor& a_in,
                                                                           const std::optional<at::Tensor>& z_in,
                                                                           const std::optional<at::Tensor>& b_in) {
   const MixProblem p = check_mix_bwd(grad_y_in, x_in, a_in, z_in, b_in);
