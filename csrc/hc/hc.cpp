@@ -52,4 +52,10 @@ MixProblem check_mix_bwd(const at::Tensor& grad_y, const at::Tensor& x, const at
   return p;
 }
 
+MixInputs mix_inputs(const MixProblem& p, const at::Tensor& x, const at::Tensor& a, const std::optional<at::Tensor>& z,
+                     const std::optional<at::Tensor>& b, at::ScalarType weights) {
+  return {x.contiguous(), a.to(weights).contiguous(), p.add ? z->contiguous() : at::Tensor(),
+          p.add ? b->to(weights).contiguous() : at::Tensor()};
+}
+
 }  // namespace kda_dsa_ops::hc

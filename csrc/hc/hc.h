@@ -26,6 +26,14 @@ MixProblem check_mix(const at::Tensor& x, const at::Tensor& a, const std::option
 MixProblem check_mix_bwd(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& a,
                          const std::optional<at::Tensor>& z, const std::optional<at::Tensor>& b);
 
+// The inputs as both backends' kernels read them: x and z contiguous, a and b contiguous in
+// `weights` (the kernels' accumulation type); z and b undefined without the added term.
+struct MixInputs {
+  at::Tensor x, a, z, b;
+};
+MixInputs mix_inputs(const MixProblem& p, const at::Tensor& x, const at::Tensor& a, const std::optional<at::Tensor>& z,
+                     const std::optional<at::Tensor>& b, at::ScalarType weights);
+
 #define KDA_DSA_OPS_HC_ENTRIES(DEV)                                                                          \
   at::Tensor hc_mix_##DEV(const at::Tensor& x, const at::Tensor& a, const std::optional<at::Tensor>& z,      \
                           const std::optional<at::Tensor>& b);                                               \

@@ -10,23 +10,13 @@
 
 namespace kda_dsa_ops::hc {
 
-namespace {
-
-at::Tensor acc_contiguous(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
-
-}  // namespace
-
 at::Tensor hc_mix_cpu(const at::Tensor& x_in, const at::Tensor& a_in, const std::optional<at::Tensor>& z_in,
                       const std::optional<at::Tensor>& b_in) {
   const MixProblem p = check_mix(x_in, a_in, z_in, b_in, "hc_mix");
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty({p.T, p.m, p.D}, x.options());
-  KDA_DISPATCH_CPU_FLOATING(x.scalar_type(), "hc_mix_cpu", [&] {
+  at::Tensor y = at::empty({p.T, p.m, p.D}, x_in.options());
+  KDA_DISPATCH_CPU_FLOATING(x_in.scalar_type(), "hc_mix_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto acc = c10::CppTypeToScalarType<acc_t>::value;
-    const at::Tensor a = acc_contiguous(a_in, acc);
-    const at::Tensor z = p.add ? z_in->contiguous() : at::Tensor();
-    const at::Tensor b = p.add ? acc_contiguous(*b_in, acc) : at::Tensor();
+    const auto [x, a, z, b] = mix_inputs(p, x_in, a_in, z_in, b_in, c10::CppTypeToScalarType<acc_t>::value);
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const acc_t* ap = a.data_ptr<acc_t>();
     const scalar_t* zp = p.add ? z.data_ptr<scalar_t>() : nullptr;
@@ -56,16 +46,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_mix_bwd_cpu(const 
                                                                           const std::optional<at::Tensor>& z_in,
                                                                           const std::optional<at::Tensor>& b_in) {
   const MixProblem p = check_mix_bwd(grad_y_in, x_in, a_in, z_in, b_in);
-  const at::Tensor gy = grad_y_in.contiguous(), x = x_in.contiguous();
-  at::Tensor dx = at::empty({p.T, p.n, p.D}, x.options());
-  at::Tensor dz = p.add ? at::empty({p.T, p.D}, x.options()) : at::zeros({0}, x.options());
+  const at::Tensor gy = grad_y_in.contiguous();
+  at::Tensor dx = at::empty({p.T, p.n, p.D}, gy.options());
+  at::Tensor dz = p.add ? at::empty({p.T, p.D}, gy.options()) : at::zeros({0}, gy.options());
   at::Tensor da, db;
-  KDA_DISPATCH_CPU_FLOATING(x.scalar_type(), "hc_mix_bwd_cpu", [&] {
+  KDA_DISPATCH_CPU_FLOATING(gy.scalar_type(), "hc_mix_bwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto acc = c10::CppTypeToScalarType<acc_t>::value;
-    const at::Tensor a = acc_contiguous(a_in, acc);
-    const at::Tensor z = p.add ? z_in->contiguous() : at::Tensor();
-    const at::Tensor b = p.add ? acc_contiguous(*b_in, acc) : at::Tensor();
+    const auto [x, a, z, b] = mix_inputs(p, x_in, a_in, z_in, b_in, c10::CppTypeToScalarType<acc_t>::value);
     at::Tensor da_acc = at::empty({p.T, p.m, p.n}, a.options());
     at::Tensor db_acc = at::empty({p.T, p.add ? p.m : 0}, a.options());
     const scalar_t* gp = gy.data_ptr<scalar_t>();

@@ -215,9 +215,7 @@ at::Tensor hc_mix_cuda(const at::Tensor& x_in, const at::Tensor& a_in, const std
                        const std::optional<at::Tensor>& b_in) {
   const MixProblem q = check_mix(x_in, a_in, z_in, b_in, "hc_mix");
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), a = a_in.to(at::kFloat).contiguous();
-  const at::Tensor z = q.add ? z_in->contiguous() : at::Tensor();
-  const at::Tensor b = q.add ? b_in->to(at::kFloat).contiguous() : at::Tensor();
+  const auto [x, a, z, b] = mix_inputs(q, x_in, a_in, z_in, b_in, at::kFloat);
   at::Tensor y = at::empty({q.T, q.m, q.D}, x.options());
   if (q.T == 0 || q.D == 0) return y;
   KDA_DISPATCH_CUDA_FLOATING(x.scalar_type(), "hc_mix", [&] {
@@ -241,9 +239,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_mix_bwd_cuda(const
                                                                            const std::optional<at::Tensor>& b_in) {
   const MixProblem q = check_mix_bwd(grad_y_in, x_in, a_in, z_in, b_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor gy = grad_y_in.contiguous(), x = x_in.contiguous(), a = a_in.to(at::kFloat).contiguous();
-  const at::Tensor z = q.add ? z_in->contiguous() : at::Tensor();
-  const at::Tensor b = q.add ? b_in->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor gy = grad_y_in.contiguous();
+  const auto [x, a, z, b] = mix_inputs(q, x_in, a_in, z_in, b_in, at::kFloat);
   at::Tensor dx = at::empty({q.T, q.n, q.D}, x.options());
   at::Tensor dz = q.add ? at::empty({q.T, q.D}, x.options()) : at::zeros({0}, x.options());
   // zeros: with D = 0 the dot products are empty sums

@@ -64,36 +64,24 @@ using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at:
 
 // The op entry points, one per dispatch key (kda_cpu.cpp, kda_cuda.cu), with the schema's
 // arguments; torch_bindings.cpp registers them.
-std::tuple<at::Tensor, at::Tensor> kda_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                               const at::Tensor& g, const at::Tensor& beta, double scale,
-                                               const std::optional<at::Tensor>& initial_state,
-                                               const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
-                                               bool use_qk_l2norm, bool bf16_products,
-                                               const std::optional<at::Tensor>& A_log,
-                                               const std::optional<at::Tensor>& dt_bias, double lower_bound,
-                                               double beta_scale);
-BwdResult kda_bwd_cpu(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
-                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                      double scale, const std::optional<at::Tensor>& initial_state,
-                      const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm, bool bf16_products,
-                      const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
-                      double lower_bound, double beta_scale);
+#define KDA_DSA_OPS_KDA_ENTRIES(DEV)                                                                                   \
+  std::tuple<at::Tensor, at::Tensor> kda_fwd_##DEV(                                                                    \
+      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,      \
+      double scale, const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,       \
+      bool output_final_state, bool use_qk_l2norm, bool bf16_products, const std::optional<at::Tensor>& A_log,         \
+      const std::optional<at::Tensor>& dt_bias, double lower_bound, double beta_scale);                                \
+  BwdResult kda_bwd_##DEV(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,                 \
+                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,          \
+                          const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,        \
+                          const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm, bool bf16_products,         \
+                          const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,            \
+                          double lower_bound, double beta_scale);
+
+KDA_DSA_OPS_KDA_ENTRIES(cpu)
 #ifdef KDA_DSA_OPS_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> kda_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const at::Tensor& g, const at::Tensor& beta, double scale,
-                                                const std::optional<at::Tensor>& initial_state,
-                                                const std::optional<at::Tensor>& cu_seqlens, bool output_final_state,
-                                                bool use_qk_l2norm, bool bf16_products,
-                                                const std::optional<at::Tensor>& A_log,
-                                                const std::optional<at::Tensor>& dt_bias, double lower_bound,
-                                                double beta_scale);
-BwdResult kda_bwd_cuda(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
-                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                       double scale, const std::optional<at::Tensor>& initial_state,
-                       const std::optional<at::Tensor>& cu_seqlens, bool use_qk_l2norm, bool bf16_products,
-                       const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
-                       double lower_bound, double beta_scale);
+KDA_DSA_OPS_KDA_ENTRIES(cuda)
 #endif
+#undef KDA_DSA_OPS_KDA_ENTRIES
 
 // The checks both entry points make (kda.cpp). check_fwd: shapes, dtypes, devices, cu_seqlens, the
 // gate's arguments and the contract's values (g <= 0, beta in [0, 2] where they are given as such:
