@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "act/act.h"
 #include "common/checks.h"
 #include "dsa/dsa.h"
 #include "hc/hc.h"
@@ -97,10 +98,18 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   // scale * (softmax - onehot) in place.
   m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor labels, int ignore_index, float scale, bool write_grad) "
         "-> Tensor");
+  // Short causal depthwise convolution + SiLU over packed sequences: x [T,C], weight [C,W], pos [T], halo [W-1,C].
+  m.def("short_conv(Tensor x, Tensor weight, Tensor pos, Tensor? halo) -> Tensor");
+  // (dx, dweight, dhalo); dweight is [0] without weight_grad, dhalo [0] without a halo.
+  m.def("short_conv_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor pos, Tensor? halo, bool weight_grad) "
+        "-> (Tensor, Tensor, Tensor)");
+  // SwiGLU of gate_up [...,2F] = [gate, up] -> [...,F]; limit > 0: GLM-5.3's clamps first.
+  m.def("swiglu(Tensor gate_up, float limit) -> Tensor");
+  m.def("swiglu_bwd(Tensor grad_h, Tensor gate_up, float limit) -> Tensor");
 }
 
 // One implementation per dispatch key, each checking its arguments (kda.cpp, dsa.cpp, moe_args.cpp, hc.cpp,
-// ce.cpp).
+// ce.cpp, act.cpp).
 TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
   using namespace kda_dsa_ops;
   m.impl("kda_fwd", &kda::kda_fwd_cpu);
@@ -119,6 +128,10 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CPU, m) {
   m.impl("hc_mix", &hc::hc_mix_cpu);
   m.impl("hc_mix_bwd", &hc::hc_mix_bwd_cpu);
   m.impl("cross_entropy_rows_", &loss::cross_entropy_rows_cpu);
+  m.impl("short_conv", &act::short_conv_cpu);
+  m.impl("short_conv_bwd", &act::short_conv_bwd_cpu);
+  m.impl("swiglu", &act::swiglu_cpu);
+  m.impl("swiglu_bwd", &act::swiglu_bwd_cpu);
 }
 
 #ifdef KDA_DSA_OPS_WITH_CUDA
@@ -140,6 +153,10 @@ TORCH_LIBRARY_IMPL(kda_dsa_ops, CUDA, m) {
   m.impl("hc_mix", &hc::hc_mix_cuda);
   m.impl("hc_mix_bwd", &hc::hc_mix_bwd_cuda);
   m.impl("cross_entropy_rows_", &loss::cross_entropy_rows_cuda);
+  m.impl("short_conv", &act::short_conv_cuda);
+  m.impl("short_conv_bwd", &act::short_conv_bwd_cuda);
+  m.impl("swiglu", &act::swiglu_cuda);
+  m.impl("swiglu_bwd", &act::swiglu_bwd_cuda);
 }
 #endif
 

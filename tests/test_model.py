@@ -10,6 +10,7 @@ from conftest import DEVICES
 from kda_dsa_ops import reference as R
 from kda_dsa_ops.models import HybridModel, get_config
 from kda_dsa_ops.nn import LoRALinear, Rope, ShortConv, chunked_linear_cross_entropy, positions_in_sequence
+from kda_dsa_ops.nn.backend import get_backend
 
 from tolerances import MODEL_REL_RMS, assert_close
 
@@ -71,14 +72,15 @@ def test_chunked_cross_entropy_matches_full(chunk, rows):
         assert_close(chunked_linear_cross_entropy(h, w, labels, chunk=chunk, rows=fn), ref, F64, "no-grad loss")
 
 
-def test_short_conv_stays_inside_each_sequence():
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_short_conv_stays_inside_each_sequence(backend):
     torch.manual_seed(0)
-    conv = ShortConv(6, 4)
+    conv, ops = ShortConv(6, 4), get_backend(backend)
     x = torch.randn(11, 6)
     cu = torch.tensor([0, 2, 11], dtype=torch.int32)
-    y = conv(x, positions_in_sequence(cu, 11))
+    y = conv(x, positions_in_sequence(cu, 11), ops)
     for a, b in ((0, 2), (2, 11)):
-        torch.testing.assert_close(y[a:b], conv(x[a:b], torch.arange(b - a)))
+        torch.testing.assert_close(y[a:b], conv(x[a:b], torch.arange(b - a), ops))
 
 
 def test_model_native_matches_reference_float64():

@@ -44,6 +44,43 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// Rows read and written C values at a time (the memory-bound kernels: hc_mix, short_conv,
+// swiglu): one vector load or store when vec (the row length a multiple of C, rows aligned to
+// C elements: aligned_to), else element by element with zeros past D.
+inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+template <typename T, int C>
+struct alignas(sizeof(T) * C) Pack {
+  T v[C];
+};
+
+template <typename T, int C>
+__device__ __forceinline__ void load_cols(const T* row, int64_t d, int64_t D, bool vec, float (&out)[C]) {
+  if (vec) {
+    const Pack<T, C> pk = *reinterpret_cast<const Pack<T, C>*>(row + d);
+#pragma unroll
+    for (int e = 0; e < C; ++e) out[e] = to_float(pk.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < C; ++e) out[e] = d + e < D ? to_float(row[d + e]) : 0.f;
+  }
+}
+
+template <typename T, int C>
+__device__ __forceinline__ void store_cols(T* row, int64_t d, int64_t D, bool vec, const float (&v)[C]) {
+  if (vec) {
+    Pack<T, C> pk;
+#pragma unroll
+    for (int e = 0; e < C; ++e) pk.v[e] = from_float<T>(v[e]);
+    *reinterpret_cast<Pack<T, C>*>(row + d) = pk;
+  } else {
+#pragma unroll
+    for (int e = 0; e < C; ++e) {
+      if (d + e < D) row[d + e] = from_float<T>(v[e]);
+    }
+  }
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x and 1/x on the MUFU unit with denormals flushed (exp2f / __fdividef add a range check

@@ -23,40 +23,6 @@ constexpr int kThreads = 128;
 template <int kS>
 constexpr int kCols = 32 / kS;
 
-template <typename T, int C>
-struct alignas(sizeof(T) * C) Pack {
-  T v[C];
-};
-
-// Channels d .. d + C of a row: one vector load when vec (D a multiple of C, rows aligned), else
-// element by element with zeros past D.
-template <typename T, int C>
-__device__ __forceinline__ void load_cols(const T* row, int64_t d, int64_t D, bool vec, float (&out)[C]) {
-  if (vec) {
-    const Pack<T, C> pk = *reinterpret_cast<const Pack<T, C>*>(row + d);
-#pragma unroll
-    for (int e = 0; e < C; ++e) out[e] = to_float(pk.v[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < C; ++e) out[e] = d + e < D ? to_float(row[d + e]) : 0.f;
-  }
-}
-
-template <typename T, int C>
-__device__ __forceinline__ void store_cols(T* row, int64_t d, int64_t D, bool vec, const float (&v)[C]) {
-  if (vec) {
-    Pack<T, C> pk;
-#pragma unroll
-    for (int e = 0; e < C; ++e) pk.v[e] = from_float<T>(v[e]);
-    *reinterpret_cast<Pack<T, C>*>(row + d) = pk;
-  } else {
-#pragma unroll
-    for (int e = 0; e < C; ++e) {
-      if (d + e < D) row[d + e] = from_float<T>(v[e]);
-    }
-  }
-}
-
 struct MixArgs {
   const void* x;      // [T, n, D]
   const float* a;     // [T, m, n]
@@ -187,8 +153,6 @@ __global__ void __launch_bounds__(kThreads) hc_mix_bwd_kernel(const __grid_const
   }
 }
 
-bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
-
 // Launches kernel<scalar_t, kS> with kS = 4 when n and m allow, else 8; p.vec set for the
 // tensors' rows.
 template <typename F>
@@ -204,7 +168,7 @@ template <int kS, typename T>
 bool rows_vectorised(const MixProblem& q, std::initializer_list<const void*> ptrs) {
   if (q.D % kCols<kS> != 0) return false;
   for (const void* ptr : ptrs) {
-    if (ptr != nullptr && !aligned(ptr, sizeof(T) * kCols<kS>)) return false;
+    if (ptr != nullptr && !aligned_to(ptr, sizeof(T) * kCols<kS>)) return false;
   }
   return true;
 }

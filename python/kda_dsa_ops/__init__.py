@@ -8,7 +8,7 @@ import torch  # noqa: F401  (the native library needs torch loaded first)
 from . import _C
 from .ops import (chunk_kda, cross_entropy_rows_, grouped_mm, grouped_mm_wgrad, hc_mix, kpool_indexer,
                   lightning_indexer, moe_permute, moe_route, moe_unpermute, segment_start_states, segment_transition,
-                  sparse_attention)
+                  short_conv, sparse_attention, swiglu)
 
 from .onboard import from_pretrained  # noqa: E402  (after the ops: the model is built on them)
 
@@ -61,6 +61,7 @@ def set_portable_sfa(enabled: bool) -> None:
 __all__ = [
     "build_info", "chunk_kda", "cross_entropy_rows_", "cuda_available", "from_pretrained", "grouped_mm",
     "grouped_mm_wgrad", "hc_mix", "kpool_indexer", "lightning_indexer", "moe_permute", "moe_route", "moe_unpermute", "portable_sfa_enabled",
-    "segment_start_states", "segment_transition", "set_portable_sfa", "set_value_checks", "sparse_attention",
+    "segment_start_states", "segment_transition", "set_portable_sfa", "set_value_checks", "short_conv", "sparse_attention",
+    "swiglu",
     "value_checks_enabled",
 ]

@@ -207,7 +207,7 @@ class HybridBlock(nn.Module):
             self.mlp = SwiGLU(cfg.hidden, cfg.dense_ffn, mlp_lora_rank, cfg.swiglu_limit)
 
     def feed_forward(self, x: Tensor, backend) -> Tensor:
-        return self.mlp(x, backend) if self.ffn_kind == "M" else self.mlp(x)
+        return self.mlp(x, backend)
 
     def attention(self, x: Tensor, cu_seqlens: Tensor, pos: Tensor, backend, shared_indices: Tensor | None = None,
                   cp=None):

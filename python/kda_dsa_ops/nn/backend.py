@@ -15,7 +15,7 @@ from .. import reference as R
 from ..contracts import attention_defaults, attention_kernel_refuses, indexer_kernel_refuses
 
 OPS = ("chunk_kda", "segment_transition", "lightning_indexer", "kpool_indexer", "sparse_attention", "moe_route",
-       "moe_permute", "moe_unpermute", "grouped_mm", "hc_mix", "cross_entropy_rows_")
+       "moe_permute", "moe_unpermute", "grouped_mm", "hc_mix", "cross_entropy_rows_", "short_conv", "swiglu")
 
 
 class Backend(SimpleNamespace):

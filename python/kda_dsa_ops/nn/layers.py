@@ -99,21 +99,16 @@ def positions_in_sequence(cu_seqlens: Tensor, total: int) -> Tensor:
 
 class ShortConv(nn.Module):
     """Depthwise causal convolution over the packed sequence that never reaches across a
-    sequence bound, then SiLU: y[t] = silu(sum_{j < size, j <= pos(t)} w[:, j] x[t - j])."""
+    sequence bound, then SiLU: y[t] = silu(sum_{j < size, j <= pos(t)} w[:, j] x[t - j]) (the
+    backend's short_conv: one pass over x, fp32 accumulation)."""
 
     def __init__(self, channels: int, size: int = 4):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(channels, size) / size)
 
-    def forward(self, x: Tensor, pos: Tensor, halo: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor, backend: Backend, halo: Tensor | None = None) -> Tensor:
         """halo: the size - 1 rows before x (context parallelism's previous share; zeros if None)."""
-        T, size = x.shape[0], self.weight.shape[1]
-        padded = torch.cat([x.new_zeros(size - 1, x.shape[1]) if halo is None else halo, x])
-        y = x * self.weight[:, 0].to(x.dtype)
-        for j in range(1, size):
-            shifted = padded[size - 1 - j: size - 1 - j + T]
-            y = y + shifted * (pos >= j)[:, None].to(x.dtype) * self.weight[:, j].to(x.dtype)
-        return F.silu(y)
+        return backend.short_conv(x, self.weight, pos, halo)
 
 
 class KDAAttention(nn.Module):
@@ -150,7 +145,7 @@ class KDAAttention(nn.Module):
         T = x.shape[0]
 
         def conv(layer, y):
-            return layer(y, pos, None if cp is None else cp.halo(y, layer.weight.shape[1] - 1))
+            return layer(y, pos, backend, None if cp is None else cp.halo(y, layer.weight.shape[1] - 1))
 
         q = conv(self.q_conv, self.q_proj(x)).view(1, T, self.H, self.D)
         k = conv(self.k_conv, self.k_proj(x)).view(1, T, self.H, self.D)
@@ -384,15 +379,6 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(T, H * self.v_dim)), loss, indices
 
 
-def swiglu(gate_up: Tensor, limit: float = 0.0) -> Tensor:
-    """silu(gate) * up of [.., 2 * ffn] = [gate, up]; limit > 0 (GLM-5.3) first clamps gate from
-    above and up to [-limit, limit]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up
-
-
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, ffn: int, lora_rank: int = 0, limit: float = 0.0):
         super().__init__()
@@ -400,8 +386,46 @@ class SwiGLU(nn.Module):
         self.gate_up = LoRALinear(hidden, 2 * ffn, lora_rank)
         self.down = LoRALinear(ffn, hidden, lora_rank)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down(swiglu(self.gate_up(x), self.limit))
+    def forward(self, x: Tensor, backend: Backend) -> Tensor:
+        """silu(gate) * up of gate_up(x) = [gate, up] (limit > 0: GLM-5.3's clamps), the backend's swiglu."""
+        return self.down(backend.swiglu(self.gate_up(x), self.limit))
+
+
+def _mm_acc(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b in the accumulation dtype: on CUDA from a's dtype (bf16 / fp16 tensor-core operands,
+    fp32 accumulation and result), elsewhere on operands converted to it."""
+    acc = accumulation_dtype(a)
+    if a.is_cuda and a.dtype != acc:
+        return torch.mm(a, b.to(a.dtype), out_dtype=acc)
+    return torch.mm(a.to(acc), b.to(acc))
+
+
+class _NormalisedProjection(torch.autograd.Function):
+    """mHC's projection of the RMS-normalised flattened streams, (x fn^T) * rsqrt(mean(x^2) + eps)
+    per token, in the accumulation dtype from x [T, n * D] in its own dtype. The RMS norm is one
+    factor per token, so it scales the [T, (2 + n) n] projection instead of the streams, and the
+    backward gives dx in x's dtype from one GEMM plus one pass over x (no fp32 copy of the streams):
+    dx = (g r) fn + x c with c = -r^3 / (n D) sum(g * (x fn^T))."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, fn: Tensor, eps: float) -> Tensor:
+        acc = accumulation_dtype(x)
+        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square() / x.shape[-1] + eps)
+        p = _mm_acc(x, fn.t())
+        ctx.save_for_backward(x, fn, p, r)
+        return p * r
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, fn, p, r = ctx.saved_tensors
+        dp = g * r
+        dx = dfn = None
+        if ctx.needs_input_grad[0]:
+            c = (g * p).sum(-1, keepdim=True) * r.pow(3) / -x.shape[-1]
+            dx = torch.mm(dp.to(x.dtype), fn.to(x.dtype)).addcmul_(x, c.to(x.dtype))
+        if ctx.needs_input_grad[1]:
+            dfn = _mm_acc(dp.t().to(x.dtype), x).to(fn.dtype)
+        return dx, dfn, None
 
 
 class HyperConnection(nn.Module):
@@ -423,11 +447,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: Tensor, backend: Backend) -> tuple[Tensor, Tensor, Tensor]:
         """streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed block input [T, D])."""
         n, acc = self.n, accumulation_dtype(streams)
-        flat = streams.reshape(streams.shape[0], -1).to(acc)
-        # the RMS norm is one factor per token: it scales the projection, not the [T, n * D] streams
-        # (vector_norm reduces without a squared copy)
-        mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1]
-        mixed = F.linear(flat, self.fn.to(acc)) * torch.rsqrt(mean_square + self.norm_eps)
+        mixed = _NormalisedProjection.apply(streams.reshape(streams.shape[0], -1), self.fn, self.norm_eps)
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.to(acc).split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.to(acc).unbind(0)
@@ -504,12 +524,12 @@ class LatentMoE(nn.Module):
                 load = torch.bincount(ids.flatten().long(), minlength=self.E).to(self.expert_load)
                 self.expert_load.copy_(load if self.expert_group is None else self.expert_group.total_load(load))
         y = self.up(self.norm(y.to(x.dtype))) if hasattr(self, "up") else y.to(x.dtype)
-        return y + self.shared(x) if self.shared is not None else y
+        return y + self.shared(x, backend) if self.shared is not None else y
 
     def experts(self, xs: Tensor, offs: Tensor, backend: Backend) -> Tensor:
         """The SwiGLU experts held here on rows sorted by expert (offs: cumulative rows per expert)."""
-        h = swiglu(backend.grouped_mm(xs, self.w_gate_up.to(xs.dtype), offs), self.swiglu_limit)
-        return backend.grouped_mm(h.contiguous(), self.w_down.to(xs.dtype), offs)
+        h = backend.swiglu(backend.grouped_mm(xs, self.w_gate_up.to(xs.dtype), offs), self.swiglu_limit)
+        return backend.grouped_mm(h, self.w_down.to(xs.dtype), offs)
 
     @torch.no_grad()
     def update_bias(self) -> None:

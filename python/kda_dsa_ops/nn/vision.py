@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import RMSNorm, sequence_bounds, swiglu
+from ..reference import swiglu
+from .layers import RMSNorm, sequence_bounds
 
 
 class PatchEmbed(nn.Module):

@@ -6,6 +6,7 @@ kernels and these by switching modules); the backward references and the buildin
 """
 
 from ..segments import segment_start_states, transition_over
+from .act import short_conv, swiglu
 from .dsa import (indexer_scores, kpool_indexer, lightning_indexer, lightning_indexer_bwd, sparse_attention,
                   sparse_attn_bwd)
 from .hc import hc_mix
@@ -18,5 +19,5 @@ segment_transition = transition_over(chunk_kda)
 __all__ = [
     "chunk_kda", "cross_entropy_rows_", "grouped_mm", "grouped_mm_wgrad", "hc_mix", "indexer_scores", "kda_gate", "kpool_indexer", "l2norm",
     "lightning_indexer", "lightning_indexer_bwd", "moe_permute", "moe_route", "moe_unpermute", "route_scores",
-    "segment_start_states", "segment_transition", "sparse_attention", "sparse_attn_bwd",
+    "segment_start_states", "segment_transition", "short_conv", "sparse_attention", "sparse_attn_bwd", "swiglu",
 ]
