@@ -141,6 +141,7 @@ def timed_steps(step, steps: int, warmup: int, device: torch.device) -> tuple[fl
 # name wgmma; torch's copies before its other elementwise kernels).
 PARTS = (("KDA (ours)", r"kda_dsa_ops::kda"), ("DSA (ours)", r"kda_dsa_ops::dsa"), ("MoE (ours)", r"kda_dsa_ops::moe"),
          ("mHC (ours)", r"kda_dsa_ops::hc"), ("cross-entropy (ours)", r"kda_dsa_ops::loss"),
+         ("conv / SwiGLU (ours)", r"kda_dsa_ops::act"),
          ("fla (Triton)", r"chunk_|fused_recurrent|kda|gated_delta"), ("SDPA", r"sdpa|flash|fmha|attention"),
          ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|wgmma"),
          ("copies and indexing", r"copy|memcpy|memset|cat|index|scatter|gather|fill"),
