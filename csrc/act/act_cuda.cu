@@ -75,16 +75,17 @@ __device__ __forceinline__ void load_weights(const ConvArgs& p, int64_t c, float
   }
 }
 
-// win[j] = x[t - j] for j < W, primed with the rows before t0.
+// The window before token t0: win[j - 1] = x[t0 - j] for 1 <= j < W (zeros elsewhere), so that
+// the walk's first shift puts x[t0 - j] at win[j] before x[t0] is loaded into win[0].
 template <typename T, int kW, int C>
 __device__ __forceinline__ void prime_window(const ConvArgs& p, int64_t t0, int64_t c, float (&win)[kW][C]) {
 #pragma unroll
-  for (int j = 1; j < kW; ++j) {
+  for (int j = 1; j <= kW; ++j) {
     if (j < p.W) {
-      load_row<T, C>(p, t0 - j, c, win[j]);
+      load_row<T, C>(p, t0 - j, c, win[j - 1]);
     } else {
 #pragma unroll
-      for (int e = 0; e < C; ++e) win[j][e] = 0.f;
+      for (int e = 0; e < C; ++e) win[j - 1][e] = 0.f;
     }
   }
 }
