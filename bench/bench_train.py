@@ -120,20 +120,22 @@ def transformers_group(raw: dict, cfg, lora_rank: int):
     return peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=language))
 
 
-def timed_steps(step, steps: int, warmup: int, device: torch.device) -> tuple[float, float]:
-    """(seconds per step, the last loss) over `steps` steps after `warmup`; the peak memory counter
-    starts after the warm-up."""
+def timed_steps(step, steps: int, warmup: int, device: torch.device) -> tuple[float, float, float]:
+    """(seconds per step, the last loss, the MB resident between steps: weights, optimizer state)
+    over `steps` steps after `warmup`; the peak memory counter starts after the warm-up."""
     for _ in range(warmup):
         step()
+    resident = 0.0
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated(device) / 2**20
     start = time.perf_counter()
     for _ in range(steps):
         loss = step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps, loss.item()
+    return (time.perf_counter() - start) / steps, loss.item(), resident
 
 
 # A kernel's part of the step: the first pattern its name matches (ours by namespace first, so
@@ -189,14 +191,15 @@ def print_profile(label: str, prof: dict) -> None:
 
 def timed_run(step, steps: int, warmup: int, device: torch.device, profile: bool) -> dict:
     """timed_steps' time and loss, the peak memory, and with profile (on a GPU) profile_step's
-    breakdown; out of memory gives {"error": ..., "peak_mb"}."""
+    breakdown; out of memory gives {"error": ..., "peak_mb"}. resident_mb: what stays between steps
+    (on a GPU), so peak_mb - resident_mb is the step's activations and workspace."""
     try:
-        seconds, loss = timed_steps(step, steps, warmup, device)
+        seconds, loss, resident = timed_steps(step, steps, warmup, device)
         peak = peak_memory_mb(device)
         prof = profile_step(step) if profile and device.type == "cuda" else None
     except torch.OutOfMemoryError:
         return {"error": "out of memory", "peak_mb": peak_memory_mb(device)}
-    return {"step_s": seconds, "loss": loss, "peak_mb": peak} | ({"profile": prof} if prof else {})
+    return {"step_s": seconds, "loss": loss, "peak_mb": peak, "resident_mb": resident} | ({"profile": prof} if prof else {})
 
 
 def run_anchor(raw: dict, cfg, args, device: torch.device) -> dict:
@@ -229,7 +232,8 @@ def run(cfg, backend: str, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
-        model = HybridModel(cfg, lora_rank=args.lora_rank, backend=backend, recompute=args.recompute).to(dtype)
+        model = HybridModel(cfg, lora_rank=args.lora_rank, backend=backend, recompute=args.recompute,
+                            offload=args.offload).to(dtype)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab, (args.tokens,), generator=g).to(device)
@@ -262,6 +266,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reference-steps", type=int, default=2, help="timed steps of the reference run (after one warm-up)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--recompute", choices=HybridModel.RECOMPUTE, default="none")
+    p.add_argument("--offload", action="store_true", help="saved activations in pinned host memory (nn.offload)")
     p.add_argument("--backends", nargs="+", default=["native", "reference"],
                    help="native, reference, and for a real model's layer group transformers (its modules with "
                         "peft LoRA: the anchor)")
@@ -298,8 +303,10 @@ def main(argv=None) -> dict:
     for r in (r for r in runs if "error" not in r):  # MFU = the step's required FLOPs / step time / the peak
         r["mfu"] = sum(flops.values()) / r["step_s"] / (args.peak_tflops * 1e12)
         print(f"{args.config} {r['backend']:>9}: MFU {100 * r['mfu']:.1f}% of {args.peak_tflops:g} TFLOP/s", flush=True)
-    planned = evaluate(cfg, Cluster(1, args.memory_gb, 1.0), 1, args.tokens, args.recompute, False, args.lora_rank)
+    planned = evaluate(cfg, Cluster(1, args.memory_gb, 1.0), 1, args.tokens, args.recompute, args.offload,
+                       args.lora_rank)
     result = {"config": args.config, "tokens": args.tokens, "lora_rank": args.lora_rank, "recompute": args.recompute,
+              "offload": args.offload,
               "runs": runs, "step_flops": flops, "peak_tflops": args.peak_tflops, "planned_bytes": planned.memory,
               "planned_total_mb": planned.total / 2**20}
     native = next((r for r in runs if r["backend"] == "native"), None)
@@ -322,6 +329,9 @@ def main(argv=None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     tag = gpu_tag() if device.type == "cuda" else "cpu"
     suffix = "" if args.config in ("small", "tiny") else f"-{args.config}"
+    if args.config in GROUPS:  # a memory variant of the group's standard run (16k tokens, everything kept)
+        suffix += "".join([f"-{args.tokens // 1024}k" if args.tokens != 16384 else "",
+                           f"-{args.recompute}" if args.recompute != "none" else "", "-offload" if args.offload else ""])
     result["sequences"] = args.sequences
     with open(os.path.join(out_dir, f"{tag}-{datetime.date.today().isoformat()}-train{suffix}.json"), "w") as f:
         json.dump({"meta": meta, "result": result}, f, indent=1)

@@ -4,10 +4,11 @@
 # end into $OUT/gpu_check-HHMMSS.tgz beside $OUT/summary.txt (the device tool brings back few files);
 # a short table is printed last.
 #
-#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [groups] [bench|bench-quick] ...
+#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [groups] [memory] [bench|bench-quick] ...
 #   (default: build test sanitize demo train bench; ep needs two or more GPUs; groups: the real
 #   models' layer groups beside transformers + peft; LAYER_GROUPS, GROUP_TOKENS and GROUP_BACKENDS
-#   choose (bash keeps GROUPS for itself))
+#   choose (bash keeps GROUPS for itself); memory: recompute and offload on the GLM-5.3-Flash group at
+#   lengths where its activations do not fit, MEMORY_RUNS chooses)
 #
 # Environment: KDA_DSA_OPS_COMMIT (the commit id the results record; pass it: a copied tree's
 # .git can name an older commit than the files that run), TEST_PATHS (test files or node ids,
@@ -89,6 +90,18 @@ for step in "${steps[@]}"; do
         run_step "group-$group" 400 python3 bench/bench_train.py --config "$group" --tokens "${GROUP_TOKENS:-16384}" \
           --sequences 2 --backends ${GROUP_BACKENDS:-native transformers} --profile --out "$OUT/results"
         grep -E "tok/s|MFU|out of memory|native /|planned|GPU time|  part |  op " "$OUT/group-$group.log" | tee -a "$summary"
+      done
+      ;;
+    memory)  # the GLM-5.3-Flash group where activations do not fit: recompute and offload beside each other,
+      # then the longest single sequence (MEMORY_RUNS: "tokens sequences recompute [offload]" each)
+      runs=${MEMORY_RUNS:-"65536 2 none;65536 2 none offload;65536 2 attention;65536 2 block;65536 2 block offload;131072 1 block offload;262144 1 block offload"}
+      IFS=';' read -ra specs <<<"$runs"
+      for spec in "${specs[@]}"; do
+        read -r tokens seqs recompute offload <<<"$spec"
+        run_step "memory-$tokens-$recompute${offload:+-offload}" 300 python3 bench/bench_train.py --config glm-5.3-flash \
+          --tokens "$tokens" --sequences "$seqs" --recompute "$recompute" ${offload:+--offload} --backends native \
+          --steps 3 --warmup 1 --out "$OUT/results"
+        grep -E "tok/s|out of memory|MFU|planned" "$OUT/memory-$tokens-$recompute${offload:+-offload}.log" | tee -a "$summary"
       done
       ;;
     bench | bench-quick)
