@@ -198,8 +198,8 @@ def evaluate(cfg: HybridConfig, cluster: Cluster, ep: int, tokens: int, recomput
     # the one before it, prefetched (nn.offload).
     pairs = [a + b for a, b in zip(per_layer, per_layer[1:])] or per_layer
     activations = max(pairs) if offload else sum(per_layer)
-    if recompute != "none" and not offload:
-        # the block being recomputed holds its full activations during its backward
+    if recompute != "none":
+        # the block being recomputed holds its full activations during its backward, offloaded or not
         activations += block_activation_bytes(cfg, share, lora_rank, "none")[cfg.kinds()[0]]
     copies = share * cfg.moe_topk
     plan.memory = {
