@@ -38,6 +38,19 @@ def test_one_plan_by_hand():
     assert p.fits == (p.total <= 1e9)
 
 
+def test_offloaded_recompute_counts_the_block_in_its_backward():
+    """Recompute with offload: two blocks' saved inputs on the device (the one in its backward and
+    the one prefetched) plus the recomputed block's full activations, which offload does not move."""
+    cfg = get_config("tiny")
+    cluster = Cluster(devices=1, memory_gb=1.0, link_gbps=100.0, tflops=10.0, efficiency=0.5)
+    for recompute in ("attention", "block"):
+        p = evaluate(cfg, cluster, ep=1, tokens=64, recompute=recompute, offload=True, lora_rank=0)
+        saved = block_activation_bytes(cfg, 64, 0, recompute)
+        full = block_activation_bytes(cfg, 64, 0, "none")
+        pairs = [saved[a] + saved[b] for a, b in zip(cfg.kinds(), cfg.kinds()[1:])]
+        assert p.memory["activations"] == max(pairs) + full[cfg.kinds()[0]], recompute
+
+
 def test_a_context_parallel_plan_by_hand():
     """cp 4: a share's activations plus the MLA layers' gathered key rows, the share's all-to-all,
     and per layer the KDA pairs / the MLA key rows of the other shares each way."""
