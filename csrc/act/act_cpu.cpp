@@ -24,20 +24,32 @@ acc_t silu_grad(acc_t z) {
   return s * (acc_t(1) + z * (acc_t(1) - s));
 }
 
-// The convolution's reads: row s of the batch (s < 0: the halo's row s + W - 1, or zeros).
+// The convolution over the kernels' inputs: row s of the batch (s < 0: the halo's row s + W - 1,
+// or zeros), whether tap j of token t is taken (within its sequence, or j = 0), and z[t, c].
 template <typename scalar_t, typename acc_t>
-struct ConvRows {
+struct ConvView {
   const scalar_t* x;
   const scalar_t* halo;
+  const acc_t* w;
+  const int64_t* pos;
   int64_t C, W;
-  acc_t at(int64_t s, int64_t c) const {
+
+  ConvView(const ConvProblem& p, const ConvInputs& in)
+      : x(in.x.data_ptr<scalar_t>()), halo(p.halo ? in.halo.data_ptr<scalar_t>() : nullptr),
+        w(in.w.data_ptr<acc_t>()), pos(in.pos.data_ptr<int64_t>()), C(p.C), W(p.W) {}
+  acc_t row(int64_t s, int64_t c) const {
     if (s >= 0) return acc_t(x[s * C + c]);
     return halo != nullptr ? acc_t(halo[(s + W - 1) * C + c]) : acc_t(0);
   }
+  bool tap(int64_t j, int64_t t) const { return j == 0 || pos[t] >= j; }
+  acc_t z(int64_t t, int64_t c) const {
+    acc_t sum = 0;
+    for (int64_t j = 0; j < W; ++j) {
+      if (tap(j, t)) sum += w[c * W + j] * row(t - j, c);
+    }
+    return sum;
+  }
 };
-
-// Whether tap j reaches from token t (position pos) to t - j: within the sequence (or j = 0).
-inline bool tap(int64_t j, int64_t pos) { return j == 0 || pos >= j; }
 
 }  // namespace
 
@@ -47,18 +59,13 @@ at::Tensor short_conv_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, c
   at::Tensor y = at::empty({p.T, p.C}, x_in.options());
   KDA_DISPATCH_CPU_FLOATING(x_in.scalar_type(), "short_conv_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto [x, w, pos, halo] = conv_inputs(x_in, weight_in, pos_in, halo_in, c10::CppTypeToScalarType<acc_t>::value);
-    const ConvRows<scalar_t, acc_t> rows{x.data_ptr<scalar_t>(), p.halo ? halo.data_ptr<scalar_t>() : nullptr, p.C, p.W};
-    const acc_t* wp = w.data_ptr<acc_t>();
-    const int64_t* pp = pos.data_ptr<int64_t>();
+    const ConvInputs in = conv_inputs(x_in, weight_in, pos_in, halo_in, c10::CppTypeToScalarType<acc_t>::value);
+    const ConvView<scalar_t, acc_t> v(p, in);
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, p.T, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t c = 0; c < p.C; ++c) {
-          acc_t z = 0;
-          for (int64_t j = 0; j < p.W; ++j) {
-            if (tap(j, pp[t])) z += wp[c * p.W + j] * rows.at(t - j, c);
-          }
+          const acc_t z = v.z(t, c);
           yp[t * p.C + c] = static_cast<scalar_t>(z * sigmoid(z));
         }
       }
@@ -79,22 +86,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(const at::Tens
   at::Tensor dw;
   KDA_DISPATCH_CPU_FLOATING(gy.scalar_type(), "short_conv_bwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto [x, w, pos, halo] = conv_inputs(x_in, weight_in, pos_in, halo_in, c10::CppTypeToScalarType<acc_t>::value);
-    const ConvRows<scalar_t, acc_t> rows{x.data_ptr<scalar_t>(), p.halo ? halo.data_ptr<scalar_t>() : nullptr, p.C, p.W};
-    const acc_t* wp = w.data_ptr<acc_t>();
-    const int64_t* pp = pos.data_ptr<int64_t>();
+    const ConvInputs in = conv_inputs(x_in, weight_in, pos_in, halo_in, c10::CppTypeToScalarType<acc_t>::value);
+    const ConvView<scalar_t, acc_t> v(p, in);
     const scalar_t* gp = gy.data_ptr<scalar_t>();
     // dz = grad_y silu'(z), z recomputed
-    at::Tensor dz_t = at::empty({p.T, p.C}, w.options());
+    at::Tensor dz_t = at::empty({p.T, p.C}, in.w.options());
     acc_t* dz = dz_t.data_ptr<acc_t>();
     at::parallel_for(0, p.T, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t c = 0; c < p.C; ++c) {
-          acc_t z = 0;
-          for (int64_t j = 0; j < p.W; ++j) {
-            if (tap(j, pp[t])) z += wp[c * p.W + j] * rows.at(t - j, c);
-          }
-          dz[t * p.C + c] = acc_t(gp[t * p.C + c]) * silu_grad(z);
+          dz[t * p.C + c] = acc_t(gp[t * p.C + c]) * silu_grad(v.z(t, c));
         }
       }
     });
@@ -108,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(const at::Tens
         for (int64_t c = 0; c < p.C; ++c) {
           acc_t sum = 0;
           for (int64_t j = 0; j < p.W && s + j < p.T; ++j) {
-            if (s + j >= 0 && tap(j, pp[s + j])) sum += wp[c * p.W + j] * dz[(s + j) * p.C + c];
+            if (s + j >= 0 && v.tap(j, s + j)) sum += v.w[c * p.W + j] * dz[(s + j) * p.C + c];
           }
           out[c] = static_cast<scalar_t>(sum);
         }
@@ -119,14 +120,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(const at::Tens
       return;
     }
     // dw[c, j] = sum_t dz[t, c] x[t - j, c] over the taps taken, per channel in token order
-    at::Tensor dw_acc = at::empty({p.C, p.W}, w.options());
+    at::Tensor dw_acc = at::empty({p.C, p.W}, in.w.options());
     acc_t* dwp = dw_acc.data_ptr<acc_t>();
     at::parallel_for(0, p.C, 16, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
         for (int64_t j = 0; j < p.W; ++j) {
           acc_t sum = 0;
           for (int64_t t = 0; t < p.T; ++t) {
-            if (tap(j, pp[t])) sum += dz[t * p.C + c] * rows.at(t - j, c);
+            if (v.tap(j, t)) sum += dz[t * p.C + c] * v.row(t - j, c);
           }
           dwp[c * p.W + j] = sum;
         }
