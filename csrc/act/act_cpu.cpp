@@ -51,6 +51,16 @@ struct ConvView {
   }
 };
 
+// GLM-5.3's clamps with lim > 0: gate from above, up to [-lim, lim] (comparisons that keep NaN,
+// as torch.clamp does).
+template <typename acc_t>
+void clamp_glu(acc_t& g, acc_t& u, acc_t lim) {
+  if (lim > 0) {
+    g = g > lim ? lim : g;
+    u = u > lim ? lim : (u < -lim ? -lim : u);
+  }
+}
+
 }  // namespace
 
 at::Tensor short_conv_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& pos_in,
@@ -151,10 +161,7 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_up_in, double limit) {
       for (int64_t n = begin; n < end; ++n) {
         for (int64_t f = 0; f < p.F; ++f) {
           acc_t g = acc_t(in[n * 2 * p.F + f]), u = acc_t(in[n * 2 * p.F + p.F + f]);
-          if (limit > 0) {  // comparisons that keep NaN, as torch.clamp does
-            g = g > lim ? lim : g;
-            u = u > lim ? lim : (u < -lim ? -lim : u);
-          }
+          clamp_glu(g, u, lim);
           out[n * p.F + f] = static_cast<scalar_t>(g * sigmoid(g) * u);
         }
       }
@@ -180,10 +187,7 @@ at::Tensor swiglu_bwd_cpu(const at::Tensor& grad_h_in, const at::Tensor& gate_up
           const acc_t dh = acc_t(gp[n * p.F + f]);
           // the clamps' gradient passes strictly inside their bounds (zero on them, as torch.clamp's)
           const bool g_in = limit == 0 || g < lim, u_in = limit == 0 || (u > -lim && u < lim);
-          if (limit > 0) {
-            g = g > lim ? lim : g;
-            u = u > lim ? lim : (u < -lim ? -lim : u);
-          }
+          clamp_glu(g, u, lim);
           out[n * 2 * p.F + f] = static_cast<scalar_t>(g_in ? dh * u * silu_grad(g) : acc_t(0));
           out[n * 2 * p.F + p.F + f] = static_cast<scalar_t>(u_in ? dh * g * sigmoid(g) : acc_t(0));
         }
