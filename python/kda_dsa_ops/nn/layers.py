@@ -293,6 +293,14 @@ class LightningIndexer(nn.Module):
         return backend.lightning_indexer(q, cp.key_rows(k), w, cu_seqlens, cp.key_cu_seqlens(x.device), self.topk)
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+    """torch's scaled_dot_product_attention of one sequence, q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv]
+    -> [Tq, H, Dv] (options: is_causal, attn_mask, scale). Called on [1, H, T, D]: torch's fused
+    kernels take 4-D inputs only (3-D ones fall back to its math path, in fp32 for bf16)."""
+    return F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+                                          **options)[0].transpose(0, 1)
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention over packed sequences, dense (causal) or sparse (DSA).
 
@@ -358,9 +366,7 @@ class MLAttention(nn.Module):
             for (a, b), (ka, kb) in zip(sequence_bounds(cu_seqlens, T), sequence_bounds(key_cu, Tk)):
                 # causal; with more keys than queries (a share's part of a sequence) bottom-right aligned
                 causal = {"is_causal": True} if kb - ka == b - a else {"attn_mask": causal_lower_right(b - a, kb - ka)}
-                o[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[ka:kb].transpose(0, 1),
-                                                        v[ka:kb].transpose(0, 1), scale=self.scale,
-                                                        **causal).transpose(0, 1)
+                o[a:b] = attend(q[a:b], k[ka:kb], v[ka:kb], scale=self.scale, **causal)
             indices = None
         else:
             if self.indexer is not None:

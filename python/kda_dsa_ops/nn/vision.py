@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..reference import swiglu
-from .layers import RMSNorm, sequence_bounds
+from .layers import RMSNorm, attend, sequence_bounds
 
 
 class PatchEmbed(nn.Module):
@@ -80,8 +80,7 @@ class VisionBlock(nn.Module):
         q, k = self.rotate(self.q_norm(q), cos, sin), self.rotate(self.k_norm(k), cos, sin)
         o = torch.empty_like(q)
         for a, b in sequence_bounds(frames, N):
-            o[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                    v[a:b].transpose(0, 1)).transpose(0, 1)
+            o[a:b] = attend(q[a:b], k[a:b], v[a:b])
         x = x + self.proj(o.reshape(N, -1))
         return x + self.down(swiglu(self.gate_up(self.norm2(x)), self.limit))
 
