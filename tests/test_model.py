@@ -251,3 +251,20 @@ def test_activation_offload_prefetches_one_block_ahead(device):
     assert offload.events == [("backward", 3), ("fetch", 3), ("fetch", 2), ("backward", 2), ("fetch", 1),
                               ("backward", 1), ("fetch", 0), ("backward", 0)]
     assert all(s.device is None for g in offload.groups.values() for s in g)  # the graph took them
+
+
+def test_hyper_connection_projection_matches_its_composition():
+    """mHC's normalised projection (its own backward: one GEMM and one pass over the streams)
+    against (x fn^T) * rsqrt(mean(x^2) + eps) by autograd, and by gradcheck, in float64."""
+    from kda_dsa_ops.nn.layers import _NormalisedProjection
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 24, dtype=torch.float64, requires_grad=True)
+    fn = torch.randn(15, 24, dtype=torch.float64, requires_grad=True)
+    y = _NormalisedProjection.apply(x, fn, 1e-6)
+    ref = (x @ fn.t()) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, (x, fn), g), torch.autograd.grad(ref, (x, fn), g)):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(lambda x, fn: _NormalisedProjection.apply(x, fn, 1e-6), (x, fn))
