@@ -256,6 +256,21 @@ def run(cfg, backend: str, args, device: torch.device) -> dict:
     return run
 
 
+def write_record(args, device: torch.device, result: dict) -> None:
+    """The run's JSON under --out (default bench/results), named by GPU, date, config and memory variant."""
+    meta = {"commit": commit_id(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    out_dir = args.out or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    tag = gpu_tag() if device.type == "cuda" else "cpu"
+    suffix = "" if args.config in ("small", "tiny") else f"-{args.config}"
+    if args.config in GROUPS:  # a memory variant of the group's standard run (16k tokens, everything kept)
+        suffix += "".join([f"-{args.tokens // 1024}k" if args.tokens != 16384 else "",
+                           f"-{args.recompute}" if args.recompute != "none" else "", "-offload" if args.offload else ""])
+    with open(os.path.join(out_dir, f"{tag}-{datetime.date.today().isoformat()}-train{suffix}.json"), "w") as f:
+        json.dump({"meta": meta, "result": result}, f, indent=1)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small", help=f"a preset or a real model's layer group: {sorted(GROUPS)}")
@@ -281,41 +296,44 @@ def main(argv=None) -> dict:
         args.steps, args.reference_steps, args.tokens = 3, 1, 1024
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = config_of(args.config)
-    runs = []
+    seqlens = torch.linspace(0, args.tokens, args.sequences + 1).round().int().diff().tolist()
+    flops = step_flops(cfg, args.lora_rank, seqlens)
+    print("step GFLOPs (plan.step_flops): " + ", ".join(f"{k} {v / 1e9:,.1f}" for k, v in flops.items() if v),
+          flush=True)
+    planned = evaluate(cfg, Cluster(1, args.memory_gb, 1.0), 1, args.tokens, args.recompute, args.offload,
+                       args.lora_rank)
+    result = {"config": args.config, "tokens": args.tokens, "sequences": args.sequences, "lora_rank": args.lora_rank,
+              "recompute": args.recompute, "offload": args.offload, "runs": [], "step_flops": flops,
+              "peak_tflops": args.peak_tflops, "planned_bytes": planned.memory,
+              "planned_total_mb": planned.total / 2**20}
+    runs = result["runs"]
     for backend in args.backends:
         if backend == "transformers" and args.config not in GROUPS:
             raise SystemExit(f"--backends transformers needs a real model's layer group: {sorted(GROUPS)}")
         runs.append(run_anchor(GROUPS[args.config][0], cfg, args, device) if backend == "transformers"
                     else run(cfg, backend, args, device))
-        if "error" in runs[-1]:
-            print(f"{args.config} {backend:>9}: {runs[-1]['error']}", flush=True)
+        r = runs[-1]
+        if "error" in r:
+            print(f"{args.config} {backend:>9}: {r['error']}", flush=True)
         else:
-            print(f"{args.config} {backend:>9}: {runs[-1]['tokens_per_s']:,.0f} tok/s, step {runs[-1]['step_s']:.3f} s, "
-                  f"peak {runs[-1]['peak_mb']:,.0f} MB", flush=True)
-            if "profile" in runs[-1]:
-                print_profile(f"{args.config} {backend}", runs[-1]["profile"])
+            print(f"{args.config} {backend:>9}: {r['tokens_per_s']:,.0f} tok/s, step {r['step_s']:.3f} s, "
+                  f"peak {r['peak_mb']:,.0f} MB", flush=True)
+            if "profile" in r:
+                print_profile(f"{args.config} {backend}", r["profile"])
+            r["mfu"] = sum(flops.values()) / r["step_s"] / (args.peak_tflops * 1e12)  # required FLOPs / time / peak
+            print(f"{args.config} {r['backend']:>9}: MFU {100 * r['mfu']:.1f}% of {args.peak_tflops:g} TFLOP/s",
+                  flush=True)
+        write_record(args, device, result)  # after every run: a later run that fails or is cut loses nothing
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    seqlens = torch.linspace(0, args.tokens, args.sequences + 1).round().int().diff().tolist()
-    flops = step_flops(cfg, args.lora_rank, seqlens)
-    print("step GFLOPs (plan.step_flops): " + ", ".join(f"{k} {v / 1e9:,.1f}" for k, v in flops.items() if v),
-          flush=True)
-    for r in (r for r in runs if "error" not in r):  # MFU = the step's required FLOPs / step time / the peak
-        r["mfu"] = sum(flops.values()) / r["step_s"] / (args.peak_tflops * 1e12)
-        print(f"{args.config} {r['backend']:>9}: MFU {100 * r['mfu']:.1f}% of {args.peak_tflops:g} TFLOP/s", flush=True)
-    planned = evaluate(cfg, Cluster(1, args.memory_gb, 1.0), 1, args.tokens, args.recompute, args.offload,
-                       args.lora_rank)
-    result = {"config": args.config, "tokens": args.tokens, "lora_rank": args.lora_rank, "recompute": args.recompute,
-              "offload": args.offload,
-              "runs": runs, "step_flops": flops, "peak_tflops": args.peak_tflops, "planned_bytes": planned.memory,
-              "planned_total_mb": planned.total / 2**20}
     native = next((r for r in runs if r["backend"] == "native"), None)
-    reference = next((r for r in runs if r["backend"] == "reference"), None)
-    if native and reference:
+    reference = next((r for r in runs if r["backend"] == "reference" and "error" not in r), None)
+    timed = native is not None and "error" not in native
+    if timed and reference:
         result["native_speedup"] = native["tokens_per_s"] / reference["tokens_per_s"]
         print(f"native / reference tokens/s: {result['native_speedup']:.2f}x")
     anchor = next((r for r in runs if r["backend"] == "transformers + peft" and "error" not in r), None)
-    if native and anchor:
+    if timed and anchor:
         result["native_over_transformers"] = native["tokens_per_s"] / anchor["tokens_per_s"]
         print(f"native / transformers + peft tokens/s: {result['native_over_transformers']:.2f}x, peak memory "
               f"{native['peak_mb'] / anchor['peak_mb']:.2f}x theirs")
@@ -323,18 +341,7 @@ def main(argv=None) -> dict:
         result["measured_over_planned"] = native["peak_mb"] / result["planned_total_mb"]
         print(f"planned {result['planned_total_mb']:,.0f} MB vs measured peak {native['peak_mb']:,.0f} MB "
               f"({result['measured_over_planned']:.2f}x)")
-    meta = {"commit": commit_id(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
-    out_dir = args.out or RESULTS_DIR
-    os.makedirs(out_dir, exist_ok=True)
-    tag = gpu_tag() if device.type == "cuda" else "cpu"
-    suffix = "" if args.config in ("small", "tiny") else f"-{args.config}"
-    if args.config in GROUPS:  # a memory variant of the group's standard run (16k tokens, everything kept)
-        suffix += "".join([f"-{args.tokens // 1024}k" if args.tokens != 16384 else "",
-                           f"-{args.recompute}" if args.recompute != "none" else "", "-offload" if args.offload else ""])
-    result["sequences"] = args.sequences
-    with open(os.path.join(out_dir, f"{tag}-{datetime.date.today().isoformat()}-train{suffix}.json"), "w") as f:
-        json.dump({"meta": meta, "result": result}, f, indent=1)
+    write_record(args, device, result)
     return result
 
 
