@@ -230,16 +230,6 @@ void with_width(int64_t W, F&& f) {
   }
 }
 
-// p.vec: C a multiple of the step and every row pointer aligned to it.
-template <int C, typename T>
-bool rows_vectorised(int64_t width, std::initializer_list<const void*> ptrs) {
-  if (width % C != 0) return false;
-  for (const void* ptr : ptrs) {
-    if (ptr != nullptr && !aligned_to(ptr, sizeof(T) * C)) return false;
-  }
-  return true;
-}
-
 template <int kW>
 dim3 conv_grid(const ConvProblem& q, int64_t max_y) {
   return dim3(static_cast<unsigned>(ceil_div(q.C, int64_t{kThreads} * kCols<kW>)),

@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "common/dispatch.h"
 
@@ -48,6 +49,16 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 // swiglu): one vector load or store when vec (the row length a multiple of C, rows aligned to
 // C elements: aligned_to), else element by element with zeros past D.
 inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// Whether rows of `width` elements of T starting at each of ptrs (null: absent) take C-wide vectors.
+template <int C, typename T>
+bool rows_vectorised(int64_t width, std::initializer_list<const void*> ptrs) {
+  if (width % C != 0) return false;
+  for (const void* ptr : ptrs) {
+    if (ptr != nullptr && !aligned_to(ptr, sizeof(T) * C)) return false;
+  }
+  return true;
+}
 
 template <typename T, int C>
 struct alignas(sizeof(T) * C) Pack {

@@ -164,15 +164,6 @@ void with_streams(const MixProblem& q, F&& f) {
   }
 }
 
-template <int kS, typename T>
-bool rows_vectorised(const MixProblem& q, std::initializer_list<const void*> ptrs) {
-  if (q.D % kCols<kS> != 0) return false;
-  for (const void* ptr : ptrs) {
-    if (ptr != nullptr && !aligned_to(ptr, sizeof(T) * kCols<kS>)) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 at::Tensor hc_mix_cuda(const at::Tensor& x_in, const at::Tensor& a_in, const std::optional<at::Tensor>& z_in,
@@ -188,7 +179,7 @@ at::Tensor hc_mix_cuda(const at::Tensor& x_in, const at::Tensor& a_in, const std
       MixArgs p{x.data_ptr(), a.data_ptr<float>(), q.add ? z.data_ptr() : nullptr,
                 q.add ? b.data_ptr<float>() : nullptr, nullptr, y.data_ptr(), nullptr, nullptr, nullptr,
                 q.D, static_cast<int>(q.n), static_cast<int>(q.m), false};
-      p.vec = rows_vectorised<kS, scalar_t>(q, {p.x, p.z, p.y});
+      p.vec = rows_vectorised<kCols<kS>, scalar_t>(q.D, {p.x, p.z, p.y});
       hc_mix_kernel<scalar_t, kS><<<q.T, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -218,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_mix_bwd_cuda(const
                   q.add ? b.data_ptr<float>() : nullptr, gy.data_ptr(), dx.data_ptr(),
                   q.add ? dz.data_ptr() : nullptr, da.data_ptr<float>(), q.add ? db.data_ptr<float>() : nullptr,
                   q.D, static_cast<int>(q.n), static_cast<int>(q.m), false};
-        p.vec = rows_vectorised<kS, scalar_t>(q, {p.x, p.z, p.grad, p.y, p.dz});
+        p.vec = rows_vectorised<kCols<kS>, scalar_t>(q.D, {p.x, p.z, p.grad, p.y, p.dz});
         hc_mix_bwd_kernel<scalar_t, kS><<<q.T, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

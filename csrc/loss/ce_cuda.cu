@@ -38,11 +38,6 @@ __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
   m = mx;
 }
 
-template <typename T, int kVec>
-struct alignas(16) Vec {
-  T v[kVec];
-};
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const __grid_constant__ CeArgs a) {
   constexpr int kVec = 16 / sizeof(T);
@@ -61,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const __grid_constant
   float m = -INFINITY, s = 0.f;
   if (a.vec) {
     for (int64_t c = int64_t{threadIdx.x} * kVec; c < V; c += step) {
-      const Vec<T, kVec> x = *reinterpret_cast<const Vec<T, kVec>*>(row + c);
+      const Pack<T, kVec> x = *reinterpret_cast<const Pack<T, kVec>*>(row + c);
       float mv = -INFINITY, sv = 0.f;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) mv = fmaxf(mv, to_float(x.v[e]));
@@ -100,12 +95,12 @@ __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const __grid_constant
   __syncthreads();  // row[label] is read before it is overwritten
   if (a.vec) {
     for (int64_t c = int64_t{threadIdx.x} * kVec; c < V; c += step) {
-      Vec<T, kVec> x = *reinterpret_cast<const Vec<T, kVec>*>(row + c);
+      Pack<T, kVec> x = *reinterpret_cast<const Pack<T, kVec>*>(row + c);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         x.v[e] = from_float<T>(a.scale * (expf(to_float(x.v[e]) - lse) - (c + e == label ? 1.f : 0.f)));
       }
-      *reinterpret_cast<Vec<T, kVec>*>(row + c) = x;
+      *reinterpret_cast<Pack<T, kVec>*>(row + c) = x;
     }
   } else {
     for (int64_t c = threadIdx.x; c < V; c += kThreads) {
@@ -125,7 +120,7 @@ at::Tensor cross_entropy_rows_cuda(at::Tensor& logits, const at::Tensor& labels_
   if (p.N == 0) return loss;
   KDA_DISPATCH_CUDA_FLOATING(logits.scalar_type(), "cross_entropy_rows_", [&] {
     constexpr int kVec = 16 / sizeof(scalar_t);
-    const bool vec = p.V % kVec == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+    const bool vec = rows_vectorised<kVec, scalar_t>(p.V, {logits.data_ptr()});
     const CeArgs a{logits.data_ptr(), labels.data_ptr<int64_t>(), loss.data_ptr<float>(), p.V, ignore_index,
                    static_cast<float>(scale), write_grad, vec};
     ce_rows_kernel<scalar_t><<<p.N, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a);

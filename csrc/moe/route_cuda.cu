@@ -231,11 +231,6 @@ struct StagedRow {
 };
 
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   return *reinterpret_cast<const Pack<T, N>*>(p);
 }
