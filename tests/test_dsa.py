@@ -185,22 +185,23 @@ def test_sparse_attention_row_without_keys_gives_zero():
         assert torch.equal(g, torch.zeros_like(g))
 
 
-# (device, dtype, (Hkv, Dqk, dv), portable): the CPU kernel; on CUDA the portable kernel and (sm_90)
-# the Hopper MLA one
-ATTN_PATHS = [("cpu", F64, (2, 16, 16), False), ("cpu", torch.float32, (1, 36, 32), False),
-              pytest.param("cuda", torch.bfloat16, (2, 128, 128), True, marks=pytest.mark.cuda),
-              pytest.param("cuda", torch.bfloat16, (1, 576, 512), False, marks=pytest.mark.cuda)]
+# (device, dtype, (Hkv, Dqk, dv), portable, heads per kv head): the CPU kernel; on CUDA the portable
+# kernel and (sm_90) the Hopper MLA ones (the backward's for more than 16 heads)
+ATTN_PATHS = [("cpu", F64, (2, 16, 16), False, 2), ("cpu", torch.float32, (1, 36, 32), False, 2),
+              pytest.param("cuda", torch.bfloat16, (2, 128, 128), True, 2, marks=pytest.mark.cuda),
+              pytest.param("cuda", torch.bfloat16, (1, 576, 512), False, 2, marks=pytest.mark.cuda),
+              pytest.param("cuda", torch.bfloat16, (1, 512, 512), False, 64, marks=pytest.mark.cuda)]
 
 
-@pytest.mark.parametrize("device, dtype, layout, portable", ATTN_PATHS)
+@pytest.mark.parametrize("device, dtype, layout, portable, G", ATTN_PATHS)
 @pytest.mark.parametrize("case", ["q_nan", "kv_nan", "kv_inf_value", "unselected_nan"])
-def test_sparse_attention_nonfinite_inputs_give_the_references_nan(device, dtype, layout, portable, case):
+def test_sparse_attention_nonfinite_inputs_give_the_references_nan(device, dtype, layout, portable, G, case):
     """NaN in q: its row's o and lse are NaN (not the no-key marker, o = 0 and lse = -inf); NaN in a
     selected kv row: the rows that select it; +inf in a selected row's value channel whose logit
     is -inf: that channel of those rows only; NaN in a row no query selects: nothing. The
     gradients are non-finite where the reference's are."""
     Hkv, D, dv = layout
-    T, Tk, G, topk = 6, 40, 2, 64
+    T, Tk, topk = 6, 40, 64
     q, kv, idx, _ = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, False)
     idx[idx == 7] = 8  # row 7 is selected by no query
     picked = int(idx[0, 0, 0])

@@ -223,9 +223,9 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define KDA_ACC32(i) KDA_ACC8(i), KDA_ACC8(i + 8), KDA_ACC8(i + 16), KDA_ACC8(i + 24)
 #define KDA_REGS_0_15 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define KDA_REGS_16_31 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define KDA_REGS_0_63 \
-  KDA_REGS_0_15 ", " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  KDA_REGS_0_15 ", " KDA_REGS_16_31 ", " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define KDA_REGS_64_127 \
@@ -273,6 +273,17 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
 }
 
 template <typename T, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+#ifdef KDA_SM90A_ENABLED
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    KDA_WGMMA("m64n64k16", "bf16", KDA_REGS_0_15 ", " KDA_REGS_16_31, "%32, %33", "%34, %35", "%36", KDA_ACC32(0));
+  } else {
+    KDA_WGMMA("m64n64k16", "f16", KDA_REGS_0_15 ", " KDA_REGS_16_31, "%32, %33", "%34, %35", "%36", KDA_ACC32(0));
+  }
+#endif
+}
+
+template <typename T, int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
 #ifdef KDA_SM90A_ENABLED
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -286,6 +297,7 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t desc_a,
 #undef KDA_WGMMA
 #undef KDA_REGS_64_127
 #undef KDA_REGS_0_63
+#undef KDA_REGS_16_31
 #undef KDA_REGS_0_15
 #undef KDA_ACC32
 #undef KDA_ACC8

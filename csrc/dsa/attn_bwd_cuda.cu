@@ -217,13 +217,19 @@ void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Ten
                    const at::Tensor& indices, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate,
                    bool deterministic, at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate) {
   const c10::cuda::CUDAGuard guard(q.device());
+  const bool hopper = mla_bwd_takes(p, q);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_bwd", [&] {
     with_attn_instance(p, [&](auto dqk, auto dv, auto rows) {
       constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
       using S = BwdShape<kDqk, kDv, kRows>;
-      const auto kernel = attn_bwd_kernel<scalar_t, kDqk, kDv, kRows>;
-      const int threads = S::kThreads;
-      const size_t smem = S::kSmem;
+      // The queries t0 .. t0 + n on this problem's kernel (the Hopper one's blocks have 64 heads too).
+      const auto run = [&](const AttnBwdArgs& a, int64_t n) {
+        if (hopper) {
+          mla_bwd_launch<scalar_t>(a, n);
+        } else {
+          launch(attn_bwd_kernel<scalar_t, kDqk, kDv, kRows>, dim3(n, p.Hkv, a.head_blocks), S::kThreads, S::kSmem, a);
+        }
+      };
       AttnBwdArgs a{attn_args(p, q, kv, indices, gate, kRows),
                     grad_o.data_ptr(),
                     o.data_ptr(),
@@ -234,7 +240,7 @@ void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Ten
                     dgate.defined() ? dgate.data_ptr() : nullptr};
       if (!deterministic) {
         a.dkv = dkv.data_ptr<float>();
-        launch(kernel, dim3(p.T, p.Hkv, a.head_blocks), threads, smem, a);
+        run(a, p.T);
         return;
       }
       // Deterministic: each (query, slot) contribution is stored, then summed into dkv in index
@@ -251,7 +257,7 @@ void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Ten
         const int64_t n = std::min(chunk, p.T - t0);
         a.t0 = t0;
         a.contrib = contrib.data_ptr<float>();
-        launch(kernel, dim3(n, p.Hkv, a.head_blocks), threads, smem, a);
+        run(a, n);
         const at::Tensor keys =
             rows_of.narrow(0, t0, n).unsqueeze(2).expand({n, p.Hkv, a.head_blocks, p.topk}).reshape({-1});
         dkv_rows.index_put_({keys}, contrib.narrow(0, 0, n * per_query).view({-1, p.Dqk}), /*accumulate=*/true);

@@ -16,6 +16,8 @@
 //                         warpgroup and two wgmma consumer warpgroups
 //   attn_bwd_cuda.cu      SFA backward: the forward's blocks, dq in registers, dkv added to an fp32
 //                         buffer (atomically, or stored per (query, slot) and summed in index order)
+//   mla_bwd_cuda.cu       SFA backward for the MLA layout on sm_90a: a gathering producer warpgroup
+//                         and two wgmma consumer warpgroups, dkv by 16-byte atomics per 64 columns
 // The mma.sync kernels' warps are 16-row groups x 2 halves of the columns (keys or values).
 #pragma once
 
@@ -283,6 +285,11 @@ void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& 
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
 void mla_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
                   const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
+// The MLA layouts with more than 16 heads per kv head on sm_90a (unless portable_sfa is on); the
+// launch over `queries` queries from a.t0.
+bool mla_bwd_takes(const AttnProblem& p, const at::Tensor& q);
+template <typename T>
+void mla_bwd_launch(const AttnBwdArgs& a, int64_t queries);
 void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
                    const at::Tensor& indices, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate,
                    bool deterministic, at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate);

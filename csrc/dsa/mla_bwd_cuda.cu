@@ -1,0 +1,453 @@
+// Sparse attention's backward for the MLA layouts (one kv head, dv 512: DeepSeek's Dqk 576, GLM-5.3's
+// NoPE Dqk 512) on sm_90a, for blocks of 64 heads: the equations of attn_bwd_cuda.cu with wgmma.
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/pipeline.cuh"
+#include "common/switches.h"
+#include "common/tma.h"
+#include "dsa/dsa_cuda.cuh"
+
+namespace kda_dsa_ops::dsa {
+
+namespace {
+
+// One block per (query, block of up to 64 heads). A producer warpgroup gathers the selected rows,
+// 32 keys a tile, into a 2-stage ring of 128B-swizzled tiles (as the forward's). Per tile, the two
+// consumer warpgroups share the work evenly:
+//   group 0: S = Q K^T (wgmma m64n32k16 over the Dqk columns), P and dS = scale P (dP - delta);
+//   group 1: dP = dA V^T (over the 512 value columns), sent to group 0 through shared memory;
+//   both:    dq += dS K over half of the columns each (m64n256k16, group 1 adds the rope columns at
+//            576), then dkv^T = Q^T dS^T + dA^T P^T in 64-column tiles (m64n32k16, Q and dA read
+//            M-major from their own tiles), each added to dkv with 16-byte atomics (or stored per
+//            (query, slot) for the deterministic sum) while the next is computed.
+// dS is kept [heads x keys] (dq's A) and [keys x heads] (dkv's B, as is P).
+template <int Dqk>
+struct MlaBwd : sm90::WarpSpecialized<2, 40, 232> {
+  static constexpr int kDqk = Dqk, kDv = 512, kRows = 64, kKeys = 32;
+  static constexpr int kChunks = kDqk / 64;      // 64-column swizzled chunks of a row
+  static constexpr int kRowChunk = kRows * 128;  // a chunk of Q or dA: 64 rows
+  static constexpr int kKeyChunk = kKeys * 128;  // a chunk of a key tile: 32 rows
+  static constexpr int kQBytes = kChunks * kRowChunk, kABytes = kDv / 64 * kRowChunk;
+  static constexpr int kTileBytes = kChunks * kKeyChunk;
+  static constexpr int kStages = 2;
+  static constexpr int kSplit = 5;  // S and dP start on a tile's first chunks while the rest arrive
+  static constexpr int kDsBytes = kRows * 128;  // dS [64 x 32] in 128-byte rows
+  static constexpr int kTBytes = kKeys * 128;   // dS^T, P^T [32 x 64]
+  using Ring = sm90::StageRing<kStages, 2>;
+  static_assert(Dqk == 576 || Dqk == 512);
+  // Group 0 takes dkv tiles 0-3 (and 8, the rope columns, at 576), group 1 tiles 4-7; dq's
+  // columns: group 0 chunks 0-3, group 1 chunks 4-7 (and 8).
+  template <int kGroup>
+  static constexpr int dkv_tiles() { return kGroup == 0 && kChunks == 9 ? 5 : 4; }
+  template <int kGroup>
+  static constexpr int dkv_tile(int m) { return m < 4 ? 4 * kGroup + m : 8; }
+};
+
+struct MlaBwdShared {
+  MlaBwd<576>::Ring ring;  // (the same ring for both widths)
+  uint32_t valid[kMaxKeys / 32];  // bit k of word i: slot 32 i + k has a key (tile i)
+  float delta[64];                // rowsum(dO * o)
+  float lse2[64];                 // lse in log2 units; +inf for a row without a key or past `rows`
+};
+
+template <int Dqk>
+constexpr size_t kMlaBwdSmem = sm90::kSwizzleAlign + MlaBwd<Dqk>::kQBytes + MlaBwd<Dqk>::kABytes +
+                               MlaBwd<Dqk>::kStages * MlaBwd<Dqk>::kTileBytes + MlaBwd<Dqk>::kDsBytes +
+                               2 * MlaBwd<Dqk>::kTBytes + sizeof(MlaBwdShared);
+static_assert(kMlaBwdSmem<576> <= kMaxSmem);
+static_assert(MlaBwd<576>::kDsBytes + 2 * MlaBwd<576>::kTBytes >= 128 * 16 * 4, "the dP exchange overlays dS, P");
+
+// The shared-memory tiles' addresses.
+struct MlaBwdTiles {
+  uint32_t q, da, keys, ds, ds_t, p_t;
+};
+
+// One consumer thread's place: its warpgroup's thread tid, warp and lane, fragment row g and
+// column pair c, accumulator rows r0 and r0 + 8; the block's query t, heads head0.. (rows of them),
+// its tile count.
+struct MlaBwdThread {
+  int64_t t;
+  int head0, rows, tiles, tid, warp, lane, g, c, r0;
+  bool deterministic;  // contributions stored per (query, slot), not added
+};
+
+// Producer warpgroup: rows g and g + 16 of each tile for the eight threads 8g .. 8g + 7, a
+// 16-byte piece of each 128-byte chunk each (as the forward's producer); marks the valid slots.
+template <typename T, typename M>
+__device__ __forceinline__ void mla_bwd_produce(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sK, int64_t t,
+                                                int tiles) {
+  using namespace sm90;
+  const int32_t* sel = a.indices + t * a.topk;
+  const T* kv = static_cast<const T*>(a.kv);
+  const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
+  for (int i = 0; i < tiles; ++i) {
+    sh.ring.wait_empty(i);
+    const T* src[2];
+    bool has[2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int64_t j = int64_t{i} * M::kKeys + g + 16 * m;
+      const int key = j < a.topk ? sel[j] : -1;
+      has[m] = key >= 0 && key < a.Tk;
+      src[m] = kv + (has[m] ? int64_t{key} * M::kDqk : 0) + piece * 8;
+      if (piece == 0 && has[m]) atomicOr(sh.valid + i, 1u << (g + 16 * m));
+    }
+    uint8_t* tile = sK + M::Ring::stage(i) * M::kTileBytes;
+    const auto copy_chunk = [&](int ch) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        cp_async_16_zfill(tile + ch * M::kKeyChunk + sw128_offset(g + 16 * m, piece), src[m] + ch * 64, has[m]);
+      }
+    };
+#pragma unroll
+    for (int ch = 0; ch < M::kSplit; ++ch) copy_chunk(ch);
+    cp_async_commit();
+#pragma unroll
+    for (int ch = M::kSplit; ch < M::kChunks; ++ch) copy_chunk(ch);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();
+    mbar_arrive(sh.ring.full_bar(i, 0));
+    cp_async_wait<0>();
+    fence_proxy_async();
+    mbar_arrive(sh.ring.full_bar(i, 1));
+  }
+}
+
+// The consumers' first step, a warp per row: delta = sum(dO * o) (o gated), dA = dO * sigmoid(gate)
+// into its swizzled tile, dgate = dO * o * (1 - sigmoid(gate)), lse in log2 units.
+template <typename T, typename M>
+__device__ __forceinline__ void mla_bwd_rows(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sA, int64_t t,
+                                             int head0, int rows) {
+  const T* grad_o = static_cast<const T*>(a.grad_o);
+  const T* o = static_cast<const T*>(a.o_in);
+  const T* gate = static_cast<const T*>(a.gate);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < M::kRows; r += 8) {
+    const bool valid = r < rows;
+    const int64_t row = t * a.H + head0 + r;
+    float dd[2][8], od[2][8], gd[2][8];  // every load of the row before the first store
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int d = 8 * (lane + 32 * k);
+      load_cols<T, 8>(grad_o + row * M::kDv, d, valid ? M::kDv : 0, valid, dd[k]);
+      load_cols<T, 8>(o + row * M::kDv, d, valid ? M::kDv : 0, valid, od[k]);
+      load_cols<T, 8>(gate + row * M::kDv, d, valid && gate != nullptr ? M::kDv : 0, valid && gate != nullptr, gd[k]);
+    }
+    float dsum = 0.f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int piece = lane + 32 * k;
+      float da[8], dg[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float s = gate != nullptr ? sigmoidf(gd[k][e]) : 1.f;
+        dg[e] = dd[k][e] * od[k][e] * (1.f - s);
+        dsum += dd[k][e] * od[k][e];
+        da[e] = dd[k][e] * s;
+      }
+      if (valid && gate != nullptr) store_cols<T, 8>(static_cast<T*>(a.dgate) + row * M::kDv, 8 * piece, M::kDv, true, dg);
+      Pack<T, 8> pk;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) pk.v[e] = from_float<T>(da[e]);
+      *reinterpret_cast<Pack<T, 8>*>(sA + (piece / 8) * M::kRowChunk + sm90::sw128_offset(r, piece % 8)) = pk;
+    }
+    dsum = warp_reduce(dsum, SumOp{});
+    if (lane == 0) {
+      sh.delta[r] = dsum;
+      const float l = valid ? a.lse_in[row] : -INFINITY;
+      sh.lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // no key: every p = 0; NaN stays NaN
+    }
+  }
+}
+
+// x[j] of lane b (lanes 4 apart: b = g % 4) becomes lane j's x[b].
+__device__ __forceinline__ void transpose4(float (&x)[4], int b) {
+#pragma unroll
+  for (int m = 1; m <= 2; m *= 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j & m) continue;
+      const bool upper = b & m;
+      const float got = __shfl_xor_sync(0xffffffffu, upper ? x[j] : x[j | m], 4 * m);
+      if (upper) {
+        x[j] = got;
+      } else {
+        x[j | m] = got;
+      }
+    }
+  }
+}
+
+// dkv^T tile mt (rows: columns 64 mt.. of dkv; columns: the tile's 32 keys) into dkv: the
+// accumulator's rows 16 warp + g (+8) and keys 8j + 2c (+1) turned, within lanes 4 apart, into
+// four consecutive columns of keys 8 (g % 4) + 2c (+1) a lane: one 16-byte add per key and row half.
+__device__ __forceinline__ void mla_bwd_scatter(const float (&acc)[16], int mt, const MlaBwdThread& th,
+                                                float* const (&dst)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float x[4] = {acc[2 * h + e], acc[4 + 2 * h + e], acc[8 + 2 * h + e], acc[12 + 2 * h + e]};
+      transpose4(x, th.g % 4);
+      if (dst[e] != nullptr) {
+        float4* p = reinterpret_cast<float4*>(dst[e] + 64 * mt + 16 * th.warp + 8 * h + 4 * (th.g / 4));
+        if (!th.deterministic) {
+          atomicAdd(p, make_float4(x[0], x[1], x[2], x[3]));
+        } else {
+          *p = make_float4(x[0], x[1], x[2], x[3]);
+        }
+      }
+    }
+  }
+}
+
+// dkv^T tile mt = Q^T dS^T (+ dA^T P^T for the value columns), committed as one wgmma group.
+template <typename T, typename M>
+__device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaBwdTiles& s) {
+  using namespace sm90;
+#pragma unroll
+  for (int x = 0; x < 16; ++x) acc[x] = 0.f;
+  fence_accumulators(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kh = 0; kh < 4; ++kh) {
+    wgmma_m64n32k16<T, 1, 0>(acc, sw128_descriptor(s.q + mt * M::kRowChunk + kh * 2048, M::kRowChunk),
+                             sw128_descriptor(s.ds_t + kh * 32, 16));
+  }
+  if (mt < M::kDv / 64) {
+#pragma unroll
+    for (int kh = 0; kh < 4; ++kh) {
+      wgmma_m64n32k16<T, 1, 0>(acc, sw128_descriptor(s.da + mt * M::kRowChunk + kh * 2048, M::kRowChunk),
+                               sw128_descriptor(s.p_t + kh * 32, 16));
+    }
+  }
+  wgmma_commit();
+}
+
+// A consumer group's walk over the tiles (kGroup: its share, above), then its dq columns stored.
+template <typename T, typename M, int kGroup>
+__device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sK, uint8_t* sDS,
+                                                uint8_t* sDST, uint8_t* sPT, const MlaBwdTiles& s,
+                                                const MlaBwdThread& th) {
+  using namespace sm90;
+  constexpr bool kRope = kGroup == 1 && M::kChunks == 9;  // dq's chunk 8
+  constexpr int kTiles = M::template dkv_tiles<kGroup>();
+  const float sl2 = a.scale * kLog2e;
+  const int32_t* sel = a.indices + th.t * a.topk;
+  const int c = th.c, r0 = th.r0;
+  float dq[128], dq_rope[32];
+#pragma unroll
+  for (int x = 0; x < 128; ++x) dq[x] = 0.f;
+#pragma unroll
+  for (int x = 0; x < 32; ++x) dq_rope[x] = 0.f;
+  float acc[2][16];
+  for (int i = 0; i < th.tiles; ++i) {
+    const int64_t k0 = int64_t{i} * M::kKeys;
+    const uint32_t kb = s.keys + M::Ring::stage(i) * M::kTileBytes;
+    // This lane's two keys in dkv (slots 8 (g % 4) + 2c (+1)), read before the GEMMs wait.
+    int key[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t j = k0 + 8 * (th.g % 4) + 2 * c + e;
+      key[e] = j < a.topk ? sel[j] : -1;
+    }
+    // S (group 0) or dP (group 1) for the tile's 32 keys.
+    float x[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) x[e] = 0.f;
+    fence_accumulators(x);
+    const uint32_t a_base = kGroup == 0 ? s.q : s.da;
+    constexpr int kSteps = (kGroup == 0 ? M::kDqk : M::kDv) / 16;
+    sh.ring.wait_full(i, 0);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      if (kk == 4 * M::kSplit) sh.ring.wait_full(i, 1);
+      wgmma_m64n32k16<T, 0, 0>(x, sw128_descriptor(a_base + (kk / 4) * M::kRowChunk + (kk % 4) * 32, 16),
+                               sw128_descriptor(kb + (kk / 4) * M::kKeyChunk + (kk % 4) * 32, 16));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(x);
+    const uint32_t valid = sh.valid[i];
+    float* exchange = reinterpret_cast<float*>(sDS) + th.tid * 16;  // overlays dS, dS^T, P^T
+    named_barrier_sync(1, 256);  // both groups are done with the previous tile's dS and P
+    if constexpr (kGroup == 1) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        reinterpret_cast<float4*>(exchange)[q] =
+            make_float4(x[4 * q] - sh.delta[r0], x[4 * q + 1] - sh.delta[r0], x[4 * q + 2] - sh.delta[r0 + 8],
+                        x[4 * q + 3] - sh.delta[r0 + 8]);
+      }
+    }
+    named_barrier_sync(1, 256);
+    if constexpr (kGroup == 0) {
+      float dpd[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 v = reinterpret_cast<const float4*>(exchange)[q];
+        dpd[4 * q] = v.x, dpd[4 * q + 1] = v.y, dpd[4 * q + 2] = v.z, dpd[4 * q + 3] = v.w;
+      }
+      named_barrier_sync(2, 128);  // the group has read the exchange before dS and P overwrite it
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float p[4], ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * j + 2 * c + (e & 1), r = r0 + 8 * (e / 2);
+          p[e] = (valid >> col) & 1 ? exp2f(x[4 * j + e] * sl2 - sh.lse2[r]) : 0.f;
+          ds[e] = p[e] * dpd[4 * j + e] * a.scale;
+        }
+        const int col = 8 * j + 2 * c;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r0 + 8 * h;
+          *reinterpret_cast<uint32_t*>(sDS + sw128_offset(r, col / 8) + (col % 8) * 2) = pack2<T>(ds[2 * h], ds[2 * h + 1]);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int off = sw128_offset(col + e, r / 8) + (r % 8) * 2;
+            *reinterpret_cast<T*>(sDST + off) = from_float<T>(ds[2 * h + e]);
+            *reinterpret_cast<T*>(sPT + off) = from_float<T>(p[2 * h + e]);
+          }
+        }
+      }
+      fence_proxy_async();  // dS and P are read by wgmma
+    }
+    named_barrier_sync(1, 256);
+    // dq += dS K over this group's columns (the key tile read N-major), then the dkv tiles.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < M::kKeys / 16; ++kk) {
+      const uint64_t ds_desc = sw128_descriptor(s.ds + kk * 32, 16);
+      wgmma_m64n256k16<T, 0, 1>(dq, ds_desc, sw128_descriptor(kb + 4 * kGroup * M::kKeyChunk + kk * 2048, M::kKeyChunk));
+      if constexpr (kRope) {
+        wgmma_m64n64k16<T, 0, 1>(dq_rope, ds_desc, sw128_descriptor(kb + 8 * M::kKeyChunk + kk * 2048, M::kKeyChunk));
+      }
+    }
+    wgmma_commit();
+    float* dst[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int slot = 8 * (th.g % 4) + 2 * c + e;
+      const bool has = (valid >> slot) & 1;
+      dst[e] = !has ? nullptr
+               : a.dkv != nullptr
+                   ? a.dkv + int64_t{key[e]} * M::kDqk
+                   : a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk};
+    }
+    mla_bwd_dkv<T, M>(acc[0], M::template dkv_tile<kGroup>(0), s);
+#pragma unroll
+    for (int m = 0; m < kTiles; ++m) {
+      if (m + 1 < kTiles) {
+        mla_bwd_dkv<T, M>(acc[(m + 1) % 2], M::template dkv_tile<kGroup>(m + 1), s);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_accumulators(acc[m % 2]);
+      if (m == 0) {  // dq, the key tile's last reader, is done
+        fence_accumulators(dq);
+        fence_accumulators(dq_rope);
+        if (th.lane == 0) sh.ring.release(i);
+      }
+      mla_bwd_scatter(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst);
+    }
+  }
+  T* out = static_cast<T*>(a.dq);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (r >= th.rows) continue;
+    T* row = out + (th.t * a.H + th.head0 + r) * M::kDqk;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      *reinterpret_cast<uint32_t*>(row + 256 * kGroup + 8 * n + 2 * c) = pack2<T>(dq[4 * n + 2 * h], dq[4 * n + 2 * h + 1]);
+    }
+    if constexpr (kRope) {
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        *reinterpret_cast<uint32_t*>(row + 512 + 8 * n + 2 * c) = pack2<T>(dq_rope[4 * n + 2 * h], dq_rope[4 * n + 2 * h + 1]);
+      }
+    }
+  }
+}
+
+template <typename T, typename M>
+__global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_constant__ AttnBwdArgs a) {
+#ifdef KDA_SM90A_ENABLED
+  using namespace sm90;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sQ = aligned_smem(smem_raw);
+  uint8_t* sA = sQ + M::kQBytes;
+  uint8_t* sK = sA + M::kABytes;  // kStages key tiles
+  uint8_t* sDS = sK + M::kStages * M::kTileBytes;
+  uint8_t* sDST = sDS + M::kDsBytes;
+  uint8_t* sPT = sDST + M::kTBytes;
+  MlaBwdShared& sh = *reinterpret_cast<MlaBwdShared*>(sPT + M::kTBytes);
+
+  const int64_t t = a.t0 + blockIdx.x;
+  const int head0 = blockIdx.z * M::kRows, rows = min(M::kRows, a.G - head0);
+  const T* q = static_cast<const T*>(a.q);
+  if (threadIdx.x < 256) {  // the consumers bring Q (cp.async) while the producer starts
+    constexpr int kPieces = M::kDqk / 8;
+    for (int i = threadIdx.x; i < M::kRows * kPieces; i += 256) {
+      const int r = i / kPieces, p = i % kPieces;
+      cp_async_16_or_zero(sQ + (p / 8) * M::kRowChunk + sw128_offset(r, p % 8),
+                          r < rows ? q + (t * a.H + head0 + r) * M::kDqk + p * 8 : nullptr);
+    }
+    cp_async_commit();
+  }
+  for (int w = threadIdx.x; w < kMaxKeys / 32; w += blockDim.x) sh.valid[w] = 0;
+  if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
+  __syncthreads();
+  const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
+
+  if (M::is_producer()) {
+    M::producer_registers();
+    mla_bwd_produce<T, M>(a, sh, sK, t, tiles);
+    return;
+  }
+  M::consumer_registers();
+  mla_bwd_rows<T, M>(a, sh, sA, t, head0, rows);
+  cp_async_wait<0>();
+  fence_proxy_async();  // Q and dA are read by wgmma
+  named_barrier_sync(1, 256);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
+  const MlaBwdThread th{t, head0, rows, tiles, static_cast<int>(threadIdx.x % 128), warp, lane, lane / 4, lane % 4,
+                        16 * warp + lane / 4, a.dkv == nullptr};
+  const MlaBwdTiles s{smem_addr(sQ), smem_addr(sA), smem_addr(sK), smem_addr(sDS), smem_addr(sDST), smem_addr(sPT)};
+  if (threadIdx.x < 128) {
+    mla_bwd_consume<T, M, 0>(a, sh, sK, sDS, sDST, sPT, s, th);
+  } else {
+    mla_bwd_consume<T, M, 1>(a, sh, sK, sDS, sDST, sPT, s, th);
+  }
+#endif
+}
+
+}  // namespace
+
+bool mla_bwd_takes(const AttnProblem& p, const at::Tensor& q) { return mla_fwd_takes(p, q) && p.H / p.Hkv > 16; }
+
+template <typename T>
+void mla_bwd_launch(const AttnBwdArgs& a, int64_t queries) {
+  if (queries == 0 || a.head_blocks == 0) return;
+  const auto run = [&](auto width) {
+    using M = MlaBwd<decltype(width)::value>;
+    constexpr size_t smem = kMlaBwdSmem<M::kDqk>;
+    const auto kernel = mla_bwd_kernel<T, M>;
+    set_smem(kernel, smem);
+    kernel<<<dim3(queries, 1, a.head_blocks), M::kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (a.Dqk == 576) {
+    run(std::integral_constant<int, 576>{});
+  } else {
+    run(std::integral_constant<int, 512>{});
+  }
+}
+
+template void mla_bwd_launch<__nv_bfloat16>(const AttnBwdArgs&, int64_t);
+template void mla_bwd_launch<__half>(const AttnBwdArgs&, int64_t);
+
+}  // namespace kda_dsa_ops::dsa
