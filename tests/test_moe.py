@@ -123,8 +123,11 @@ def test_group_limited_route(seed, device, T, groups, per_group, k, score_fn, da
     w, ids = K.moe_route(logits, k, bias, score_fn, True, 2.5, n_group, topk_group)
     ref_logits = logits.detach().cpu().to(F64).requires_grad_()
     w_ref, ids_ref = R.moe_route(ref_logits, k, bias.cpu(), score_fn, True, 2.5, n_group, topk_group)
-    assert torch.equal(ids.cpu(), ids_ref)
     key = R.route_scores(ref_logits.detach(), score_fn) + bias.cpu().to(F64)
+    # Softmax over 256 experts leaves tail scores of ~1e-8 on an integer bias: keys that fp32 cannot
+    # tell apart may be taken in either order, nothing else may differ.
+    chosen, expected = key.gather(1, ids.cpu().long()), key.gather(1, ids_ref)
+    assert torch.equal(ids.cpu(), ids_ref) or torch.allclose(chosen, expected, rtol=2 ** -22, atol=0)
     assert [set(r) for r in ids_ref.tolist()] == brute_force_group_routing(key, k, n_group, topk_group)
     check_route_gradient(w, w_ref, logits, ref_logits, score_fn, 2.5, dtype)
 
