@@ -33,7 +33,8 @@ def main():
         kv = torch.randn(Tk, Hkv, D, device=dev, dtype=bf16, requires_grad=True)
         gate = torch.randn(T, H, dv, device=dev, dtype=bf16, requires_grad=True)
         idx = torch.randint(-1, Tk, (T, Hkv, topk), device=dev, dtype=torch.int32)
-        # MLA: the Hopper forward with and without p, and the portable one
+        # MLA: the Hopper forward (with and without p) and backward (atomic and deterministic
+        # dkv; 40 and 128 heads), and the portable ones
         for det, want_p, portable in ((False, True, False), (True, False, False), (False, True, True)):
             K.set_portable_sfa(portable)
             o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, return_p=want_p, deterministic=det)

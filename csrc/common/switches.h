@@ -2,8 +2,9 @@
 // once, when the library loads) and is then set from Python through _C.set_switch.
 //   value_checks   KDA_DSA_OPS_CHECK_VALUES   value checks on CUDA tensors (checks.h);
 //                                             kda_dsa_ops.set_value_checks
-//   portable_sfa   KDA_DSA_OPS_PORTABLE_SFA   sparse attention's MLA layout on the portable kernel
-//                                             on Hopper too; kda_dsa_ops.set_portable_sfa
+//   portable_sfa   KDA_DSA_OPS_PORTABLE_SFA   sparse attention's MLA layouts on the portable kernels
+//                                             (forward and backward) on Hopper too;
+//                                             kda_dsa_ops.set_portable_sfa
 #pragma once
 
 namespace kda_dsa_ops {

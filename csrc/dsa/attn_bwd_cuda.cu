@@ -4,6 +4,7 @@
 //   dkv[s] += dS^T q (key columns) + P^T dA (value columns),  dgate = dO * o * (1 - sigmoid(gate)).
 // The forward's blocks, key tiles of 32: dq in registers, dkv added to an fp32 buffer with 16-byte
 // atomics, or, deterministic, stored per (query, slot) and summed in index order afterwards.
+// The MLA layouts above 16 heads per kv head take mla_bwd_cuda.cu's kernel on sm_90a instead.
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>

@@ -46,8 +46,9 @@ def set_value_checks(enabled: bool) -> None:
 
 
 def portable_sfa_enabled() -> bool:
-    """Whether sparse_attention's MLA layout (Dqk 576, dv 512, one kv head) takes the portable
-    mma.sync kernel on Hopper too, instead of its wgmma kernel; other GPUs always take it.
+    """Whether sparse_attention's MLA layouts (Dqk 576 or 512, dv 512, one kv head) take the portable
+    mma.sync kernels on Hopper too, instead of the wgmma forward and backward; other GPUs always
+    take them.
 
     Off unless KDA_DSA_OPS_PORTABLE_SFA=1 is set or set_portable_sfa(True) is called."""
     return _C.switch("portable_sfa")
