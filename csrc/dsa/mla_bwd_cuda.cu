@@ -3,8 +3,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/pipeline.cuh"
-#include "common/switches.h"
-#include "common/tma.h"
 #include "dsa/dsa_cuda.cuh"
 
 namespace kda_dsa_ops::dsa {
