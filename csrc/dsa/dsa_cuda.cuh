@@ -273,6 +273,63 @@ inline AttnArgs attn_args(const AttnProblem& p, const at::Tensor& q, const at::T
   return a;
 }
 
+// The Hopper MLA kernels' shared steps (mla_fwd_cuda.cu, mla_bwd_cuda.cu: two consumer warpgroups,
+// then the producer one). load_rows64: rows [0, rows) of kWidth columns from src (zeros for the
+// rest of the 64) into 128B-swizzled chunks of 64 rows, by cp.async from the consumer threads,
+// committed. produce_key_tile: a producer thread's share of use i of the ring, the gathered keys
+// k0.. of the selection sel in 128B-swizzled chunks of kKeys rows: eight threads copy a row's
+// 128-byte pieces (rows g, g + 16, .. for the threads 8g .. 8g + 7), so that each request covers
+// whole cache lines, zeros for a slot without a key; the first kSplit chunks arrive on part 0 of
+// the use's barriers, the rest on part 1; `mark` sets the valid slots' bits in `valid`.
+template <typename T, int kWidth>
+__device__ __forceinline__ void load_rows64(uint8_t* dst, const T* src, int rows) {
+  constexpr int kPieces = kWidth / 8;  // 16-byte pieces per row
+  for (int i = threadIdx.x; i < 64 * kPieces; i += 256) {
+    const int r = i / kPieces, p = i % kPieces;
+    cp_async_16_or_zero(dst + (p / 8) * (64 * 128) + sm90::sw128_offset(r, p % 8),
+                        r < rows ? src + r * kWidth + p * 8 : nullptr);
+  }
+  cp_async_commit();
+}
+
+template <typename T, int kKeys, int kDqk, int kSplit, typename Ring>
+__device__ __forceinline__ void produce_key_tile(Ring& ring, int i, uint8_t* tile, const AttnArgs& a,
+                                                 const int32_t* sel, int64_t k0, uint32_t* valid, bool mark) {
+  using namespace sm90;
+  constexpr int kPer = kKeys / 16, kChunks = kDqk / 64, kChunkBytes = kKeys * 128;
+  const T* kv = static_cast<const T*>(a.kv);
+  const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
+  ring.wait_empty(i);
+  const T* src[kPer];  // the rows of this thread's keys (kv's first for a slot without one: zeros)
+  bool has[kPer];
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) {
+    const int64_t j = k0 + g + 16 * m;
+    const int key = j < a.topk ? sel[j] : -1;
+    has[m] = key >= 0 && key < a.Tk;
+    src[m] = kv + (has[m] ? int64_t{key} * kDqk : 0) + piece * 8;
+    if (piece == 0 && mark && has[m]) atomicOr(valid + j / 32, 1u << (j % 32));
+  }
+  const auto copy_chunk = [&](int ch) {  // the 64-column chunk ch of the thread's rows, without a branch
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) {
+      cp_async_16_zfill(tile + ch * kChunkBytes + sw128_offset(g + 16 * m, piece), src[m] + ch * 64, has[m]);
+    }
+  };
+#pragma unroll
+  for (int ch = 0; ch < kSplit; ++ch) copy_chunk(ch);
+  cp_async_commit();
+#pragma unroll
+  for (int ch = kSplit; ch < kChunks; ++ch) copy_chunk(ch);
+  cp_async_commit();
+  cp_async_wait<1>();
+  fence_proxy_async();  // the rows (and zeros) are read by wgmma
+  mbar_arrive(ring.full_bar(i, 0));
+  cp_async_wait<0>();
+  fence_proxy_async();
+  mbar_arrive(ring.full_bar(i, 1));
+}
+
 // The launchers, one per kernel file. Inputs as dsa.h's CUDA entry points pass them (bf16 /
 // fp16, contiguous, 16-byte aligned rows; w, grad_scores and lse fp32).
 void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,

@@ -69,46 +69,14 @@ struct MlaBwdThread {
   bool deterministic;  // contributions stored per (query, slot), not added
 };
 
-// Producer warpgroup: rows g and g + 16 of each tile for the eight threads 8g .. 8g + 7, a
-// 16-byte piece of each 128-byte chunk each (as the forward's producer); marks the valid slots.
+// Producer warpgroup: the tiles in order (produce_key_tile), the valid slots marked.
 template <typename T, typename M>
 __device__ __forceinline__ void mla_bwd_produce(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sK, int64_t t,
                                                 int tiles) {
-  using namespace sm90;
   const int32_t* sel = a.indices + t * a.topk;
-  const T* kv = static_cast<const T*>(a.kv);
-  const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
   for (int i = 0; i < tiles; ++i) {
-    sh.ring.wait_empty(i);
-    const T* src[2];
-    bool has[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int64_t j = int64_t{i} * M::kKeys + g + 16 * m;
-      const int key = j < a.topk ? sel[j] : -1;
-      has[m] = key >= 0 && key < a.Tk;
-      src[m] = kv + (has[m] ? int64_t{key} * M::kDqk : 0) + piece * 8;
-      if (piece == 0 && has[m]) atomicOr(sh.valid + i, 1u << (g + 16 * m));
-    }
-    uint8_t* tile = sK + M::Ring::stage(i) * M::kTileBytes;
-    const auto copy_chunk = [&](int ch) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        cp_async_16_zfill(tile + ch * M::kKeyChunk + sw128_offset(g + 16 * m, piece), src[m] + ch * 64, has[m]);
-      }
-    };
-#pragma unroll
-    for (int ch = 0; ch < M::kSplit; ++ch) copy_chunk(ch);
-    cp_async_commit();
-#pragma unroll
-    for (int ch = M::kSplit; ch < M::kChunks; ++ch) copy_chunk(ch);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
-    mbar_arrive(sh.ring.full_bar(i, 0));
-    cp_async_wait<0>();
-    fence_proxy_async();
-    mbar_arrive(sh.ring.full_bar(i, 1));
+    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit>(sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, sel,
+                                                      int64_t{i} * M::kKeys, sh.valid, true);
   }
 }
 
@@ -387,15 +355,8 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   const int64_t t = a.t0 + blockIdx.x;
   const int head0 = blockIdx.z * M::kRows, rows = min(M::kRows, a.G - head0);
   const T* q = static_cast<const T*>(a.q);
-  if (threadIdx.x < 256) {  // the consumers bring Q (cp.async) while the producer starts
-    constexpr int kPieces = M::kDqk / 8;
-    for (int i = threadIdx.x; i < M::kRows * kPieces; i += 256) {
-      const int r = i / kPieces, p = i % kPieces;
-      cp_async_16_or_zero(sQ + (p / 8) * M::kRowChunk + sw128_offset(r, p % 8),
-                          r < rows ? q + (t * a.H + head0 + r) * M::kDqk + p * 8 : nullptr);
-    }
-    cp_async_commit();
-  }
+  // the consumers bring Q (cp.async) while the producer starts
+  if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
   for (int w = threadIdx.x; w < kMaxKeys / 32; w += blockDim.x) sh.valid[w] = 0;
   if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
   __syncthreads();

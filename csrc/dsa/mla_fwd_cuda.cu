@@ -59,50 +59,17 @@ struct MlaThread {
   uint32_t q_base, p_base;
 };
 
-// Producer warpgroup: eight threads copy a row's 128-byte chunks (rows g, g + 16, .. of a tile for
-// the threads 8g .. 8g + 7), so that each request covers whole cache lines; a tile's first kSplit
-// chunks and the rest arrive on two barriers. With probabilities asked for, the tiles go round
-// twice. Marks the selection's valid slots in sh.valid on the first round.
+// Producer warpgroup: the tiles in order (produce_key_tile), round twice with probabilities asked
+// for; the selection's valid slots marked in sh.valid on the first round.
 template <typename T, typename M>
 __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK, int64_t t,
                                             int head0, int rows, int tiles) {
   using namespace sm90;
   const int32_t* sel = a.indices + t * a.topk;
-  const T* kv = static_cast<const T*>(a.kv);
-  const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
   const int loads = a.probs != nullptr ? 2 * tiles : tiles;  // the second pass reads the tiles again
   for (int i = 0; i < loads; ++i) {
-    const int s = M::Ring::stage(i);
-    sh.ring.wait_empty(i);
-    const T* src[M::kKeys / 16];  // the rows of this thread's keys (kv's first for a slot without one: zeros)
-    bool has[M::kKeys / 16];
-#pragma unroll
-    for (int m = 0; m < M::kKeys / 16; ++m) {
-      const int64_t j = int64_t{i % tiles} * M::kKeys + g + 16 * m;
-      const int key = j < a.topk ? sel[j] : -1;
-      has[m] = key >= 0 && key < a.Tk;
-      src[m] = kv + (has[m] ? int64_t{key} * M::kDqk : 0) + piece * 8;
-      if (piece == 0 && i < tiles && has[m]) atomicOr(sh.valid + j / 32, 1u << (j % 32));
-    }
-    uint8_t* tile = sK + s * M::kTileBytes;
-    const auto copy_chunk = [&](int ch) {  // the 64-column chunk ch of the four rows, without a branch
-#pragma unroll
-      for (int m = 0; m < M::kKeys / 16; ++m) {
-        cp_async_16_zfill(tile + ch * M::kChunkBytes + sw128_offset(g + 16 * m, piece), src[m] + ch * 64, has[m]);
-      }
-    };
-#pragma unroll
-    for (int ch = 0; ch < M::kSplit; ++ch) copy_chunk(ch);
-    cp_async_commit();
-#pragma unroll
-    for (int ch = M::kSplit; ch < M::kChunks; ++ch) copy_chunk(ch);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();  // the rows (and zeros) are read by wgmma
-    mbar_arrive(sh.ring.full_bar(i, 0));
-    cp_async_wait<0>();
-    fence_proxy_async();
-    mbar_arrive(sh.ring.full_bar(i, 1));
+    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit>(sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, sel,
+                                                      int64_t{i % tiles} * M::kKeys, sh.valid, i < tiles);
     if (i == tiles - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
       bulk_prefetch_l2(static_cast<const T*>(a.gate) + (t * a.H + head0) * M::kDv, rows * M::kDv * sizeof(T));
     }
@@ -326,15 +293,8 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
   const int64_t t = blockIdx.x;
   const int head0 = blockIdx.z * M::kRows, rows = min(M::kRows, a.G - head0);
   const T* q = static_cast<const T*>(a.q);
-  if (threadIdx.x < 256) {  // the consumers bring Q (cp.async, all in flight at once) while the producer starts
-    constexpr int kPieces = M::kDqk / 8;  // 16-byte pieces per row
-    for (int i = threadIdx.x; i < M::kRows * kPieces; i += 256) {
-      const int r = i / kPieces, p = i % kPieces;
-      cp_async_16_or_zero(sQ + (p / 8) * M::kChunkBytes + sw128_offset(r, p % 8),
-                          r < rows ? q + (t * a.H + head0 + r) * M::kDqk + p * 8 : nullptr);
-    }
-    cp_async_commit();
-  }
+  // the consumers bring Q (cp.async, all in flight at once) while the producer starts
+  if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
   for (int w = threadIdx.x; w < kMaxKeys / 32; w += blockDim.x) sh.valid[w] = 0;
   if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
   __syncthreads();
