@@ -33,6 +33,8 @@ def make_inputs(B, T, H, HV, Kd, V, dtype, g_dtype, device, decay="normal", l2=T
     if decay == "strong":  # down to -20 per step, whole chunks summing to about -1e4 on some channels
         g = -20 * torch.rand(B, T, HV, Kd)
         g[..., 0] = -160.0
+    elif decay == "bounded":  # uniform in (-1.8, 0]: a whole chunk's range on its strongest channel near 96 log2
+        g = -1.8 * torch.rand(B, T, HV, Kd)  # (the bf16 intra kernel's one-factorisation bound), either side
     else:
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, Kd) + 2.0)
     if decay == "reset":  # g = -inf (decay 0: the state forgotten) at whole steps and on single channels
@@ -143,12 +145,13 @@ def test_kda_varlen_matches_reference(seed, device, lens, group, with_h0, data):
 @given(seed=SEEDS, T=st.integers(1, 300), B=st.integers(1, 2), H=st.integers(1, 2), group=st.sampled_from([1, 2]),
        dims=st.sampled_from([(16, 16), (32, 16), (64, 64), (128, 128), (128, 64), (64, 128), (40, 72)]),
        lens=st.none() | seqlens(max_seqs=4, max_len=140, min_len=0), l2=st.booleans(), with_h0=st.booleans(),
-       decay=st.sampled_from(["normal", "strong", "reset"]), data=st.data())
+       decay=st.sampled_from(["normal", "strong", "reset", "bounded"]), data=st.data())
 def test_kda_bf16_products_match_reference(seed, T, B, H, group, dims, lens, l2, with_h0, decay, data):
     """matmul_precision="medium": the bf16-operand kernels (the state kernels at K 64/128 with V a
     multiple of 64, the generic ones otherwise), every output within the bf16 row, any input
-    dtype, varlen included. Head sizes from 16 up: with fewer terms per product (K = 4) one
-    operand's rounding is not averaged out and the row does not apply."""
+    dtype, varlen included; chunks on both sides of the intra kernel's one-factorisation bound
+    (decay "bounded"). Head sizes from 16 up: with fewer terms per product (K = 4) one operand's
+    rounding is not averaged out and the row does not apply."""
     torch.manual_seed(seed)
     dtype = data.draw(st.sampled_from(device_dtypes("cuda")), label="dtype")
     g_dtype = data.draw(st.sampled_from([dtype, torch.float32]), label="g_dtype")

@@ -45,15 +45,26 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
               out.gC + (hv * sq_.slots + slot) * z.K, sY);
 }
 
+// The largest decay range of a chunk (log2 units, every channel) that takes the one factorisation
+// of intra_bf16_kernel: its factors stay within 2^+-48, so no term overflows and none that
+// matters flushes to zero.
+constexpr float kFactorRange = 96.f;
+
 // The intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64 or 128),
 // in bf16 for the bf16 state passes (the backward's also A in fp32 and Minv in bf16). One block
 // of 8 warps per (chunk, value head), two blocks per SM. It reads the op's inputs as they are:
 // the casts, the q / k L2 normalisation and the cumsum of g (plain fp32, scaled by log2 e so that
 // every exp is one ex2) happen here.
-//   diagonal 16 x 16 blocks of A, Aqk   one exp per pair (t, s <= t) and channel; a warp takes the
+//   A, Aqk where the chunk's decay is   every channel's G_0 - G_last <= kFactorRange: one
+//   mild                                factorisation through the channel's midpoint Gm,
+//                                       E_ts = 2^(G_t - Gm) 2^(Gm - G_s) (factors within
+//                                       2^+-48), two mma.sync products [k; q] 2^(G - Gm) times
+//                                       (k 2^(Gm - G))^T, the lower triangle kept by selection
+//   A, Aqk otherwise, by blocks:
+//     diagonal 16 x 16 blocks           one exp per pair (t, s <= t) and channel; a warp takes the
 //                                       rows p and 15 - p of a block (17 pairs), a lane K/32
 //                                       channels, and one butterfly sums the 32 terms per row
-//   blocks left of the diagonal         mma.sync of k_t exp(G_t - G_r), q_t exp(G_t - G_r) with
+//     blocks left of the diagonal       mma.sync of k_t exp(G_t - G_r), q_t exp(G_t - G_r) with
 //                                       k_s exp(G_r - G_s) (r the block's first row), the operands
 //                                       made as the fragments are loaded; a warp per 16 x 16 block
 //   Minv = (I + diag(beta) A)^-1        diagonal blocks by substitution (a lane per column, the
@@ -110,101 +121,158 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart, sfirst};
   ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * (V + 1) : nullptr);
 
-  // Blocks left of the diagonal: warp w < 6 takes block (b, j) of A and Aqk, r = 16 b.
-  if (warp < 6) {
-    const int b = warp < 1 ? 1 : warp < 3 ? 2 : 3, j = warp < 1 ? 0 : warp < 3 ? warp - 1 : warp - 3, r = 16 * b;
-    float accA[2][4] = {}, accQ[2][4] = {};
-    for (int kk = 0; kk < kK / 16; ++kk) {
-      uint32_t ak[4], aq[4], bk[2][2];
+  // The chunk's decay range D = max_c (G_0c - G_Lc) against kFactorRange: one factorisation of
+  // every pair where it is mild, else the 16 x 16 blocks (the midpoints Gm and 2^Gm into spart).
+  const float* Gl = sG + (L - 1) * kLdG;
+  if (tid < kK) {
+    spart[tid] = 0.5f * (sG[tid] + Gl[tid]);
+    spart[kK + tid] = exp2_ftz(spart[tid]);
+  }
+  const bool wide = __syncthreads_or(tid < kK && !(sG[tid] - Gl[tid] <= kFactorRange));
+  if (!wide) {
+    // Operands: qa = q 2^(G - Gm), ka = k 2^(G - Gm) over q, k; kb = k 2^(Gm - G) over A; with Qg =
+    // qa 2^Gm and Kd = k 2^(G_last - G) out.
+    bf16* sKb = reinterpret_cast<bf16*>(sA);
+    for (int i = tid; i < kChunk * (kK / 8); i += Z::kThreads) {
+      const int t = i / (kK / 8), c = i % (kK / 8) * 8;
+      const float fq = srq[t], fk = srk[t];
+      float qx[8], kx[8], gt[8], gl[8], gm[8], pm[8], qa[8], ka[8], kb[8], qg[8], kd[8];
+      load_floats(sq + t * kLdK + c, qx);
+      load_floats(sk + t * kLdK + c, kx);
+      load_floats(sG + t * kLdG + c, gt);
+      load_floats(Gl + c, gl);
+      load_floats(spart + c, gm);
+      load_floats(spart + kK + c, pm);
 #pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {  // channels c, c + 1 with c = 16 kk + 2 q4 + 8 cc
-        const int c = 16 * kk + 2 * q4 + 8 * cc;
-        const float2 gr = *reinterpret_cast<const float2*>(sG + r * kLdG + c);
+      for (int e = 0; e < 8; ++e) {
+        const float up = exp2_ftz(gt[e] - gm[e]), down = exp2_ftz(gm[e] - gt[e]);
+        qa[e] = qx[e] * fq * up;
+        ka[e] = kx[e] * fk * up;
+        kb[e] = kx[e] * fk * down;
+        qg[e] = qa[e] * pm[e];
+        kd[e] = kx[e] * fk * exp2_ftz(gl[e] - gt[e]);
+      }
+      store8(reinterpret_cast<bf16*>(sq) + t * kLdK + c, qa);
+      store8(reinterpret_cast<bf16*>(sk) + t * kLdK + c, ka);
+      store8(sKb + t * kLdK + c, kb);
+      if (t < L) {
+        store8(out.Qg + (row0 + t) * kK + c, qg);
+        store8(out.Kd + (row0 + t) * kK + c, kd);
+      }
+    }
+    __syncthreads();
+    // A = ka kb^T (warps 0-3), Aqk = qa kb^T (warps 4-7): warp w the rows 16 (w % 4).. up to the
+    // diagonal; the upper triangle (2^(G_t - G_s) >= 1 there) is dropped by selection.
+    const int rt = warp % 4;
+    float acc[8][4] = {};
+    warp_tile_product<false, true>(acc, reinterpret_cast<const bf16*>(warp < 4 ? sk : sq), kLdK, sKb, kLdK, rt, 0,
+                                   32 * (rt + 1), 0, kK / 16);
+    __syncthreads();  // kb is read: A may take its place
+    drain_tile(acc, rt, 0, 32 * (rt + 1), [&](int t, int s, float x0, float x1) {
+      if (warp < 4) {
+        sA[t * kLdA + s] = s < t ? x0 : 0.f;
+        sA[t * kLdA + s + 1] = s + 1 < t ? x1 : 0.f;
+      } else if (t < L) {
+        mma::store_pair(out.Aqk + (row0 + t) * kChunk + s, s <= t ? x0 : 0.f, s + 1 <= t ? x1 : 0.f);
+      }
+    });
+  } else {
+    // Blocks left of the diagonal: warp w < 6 takes block (b, j) of A and Aqk, r = 16 b.
+    if (warp < 6) {
+      const int b = warp < 1 ? 1 : warp < 3 ? 2 : 3, j = warp < 1 ? 0 : warp < 3 ? warp - 1 : warp - 3, r = 16 * b;
+      float accA[2][4] = {}, accQ[2][4] = {};
+      for (int kk = 0; kk < kK / 16; ++kk) {
+        uint32_t ak[4], aq[4], bk[2][2];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {  // rows t = r + g8 + 8 hh
-          const int t = r + g8 + 8 * hh;
-          const float2 gt = *reinterpret_cast<const float2*>(sG + t * kLdG + c);
-          const float e0 = exp2_ftz(gt.x - gr.x), e1 = exp2_ftz(gt.y - gr.y);
-          float kt[2], qt[2];
-          load_floats(sk + t * kLdK + c, kt);
-          load_floats(sq + t * kLdK + c, qt);
-          const float fk = srk[t], fq = srq[t];
-          ak[hh + 2 * cc] = mma::pack2<bf16>(kt[0] * fk * e0, kt[1] * fk * e1);
-          aq[hh + 2 * cc] = mma::pack2<bf16>(qt[0] * fq * e0, qt[1] * fq * e1);
+        for (int cc = 0; cc < 2; ++cc) {  // channels c, c + 1 with c = 16 kk + 2 q4 + 8 cc
+          const int c = 16 * kk + 2 * q4 + 8 * cc;
+          const float2 gr = *reinterpret_cast<const float2*>(sG + r * kLdG + c);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {  // rows t = r + g8 + 8 hh
+            const int t = r + g8 + 8 * hh;
+            const float2 gt = *reinterpret_cast<const float2*>(sG + t * kLdG + c);
+            const float e0 = exp2_ftz(gt.x - gr.x), e1 = exp2_ftz(gt.y - gr.y);
+            float kt[2], qt[2];
+            load_floats(sk + t * kLdK + c, kt);
+            load_floats(sq + t * kLdK + c, qt);
+            const float fk = srk[t], fq = srq[t];
+            ak[hh + 2 * cc] = mma::pack2<bf16>(kt[0] * fk * e0, kt[1] * fk * e1);
+            aq[hh + 2 * cc] = mma::pack2<bf16>(qt[0] * fq * e0, qt[1] * fq * e1);
+          }
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {  // key rows s = 16 j + 8 n + g8
+            const int s = 16 * j + 8 * n + g8;
+            const float2 gs = *reinterpret_cast<const float2*>(sG + s * kLdG + c);
+            float ks[2];
+            load_floats(sk + s * kLdK + c, ks);
+            const float fk = srk[s];
+            bk[n][cc] = mma::pack2<bf16>(ks[0] * fk * exp2_ftz(gr.x - gs.x), ks[1] * fk * exp2_ftz(gr.y - gs.y));
+          }
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {  // key rows s = 16 j + 8 n + g8
-          const int s = 16 * j + 8 * n + g8;
-          const float2 gs = *reinterpret_cast<const float2*>(sG + s * kLdG + c);
-          float ks[2];
-          load_floats(sk + s * kLdK + c, ks);
-          const float fk = srk[s];
-          bk[n][cc] = mma::pack2<bf16>(ks[0] * fk * exp2_ftz(gr.x - gs.x), ks[1] * fk * exp2_ftz(gr.y - gs.y));
+        for (int n = 0; n < 2; ++n) {
+          mma::mma_16816<bf16>(accA[n], ak, bk[n][0], bk[n][1]);
+          mma::mma_16816<bf16>(accQ[n], aq, bk[n][0], bk[n][1]);
         }
       }
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        mma::mma_16816<bf16>(accA[n], ak, bk[n][0], bk[n][1]);
-        mma::mma_16816<bf16>(accQ[n], aq, bk[n][0], bk[n][1]);
-      }
-    }
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int t = r + g8 + 8 * hh, s = 16 * j + 8 * n + 2 * q4;
-        sA[t * kLdA + s] = accA[n][2 * hh];
-        sA[t * kLdA + s + 1] = accA[n][2 * hh + 1];
-        if (t < L) mma::store_pair(out.Aqk + (row0 + t) * kChunk + s, accQ[n][2 * hh], accQ[n][2 * hh + 1]);
-      }
-    }
-  }
-  // Diagonal blocks: 32 tasks (block bb, rows 16 bb + p and 16 bb + 15 - p), on the raw q, k; the
-  // norms' factors are applied to the sums.
-  for (int task = warp; task < 32; task += Z::kThreads / 32) {
-    constexpr int kC = kK / 32;  // channels per lane
-    const int b0 = task / 8 * 16, p = task % 8, c0 = lane * kC;
-    const int t1 = b0 + p, t2 = b0 + 15 - p;
-    float k1[kC], q1[kC], G1[kC], k2[kC], q2[kC], G2[kC];
-    load_floats(sk + t1 * kLdK + c0, k1);
-    load_floats(sq + t1 * kLdK + c0, q1);
-    load_floats(sG + t1 * kLdG + c0, G1);
-    load_floats(sk + t2 * kLdK + c0, k2);
-    load_floats(sq + t2 * kLdK + c0, q2);
-    load_floats(sG + t2 * kLdG + c0, G2);
-    float v1[32], v2[32];  // [s]: A_ts, [16 + s]: Aqk_ts, for t = t1 and t2
-#pragma unroll
-    for (int i = 0; i < 32; ++i) v1[i] = v2[i] = 0.f;
-#pragma unroll
-    for (int s = 0; s < 16; ++s) {
-      if (s > 15 - p) continue;  // s <= 15 - p covers s <= p (p < 8)
-      float ks[kC], Gs[kC];
-      load_floats(sk + (b0 + s) * kLdK + c0, ks);
-      load_floats(sG + (b0 + s) * kLdG + c0, Gs);
-      if (s <= p) {
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-          const float e = exp2_ftz(G1[c] - Gs[c]) * ks[c];
-          v1[s] += k1[c] * e;
-          v1[16 + s] += q1[c] * e;
+        for (int hh = 0; hh < 2; ++hh) {
+          const int t = r + g8 + 8 * hh, s = 16 * j + 8 * n + 2 * q4;
+          sA[t * kLdA + s] = accA[n][2 * hh];
+          sA[t * kLdA + s + 1] = accA[n][2 * hh + 1];
+          if (t < L) mma::store_pair(out.Aqk + (row0 + t) * kChunk + s, accQ[n][2 * hh], accQ[n][2 * hh + 1]);
         }
       }
-#pragma unroll
-      for (int c = 0; c < kC; ++c) {
-        const float e = exp2_ftz(G2[c] - Gs[c]) * ks[c];
-        v2[s] += k2[c] * e;
-        v2[16 + s] += q2[c] * e;
-      }
     }
-    const float a1 = warp_sum_transposed(v1), a2 = warp_sum_transposed(v2);
-    const int s = lane % 16;
-    const float fs = srk[b0 + s];
-    if (lane < 16) {
-      sA[t1 * kLdA + b0 + s] = s < p ? a1 * srk[t1] * fs : 0.f;
-      sA[t2 * kLdA + b0 + s] = s < 15 - p ? a2 * srk[t2] * fs : 0.f;
-    } else {
-      if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = from_float<bf16>(s <= p ? a1 * srq[t1] * fs : 0.f);
-      if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = from_float<bf16>(s <= 15 - p ? a2 * srq[t2] * fs : 0.f);
+    // Diagonal blocks: 32 tasks (block bb, rows 16 bb + p and 16 bb + 15 - p), on the raw q, k; the
+    // norms' factors are applied to the sums.
+    for (int task = warp; task < 32; task += Z::kThreads / 32) {
+      constexpr int kC = kK / 32;  // channels per lane
+      const int b0 = task / 8 * 16, p = task % 8, c0 = lane * kC;
+      const int t1 = b0 + p, t2 = b0 + 15 - p;
+      float k1[kC], q1[kC], G1[kC], k2[kC], q2[kC], G2[kC];
+      load_floats(sk + t1 * kLdK + c0, k1);
+      load_floats(sq + t1 * kLdK + c0, q1);
+      load_floats(sG + t1 * kLdG + c0, G1);
+      load_floats(sk + t2 * kLdK + c0, k2);
+      load_floats(sq + t2 * kLdK + c0, q2);
+      load_floats(sG + t2 * kLdG + c0, G2);
+      float v1[32], v2[32];  // [s]: A_ts, [16 + s]: Aqk_ts, for t = t1 and t2
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v1[i] = v2[i] = 0.f;
+#pragma unroll
+      for (int s = 0; s < 16; ++s) {
+        if (s > 15 - p) continue;  // s <= 15 - p covers s <= p (p < 8)
+        float ks[kC], Gs[kC];
+        load_floats(sk + (b0 + s) * kLdK + c0, ks);
+        load_floats(sG + (b0 + s) * kLdG + c0, Gs);
+        if (s <= p) {
+#pragma unroll
+          for (int c = 0; c < kC; ++c) {
+            const float e = exp2_ftz(G1[c] - Gs[c]) * ks[c];
+            v1[s] += k1[c] * e;
+            v1[16 + s] += q1[c] * e;
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          const float e = exp2_ftz(G2[c] - Gs[c]) * ks[c];
+          v2[s] += k2[c] * e;
+          v2[16 + s] += q2[c] * e;
+        }
+      }
+      const float a1 = warp_sum_transposed(v1), a2 = warp_sum_transposed(v2);
+      const int s = lane % 16;
+      const float fs = srk[b0 + s];
+      if (lane < 16) {
+        sA[t1 * kLdA + b0 + s] = s < p ? a1 * srk[t1] * fs : 0.f;
+        sA[t2 * kLdA + b0 + s] = s < 15 - p ? a2 * srk[t2] * fs : 0.f;
+      } else {
+        if (t1 < L) out.Aqk[(row0 + t1) * kChunk + b0 + s] = from_float<bf16>(s <= p ? a1 * srq[t1] * fs : 0.f);
+        if (t2 < L) out.Aqk[(row0 + t2) * kChunk + b0 + s] = from_float<bf16>(s <= 15 - p ? a2 * srq[t2] * fs : 0.f);
+      }
     }
   }
   // Aqk is zero right of the diagonal blocks.
@@ -214,30 +282,31 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   }
   __syncthreads();
 
-  // Elementwise: Qg = q exp(G), Kd = k exp(G_last - G) out, k exp(G) over k (bf16), gC = exp(G_last).
-  const float* Gl = sG + (L - 1) * kLdG;
-  for (int i = tid; i < kChunk * (kK / 8); i += Z::kThreads) {
-    const int t = i / (kK / 8), c = i % (kK / 8) * 8;
-    const float fq = srq[t], fk = srk[t];
-    float qx[8], kx[8], gt[8], gl[8], qg[8], kd[8], ke[8];
-    load_floats(sq + t * kLdK + c, qx);
-    load_floats(sk + t * kLdK + c, kx);
-    load_floats(sG + t * kLdG + c, gt);
-    load_floats(Gl + c, gl);
+  // Elementwise (blocks): Qg = q exp(G), Kd = k exp(G_last - G) out, k exp(G) over k (bf16).
+  if (wide) {
+    for (int i = tid; i < kChunk * (kK / 8); i += Z::kThreads) {
+      const int t = i / (kK / 8), c = i % (kK / 8) * 8;
+      const float fq = srq[t], fk = srk[t];
+      float qx[8], kx[8], gt[8], gl[8], qg[8], kd[8], ke[8];
+      load_floats(sq + t * kLdK + c, qx);
+      load_floats(sk + t * kLdK + c, kx);
+      load_floats(sG + t * kLdG + c, gt);
+      load_floats(Gl + c, gl);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float x = exp2_ftz(gt[e]);
-      qg[e] = qx[e] * fq * x;
-      ke[e] = kx[e] * fk * x;
-      kd[e] = kx[e] * fk * exp2_ftz(gl[e] - gt[e]);
-    }
-    store8(reinterpret_cast<bf16*>(sk) + t * kLdK + c, ke);
-    if (t < L) {
-      store8(out.Qg + (row0 + t) * kK + c, qg);
-      store8(out.Kd + (row0 + t) * kK + c, kd);
+      for (int e = 0; e < 8; ++e) {
+        const float x = exp2_ftz(gt[e]);
+        qg[e] = qx[e] * fq * x;
+        ke[e] = kx[e] * fk * x;
+        kd[e] = kx[e] * fk * exp2_ftz(gl[e] - gt[e]);
+      }
+      store8(reinterpret_cast<bf16*>(sk) + t * kLdK + c, ke);
+      if (t < L) {
+        store8(out.Qg + (row0 + t) * kK + c, qg);
+        store8(out.Kd + (row0 + t) * kK + c, kd);
+      }
     }
   }
-  if (tid < kK) out.gC[(hv * sq_.slots + slot) * kK + tid] = exp2_ftz(Gl[tid]);
+  if (tid < kK) out.gC[(hv * sq_.slots + slot) * kK + tid] = exp2_ftz(Gl[tid]);  // gC = exp(G_last)
   if constexpr (!std::is_same_v<T, bf16>) {  // v to bf16 in place, the operand of Ut
     for (int i = tid; i < kChunk * (V / 2); i += Z::kThreads) {
       const int t = i / (V / 2), c = i % (V / 2) * 2;
@@ -338,16 +407,20 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
 
   // W = Mb (k exp(G)), Ut = Mb v: warp w takes rows 16 (w % 4).. and half of the columns.
   const int rt = warp % 4, half = warp / 4;
-  const auto product = [&](const bf16* B, int ldb, int N, bf16* dst) {
+  // Factored: k holds ka = k exp(G) 2^-Gm, so W's columns take the factor 2^Gm.
+  const auto product = [&](const bf16* B, int ldb, int N, bf16* dst, const float* col_scale) {
     float acc[8][4] = {};
     const int n0 = half * N / 2;
     warp_tile_product<false, false>(acc, sMb, Z::kLdM, B, ldb, rt, n0, N, 0, kChunk / 16);
     drain_tile(acc, rt, n0, N, [&](int t, int col, float x0, float x1) {
-      if (t < L) mma::store_pair(dst + (row0 + t) * N + col, x0, x1);
+      if (t < L) {
+        mma::store_pair(dst + (row0 + t) * N + col, col_scale != nullptr ? x0 * col_scale[col] : x0,
+                        col_scale != nullptr ? x1 * col_scale[col + 1] : x1);
+      }
     });
   };
-  product(reinterpret_cast<const bf16*>(sk), kLdK, kK, out.W);
-  product(reinterpret_cast<const bf16*>(sv), Z::kLdV, V, out.Ut);
+  product(reinterpret_cast<const bf16*>(sk), kLdK, kK, out.W, wide ? nullptr : spart + kK);
+  product(reinterpret_cast<const bf16*>(sv), Z::kLdV, V, out.Ut, nullptr);
 }
 
 // The forward's workspace of chunk_mark_nonfinite's marks, [HV, slots, V + 1].
