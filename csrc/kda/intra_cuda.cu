@@ -60,13 +60,14 @@ constexpr float kFactorRange = 96.f;
 //                                       E_ts = 2^(G_t - Gm) 2^(Gm - G_s) (factors within
 //                                       2^+-48), two mma.sync products [k; q] 2^(G - Gm) times
 //                                       (k 2^(Gm - G))^T, the lower triangle kept by selection
-//   A, Aqk otherwise, by blocks:
-//     diagonal 16 x 16 blocks           one exp per pair (t, s <= t) and channel; a warp takes the
-//                                       rows p and 15 - p of a block (17 pairs), a lane K/32
-//                                       channels, and one butterfly sums the 32 terms per row
+//   A, Aqk otherwise, by 16 x 16 blocks:
 //     blocks left of the diagonal       mma.sync of k_t exp(G_t - G_r), q_t exp(G_t - G_r) with
 //                                       k_s exp(G_r - G_s) (r the block's first row), the operands
-//                                       made as the fragments are loaded; a warp per 16 x 16 block
+//                                       made as the fragments are loaded; a warp per block
+//     diagonal blocks of mild decay     the same with the block's midpoint in place of G_r
+//     other diagonal blocks             one exp per pair (t, s <= t) and channel; a warp takes the
+//                                       rows p and 15 - p of a block (17 pairs), a lane K/32
+//                                       channels, and one butterfly sums the 32 terms per row
 //   Minv = (I + diag(beta) A)^-1        diagonal blocks by substitution (a lane per column, the
 //                                       column in registers), then two doubling steps in fp32:
 //                                       M10 = -D1 Ab10 D0 (and M32), M[2:4, 0:2] = -M22 Ab M11
@@ -177,16 +178,30 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
       }
     });
   } else {
-    // Blocks left of the diagonal: warp w < 6 takes block (b, j) of A and Aqk, r = 16 b.
-    if (warp < 6) {
-      const int b = warp < 1 ? 1 : warp < 3 ? 2 : 3, j = warp < 1 ? 0 : warp < 3 ? warp - 1 : warp - 3, r = 16 * b;
+    // Diagonal blocks whose own range is mild (bit b of mild) take a factorisation through their
+    // midpoint like the whole chunk above; the others one exp per pair (below).
+    int mild = 0;
+    for (int b = 0; b < 4; ++b) {
+      const float* Gb = sG + 16 * b * kLdG;
+      if (!__syncthreads_or(tid < kK && !(Gb[tid] - Gb[15 * kLdG + tid] <= kFactorRange))) mild |= 1 << b;
+    }
+    // Block (b, j <= b) of A and Aqk as mma.sync products of k_t, q_t 2^(G_t - R) and k_s 2^(R - G_s):
+    // R = G_r (r = 16 b, the block's first row) left of the diagonal, the midpoint of the block's
+    // G on it (the lower triangle kept by selection).
+    const auto block_product = [&](int b, int j) {
+      const int r = 16 * b;
+      const bool diag = b == j;
       float accA[2][4] = {}, accQ[2][4] = {};
       for (int kk = 0; kk < kK / 16; ++kk) {
         uint32_t ak[4], aq[4], bk[2][2];
 #pragma unroll
         for (int cc = 0; cc < 2; ++cc) {  // channels c, c + 1 with c = 16 kk + 2 q4 + 8 cc
           const int c = 16 * kk + 2 * q4 + 8 * cc;
-          const float2 gr = *reinterpret_cast<const float2*>(sG + r * kLdG + c);
+          float2 gr = *reinterpret_cast<const float2*>(sG + r * kLdG + c);
+          if (diag) {
+            const float2 ge = *reinterpret_cast<const float2*>(sG + (r + 15) * kLdG + c);
+            gr = make_float2(0.5f * (gr.x + ge.x), 0.5f * (gr.y + ge.y));
+          }
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {  // rows t = r + g8 + 8 hh
             const int t = r + g8 + 8 * hh;
@@ -220,15 +235,29 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int t = r + g8 + 8 * hh, s = 16 * j + 8 * n + 2 * q4;
-          sA[t * kLdA + s] = accA[n][2 * hh];
-          sA[t * kLdA + s + 1] = accA[n][2 * hh + 1];
-          if (t < L) mma::store_pair(out.Aqk + (row0 + t) * kChunk + s, accQ[n][2 * hh], accQ[n][2 * hh + 1]);
+          const bool a0 = !diag || s < t, a1 = !diag || s + 1 < t, q0 = !diag || s <= t, q1 = !diag || s + 1 <= t;
+          sA[t * kLdA + s] = a0 ? accA[n][2 * hh] : 0.f;
+          sA[t * kLdA + s + 1] = a1 ? accA[n][2 * hh + 1] : 0.f;
+          if (t < L) {
+            mma::store_pair(out.Aqk + (row0 + t) * kChunk + s, q0 ? accQ[n][2 * hh] : 0.f,
+                            q1 ? accQ[n][2 * hh + 1] : 0.f);
+          }
         }
       }
+    };
+    // Tasks: 0-5 the blocks left of the diagonal, 6-9 the mild diagonal blocks.
+    for (int task = warp; task < 10; task += Z::kThreads / 32) {
+      if (task < 6) {
+        const int b = task < 1 ? 1 : task < 3 ? 2 : 3, j = task < 1 ? 0 : task < 3 ? task - 1 : task - 3;
+        block_product(b, j);
+      } else if (mild >> (task - 6) & 1) {
+        block_product(task - 6, task - 6);
+      }
     }
-    // Diagonal blocks: 32 tasks (block bb, rows 16 bb + p and 16 bb + 15 - p), on the raw q, k; the
-    // norms' factors are applied to the sums.
+    // Diagonal blocks that are not mild: 8 tasks each (block bb, rows 16 bb + p and 16 bb + 15 - p),
+    // on the raw q, k; the norms' factors are applied to the sums.
     for (int task = warp; task < 32; task += Z::kThreads / 32) {
+      if (mild >> (task / 8) & 1) continue;
       constexpr int kC = kK / 32;  // channels per lane
       const int b0 = task / 8 * 16, p = task % 8, c0 = lane * kC;
       const int t1 = b0 + p, t2 = b0 + 15 - p;
