@@ -2,6 +2,8 @@
 and every gradient (q, k, v, g, beta, initial state), varlen, grouped value heads, strong decay,
 opcheck, torch.compile(fullgraph=True), no host synchronisation, and bad inputs."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -37,6 +39,9 @@ def make_inputs(B, T, H, HV, Kd, V, dtype, g_dtype, device, decay="normal", l2=T
         g = -1.8 * torch.rand(B, T, HV, Kd)  # (the bf16 intra kernel's one-factorisation bound), either side
     else:
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, Kd) + 2.0)
+    if decay == "edge":  # channel 0's range over whole chunks 95.5 and 96.5 log2 in turn: either side of that bound
+        chunk = torch.arange(T) // 64
+        g[:, :, :, 0] = torch.where(chunk % 2 == 0, -95.5, -96.5)[None, :, None] / (63 * math.log2(math.e))
     if decay == "reset":  # g = -inf (decay 0: the state forgotten) at whole steps and on single channels
         g[:, 3::37] = -torch.inf
         g[:, 5::11, :, 0] = -torch.inf
@@ -145,12 +150,12 @@ def test_kda_varlen_matches_reference(seed, device, lens, group, with_h0, data):
 @given(seed=SEEDS, T=st.integers(1, 300), B=st.integers(1, 2), H=st.integers(1, 2), group=st.sampled_from([1, 2]),
        dims=st.sampled_from([(16, 16), (32, 16), (64, 64), (128, 128), (128, 64), (64, 128), (40, 72)]),
        lens=st.none() | seqlens(max_seqs=4, max_len=140, min_len=0), l2=st.booleans(), with_h0=st.booleans(),
-       decay=st.sampled_from(["normal", "strong", "reset", "bounded"]), data=st.data())
+       decay=st.sampled_from(["normal", "strong", "reset", "bounded", "edge"]), data=st.data())
 def test_kda_bf16_products_match_reference(seed, T, B, H, group, dims, lens, l2, with_h0, decay, data):
     """matmul_precision="medium": the bf16-operand kernels (the state kernels at K 64/128 with V a
     multiple of 64, the generic ones otherwise), every output within the bf16 row, any input
     dtype, varlen included; chunks on both sides of the intra kernel's one-factorisation bound
-    (decay "bounded"). Head sizes from 16 up: with fewer terms per product (K = 4) one operand's
+    (decays "bounded", "edge"). Head sizes from 16 up: with fewer terms per product (K = 4) one operand's
     rounding is not averaged out and the row does not apply."""
     torch.manual_seed(seed)
     dtype = data.draw(st.sampled_from(device_dtypes("cuda")), label="dtype")
