@@ -193,11 +193,15 @@ def bench_long() -> list[Result]:
     return results
 
 
+GATES = {"softplus": None, "bounded": -5.0}  # Kimi Linear's gate; GLM-5.3's (lower_bound -5, safe_gate)
+
+
 def bench_gate(B=2, T=8192, H=32, D=128) -> list[Result]:
     """The in-kernel gate's cost (fla 0.6's use_gate_in_kernel with A_log, dt_bias and
-    use_beta_sigmoid_in_kernel) at the default precision: chunk_kda on the raw gate and beta against
-    the same call on a log-decay and beta computed first (the baseline), and against the gate and
-    sigmoid written in torch before the kernels."""
+    use_beta_sigmoid_in_kernel) at the default precision, for the softplus gate and GLM-5.3's
+    bounded one: chunk_kda on the raw gate and beta against the same call on the log-decay and
+    beta computed first (the baseline: the same decay, so the same path through the kernels), and
+    against the gate and sigmoid written in torch before the kernels."""
     q, k, v, _, _ = make_inputs(B, T, H, D)
     gen = torch.Generator(device="cuda").manual_seed(7)
     g_raw = torch.randn(B, T, H, D, device="cuda", generator=gen).requires_grad_()
@@ -206,32 +210,35 @@ def bench_gate(B=2, T=8192, H=32, D=128) -> list[Result]:
     dt_bias = torch.randn(H * D, device="cuda", generator=gen).requires_grad_()
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
     leaves = (q, k, v, g_raw, beta_raw, A_log, dt_bias)
-    with torch.no_grad():
-        g_pre = R.kda_gate(g_raw, A_log, dt_bias)
-        beta_pre = torch.sigmoid(beta_raw.float()).to(torch.bfloat16)
-    plain_ins = [t.detach().requires_grad_() for t in (q, k, v, g_pre, beta_pre)]
-    variants = {
-        "log-decay inputs": (lambda: K.chunk_kda(*plain_ins, use_qk_l2norm_in_kernel=True)[0], plain_ins),
-        "gate in the kernels": (lambda: K.chunk_kda(q, k, v, g_raw, beta_raw, use_qk_l2norm_in_kernel=True,
-                                                    use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                                                    use_beta_sigmoid_in_kernel=True)[0], leaves),
-        "gate in torch": (lambda: K.chunk_kda(q, k, v, R.kda_gate(g_raw, A_log, dt_bias),
-                                              torch.sigmoid(beta_raw.float()), use_qk_l2norm_in_kernel=True)[0],
-                          leaves),
-    }
-    shape = {"B": B, "T": T, "H": H, "K": D, "V": D, "gate": "softplus, dt_bias, beta sigmoid"}
     results = []
-    for mode, mult in (("fwd", 1), ("fwd+bwd", 3)):
-        times = {}
-        for name, (fn, wrt) in variants.items():
-            step = fn if mode == "fwd" else (lambda fn=fn, wrt=wrt: torch.autograd.grad(fn(), wrt, do))
-            times[name] = bench_ms(step)
-            print(f"  gate {mode} {name}: {times[name]:.3f} ms", flush=True)
-        base = "log-decay inputs"
-        for name in ("gate in the kernels", "gate in torch"):
-            results.append(Result("kda", f"{mode} ({B},{T},{H},{D}) {name}", shape, times[name],
-                                  mult * fwd_flops(B, T, H, D), mult * fwd_bytes(B, T, H, D), f"ours, {base}",
-                                  times[base], {"matmul_precision": "medium"}))
+    for gate_name, lower_bound in GATES.items():
+        options = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                       safe_gate=lower_bound is not None, use_beta_sigmoid_in_kernel=True)
+        with torch.no_grad():
+            g_pre = R.kda_gate(g_raw, A_log, dt_bias, lower_bound)
+            beta_pre = torch.sigmoid(beta_raw.float()).to(torch.bfloat16)
+        plain_ins = [t.detach().requires_grad_() for t in (q, k, v, g_pre, beta_pre)]
+        variants = {
+            "log-decay inputs": (lambda: K.chunk_kda(*plain_ins, use_qk_l2norm_in_kernel=True)[0], plain_ins),
+            "gate in the kernels": (lambda: K.chunk_kda(q, k, v, g_raw, beta_raw, use_qk_l2norm_in_kernel=True,
+                                                        **options)[0], leaves),
+            "gate in torch": (lambda: K.chunk_kda(q, k, v, R.kda_gate(g_raw, A_log, dt_bias, lower_bound),
+                                                  torch.sigmoid(beta_raw.float()), use_qk_l2norm_in_kernel=True)[0],
+                              leaves),
+        }
+        about = "softplus" if lower_bound is None else f"lower bound {lower_bound:g}"
+        shape = {"B": B, "T": T, "H": H, "K": D, "V": D, "gate": f"{about}, dt_bias, beta sigmoid"}
+        for mode, mult in (("fwd", 1), ("fwd+bwd", 3)):
+            times = {}
+            for name, (fn, wrt) in variants.items():
+                step = fn if mode == "fwd" else (lambda fn=fn, wrt=wrt: torch.autograd.grad(fn(), wrt, do))
+                times[name] = bench_ms(step)
+                print(f"  {gate_name} gate {mode} {name}: {times[name]:.3f} ms", flush=True)
+            base = "log-decay inputs"
+            for name in ("gate in the kernels", "gate in torch"):
+                results.append(Result("kda", f"{mode} ({B},{T},{H},{D}) {gate_name} gate {name}", shape, times[name],
+                                      mult * fwd_flops(B, T, H, D), mult * fwd_bytes(B, T, H, D),
+                                      f"ours, {base}", times[base], {"matmul_precision": "medium"}))
     return results
 
 
@@ -246,7 +253,8 @@ def main():
     parser.add_argument("--long", action="store_true",
                         help="the memory cases only (1M tokens at H 8, the longest at H 64)")
     parser.add_argument("--gate", action="store_true",
-                        help="the in-kernel gate's cost only (raw gate and beta against log-decay inputs)")
+                        help="the in-kernel gate's cost only (raw gate and beta against log-decay inputs; the "
+                             "softplus gate and GLM-5.3's bounded one)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
     ceilings = measure_ceilings()

@@ -19,7 +19,8 @@
 # MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline;
 # cut-cross-entropy and liger-kernel, the linear cross-entropy's; transformers and peft, the
 # training anchor's) are installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
-# keeps fla's autotuning between calls.
+# keeps fla's autotuning between calls. KEEP_TRITON_CACHE=1 also packs that folder into $OUT/triton_cache.tgz:
+# unpacked in the tree here and carried (.triton_cache) it spares a fresh machine fla's minutes of autotuning.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -119,12 +120,16 @@ for step in "${steps[@]}"; do
   esac
 done
 
+if [ "${KEEP_TRITON_CACHE:-0}" = 1 ] && [ -d .triton_cache ]; then
+  tar czf "$OUT/triton_cache.tgz" .triton_cache
+  note "triton cache: $(du -h "$OUT/triton_cache.tgz" | cut -f1) packed into triton_cache.tgz"
+fi
 for md in "$OUT"/results/*.md; do
   [ -f "$md" ] && cat "$md"
 done
 echo
 cat "$summary"
-packed=$(cd "$OUT" && ls -A | grep -v -x -e summary.txt -e 'gpu_check-.*\.tgz')
+packed=$(cd "$OUT" && ls -A | grep -v -x -e summary.txt -e 'gpu_check-.*\.tgz' -e triton_cache.tgz)
 if [ -n "$packed" ]; then
   (cd "$OUT" && tar czf "gpu_check-$(date -u +%H%M%S).tgz" $packed && rm -rf $packed)
 fi
