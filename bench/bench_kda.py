@@ -233,10 +233,10 @@ def bench_gate(B=2, T=8192, H=32, D=128) -> list[Result]:
             for name, (fn, wrt) in variants.items():
                 step = fn if mode == "fwd" else (lambda fn=fn, wrt=wrt: torch.autograd.grad(fn(), wrt, do))
                 times[name] = bench_ms(step)
-                print(f"  {gate_name} gate {mode} {name}: {times[name]:.3f} ms", flush=True)
+                print(f"  {gate_name} gate, {mode}, {name}: {times[name]:.3f} ms", flush=True)
             base = "log-decay inputs"
             for name in ("gate in the kernels", "gate in torch"):
-                results.append(Result("kda", f"{mode} ({B},{T},{H},{D}) {gate_name} gate {name}", shape, times[name],
+                results.append(Result("kda", f"{mode} ({B},{T},{H},{D}) {gate_name} gate: {name}", shape, times[name],
                                       mult * fwd_flops(B, T, H, D), mult * fwd_bytes(B, T, H, D),
                                       f"ours, {base}", times[base], {"matmul_precision": "medium"}))
     return results
