@@ -125,11 +125,15 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   // The chunk's decay range D = max_c (G_0c - G_Lc) against kFactorRange: one factorisation of
   // every pair where it is mild, else the 16 x 16 blocks (the midpoints Gm and 2^Gm into spart).
   const float* Gl = sG + (L - 1) * kLdG;
+  // Whether every channel's range from row G0 to row G1 is within kFactorRange (a block barrier).
+  const auto mild_span = [&](const float* G0, const float* G1) {
+    return !__syncthreads_or(tid < kK && !(G0[tid] - G1[tid] <= kFactorRange));
+  };
   if (tid < kK) {
     spart[tid] = 0.5f * (sG[tid] + Gl[tid]);
     spart[kK + tid] = exp2_ftz(spart[tid]);
   }
-  const bool wide = __syncthreads_or(tid < kK && !(sG[tid] - Gl[tid] <= kFactorRange));
+  const bool wide = !mild_span(sG, Gl);
   if (!wide) {
     // Operands: qa = q 2^(G - Gm), ka = k 2^(G - Gm) over q, k; kb = k 2^(Gm - G) over A; with Qg =
     // qa 2^Gm and Kd = k 2^(G_last - G) out.
@@ -182,8 +186,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
     // midpoint like the whole chunk above; the others one exp per pair (below).
     int mild = 0;
     for (int b = 0; b < 4; ++b) {
-      const float* Gb = sG + 16 * b * kLdG;
-      if (!__syncthreads_or(tid < kK && !(Gb[tid] - Gb[15 * kLdG + tid] <= kFactorRange))) mild |= 1 << b;
+      if (mild_span(sG + 16 * b * kLdG, sG + (16 * b + 15) * kLdG)) mild |= 1 << b;
     }
     // Block (b, j <= b) of A and Aqk as mma.sync products of k_t, q_t 2^(G_t - R) and k_s 2^(R - G_s):
     // R = G_r (r = 16 b, the block's first row) left of the diagonal, the midpoint of the block's
@@ -436,7 +439,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
 
   // W = Mb (k exp(G)), Ut = Mb v: warp w takes rows 16 (w % 4).. and half of the columns.
   const int rt = warp % 4, half = warp / 4;
-  // Factored: k holds ka = k exp(G) 2^-Gm, so W's columns take the factor 2^Gm.
+  // Factored: k holds ka = k 2^(G - Gm), so W's columns take the factor 2^Gm.
   const auto product = [&](const bf16* B, int ldb, int N, bf16* dst, const float* col_scale) {
     float acc[8][4] = {};
     const int n0 = half * N / 2;
