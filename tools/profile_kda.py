@@ -1,6 +1,7 @@
 """Per-kernel device time of one chunk_kda forward and forward+backward (torch.profiler) at each
 internal precision (matmul_precision "highest" and "medium"), to see where the time goes:
-python tools/profile_kda.py [B T H D]"""
+python tools/profile_kda.py [B T H D [softplus | bounded]]; the log-decay is fla's usual
+logsigmoid(x + 2) (softplus) or GLM-5.3's bounded gate's, -5 sigmoid(x)."""
 
 import sys
 
@@ -13,7 +14,9 @@ import kda_dsa_ops as K
 def main():
     B, T, H, D = (int(x) for x in sys.argv[1:5]) if len(sys.argv) >= 5 else (2, 8192, 32, 128)
     q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device="cuda") + 2).requires_grad_()
+    x = torch.randn(B, T, H, D, device="cuda")
+    bounded = len(sys.argv) >= 6 and sys.argv[5] == "bounded"
+    g = (-5 * torch.sigmoid(x) if bounded else torch.nn.functional.logsigmoid(x + 2)).requires_grad_()
     beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ins = (q, k, v, g, beta)
 

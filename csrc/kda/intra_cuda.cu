@@ -45,11 +45,6 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
               out.gC + (hv * sq_.slots + slot) * z.K, sY);
 }
 
-// The largest decay range of a chunk (log2 units, every channel) that takes the one factorisation
-// of intra_bf16_kernel: its factors stay within 2^+-48, so no term overflows and none that
-// matters flushes to zero.
-constexpr float kFactorRange = 96.f;
-
 // The intra-chunk terms for bf16 / fp16 inputs in bf16-product mode (K 64 or 128, V 64 or 128),
 // in bf16 for the bf16 state passes (the backward's also A in fp32 and Minv in bf16). One block
 // of 8 warps per (chunk, value head), two blocks per SM. It reads the op's inputs as they are:
@@ -125,15 +120,11 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   // The chunk's decay range D = max_c (G_0c - G_Lc) against kFactorRange: one factorisation of
   // every pair where it is mild, else the 16 x 16 blocks (the midpoints Gm and 2^Gm into spart).
   const float* Gl = sG + (L - 1) * kLdG;
-  // Whether every channel's range from row G0 to row G1 is within kFactorRange (a block barrier).
-  const auto mild_span = [&](const float* G0, const float* G1) {
-    return !__syncthreads_or(tid < kK && !(G0[tid] - G1[tid] <= kFactorRange));
-  };
   if (tid < kK) {
     spart[tid] = 0.5f * (sG[tid] + Gl[tid]);
     spart[kK + tid] = exp2_ftz(spart[tid]);
   }
-  const bool wide = !mild_span(sG, Gl);
+  const bool wide = !ct.mild_span(0, L - 1);
   if (!wide) {
     // Operands: qa = q 2^(G - Gm), ka = k 2^(G - Gm) over q, k; kb = k 2^(Gm - G) over A; with Qg =
     // qa 2^Gm and Kd = k 2^(G_last - G) out.
@@ -184,10 +175,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   } else {
     // Diagonal blocks whose own range is mild (bit b of mild) take a factorisation through their
     // midpoint like the whole chunk above; the others one exp per pair (below).
-    int mild = 0;
-    for (int b = 0; b < 4; ++b) {
-      if (mild_span(sG + 16 * b * kLdG, sG + (16 * b + 15) * kLdG)) mild |= 1 << b;
-    }
+    const int mild = ct.mild_blocks();
     // Block (b, j <= b) of A and Aqk as mma.sync products of k_t, q_t 2^(G_t - R) and k_s 2^(R - G_s):
     // R = G_r (r = 16 b, the block's first row) left of the diagonal, the midpoint of the block's
     // G on it (the lower triangle kept by selection).

@@ -116,6 +116,11 @@ __device__ __forceinline__ float warp_sum_transposed(float (&v)[N]) {
   return N == 32 ? v[0] : v[0] + __shfl_xor_sync(0xffffffffu, v[0], 16);
 }
 
+// The largest decay range (log2 units, on every channel) over which the bf16 kernels factor a
+// span's pairs through its midpoint Gm, E_ts = 2^(G_t - Gm) 2^(Gm - G_s): the factors stay within
+// 2^+-48, so no term overflows and none that matters flushes to zero.
+constexpr float kFactorRange = 96.f;
+
 // Shared-memory tiles of one chunk of one value head for the bf16 kernels (256 threads): the raw
 // q, k [kChunk, kK + 8] in T, G = log2(e) cumsum(g) [kChunk, kK + 4] in fp32 (plain fp32 sum,
 // scaled so that every exp is one ex2; g the log-decay, through the in-kernel gate where it is
@@ -140,6 +145,21 @@ struct ChunkTiles16 {
     float* beta = G + kChunk * kLdG;
     *end = reinterpret_cast<unsigned char*>(beta + 3 * kChunk + kThreads);
     return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk, nullptr};
+  }
+
+  // Whether every channel's decay range from row r0 to row r1, G_r0 - G_r1, is within
+  // kFactorRange (NaN is not): a block barrier.
+  __device__ bool mild_span(int r0, int r1) const {
+    const int c = static_cast<int>(threadIdx.x);
+    return !__syncthreads_or(c < kK && !(G[r0 * kLdG + c] - G[r1 * kLdG + c] <= kFactorRange));
+  }
+  // Bit b set where the diagonal 16 x 16 block b is mild (mild_span over its rows).
+  __device__ int mild_blocks() const {
+    int mild = 0;
+    for (int b = 0; b < kChunk / 16; ++b) {
+      if (mild_span(16 * b, 16 * b + 15)) mild |= 1 << b;
+    }
+    return mild;
   }
 
   // chunk_mark_nonfinite's rule in the passes of load: the first non-finite step of k, g, beta
