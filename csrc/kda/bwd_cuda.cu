@@ -443,37 +443,50 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     mma::store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
     mma::store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
   }
-  // The operand rows; a non-mild block's own rows are not built (its products skip them).
-  for (int i = tid; i < (one ? kChunk : Z::kSlabRows) * kK; i += C::kThreads) {
-    const int j = i / kK, c = i % kK;
-    {  // Ks_b row s
-      const int b = one ? 0 : Z::ks_block(j), s = one ? j : j - Z::ks_row(b);
-      if (s < 16 * b || mild >> b & 1) sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_ftz(ref_row(b, c) - G(s, c)));
-    }
-    {  // kE_b, qE_b row t
-      const int b = one ? 0 : Z::e_block(j), t = one ? j : 16 * b + j - Z::e_row(b);
-      if (t >= 16 * b + 16 || mild >> b & 1) {
-        const float e = exp2_ftz(G(t, c) - ref_col(b, c));
-        skE[j * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
-        sqE[j * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
+  // The operand rows (kRows: the chunk's one set, or the blocks' slabs); a non-mild block's own
+  // rows are not built (its products skip them).
+  const auto build = [&](auto rows) {
+    constexpr int kRows = decltype(rows)::value;
+    constexpr bool kOne = kRows == kChunk;
+#pragma unroll 4
+    for (int i = tid; i < kRows * kK; i += C::kThreads) {
+      const int j = i / kK, c = i % kK;
+      {  // Ks_b row s
+        const int b = kOne ? 0 : Z::ks_block(j), s = kOne ? j : j - Z::ks_row(b);
+        if (s < 16 * b || mild >> b & 1) {
+          sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_ftz(ref_row(b, c) - G(s, c)));
+        }
+      }
+      {  // kE_b, qE_b row t
+        const int b = kOne ? 0 : Z::e_block(j), t = kOne ? j : 16 * b + j - Z::e_row(b);
+        if (t >= 16 * b + 16 || mild >> b & 1) {
+          const float e = exp2_ftz(G(t, c) - ref_col(b, c));
+          skE[j * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
+          sqE[j * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
+        }
       }
     }
+  };
+  if (one) {
+    build(std::integral_constant<int, kChunk>{});
+  } else {
+    build(std::integral_constant<int, Z::kSlabRows>{});
   }
   __syncthreads();
 
   const int rt = warp % 4, n0 = warp / 4 * kK / 2;
   const bool own = mild >> rt & 1;               // block rt's own pairs here
-  const int kr = rt + own, kc = rt + 1 - own;    // row terms: key blocks [0, kr); column terms: row blocks [kc, 4)
+  const int key_end = rt + own, row_begin = rt + 1 - own;  // row terms: key blocks [0, key_end); column terms: row blocks [row_begin, 4)
   float ya[8][4] = {}, yq[8][4] = {}, x[8][4] = {};
-  if (kr > 0) {
+  if (key_end > 0) {
     const bf16* Ks = sKs + (one ? 0 : Z::ks_row(rt)) * kLdK;
-    warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, kr);
-    warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, kr);
+    warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, key_end);
+    warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, key_end);
   }
-  if (kc < 4) {  // operand row of step t: e_row(rt) + t - 16 rt
+  if (row_begin < 4) {  // operand row of step t: e_row(rt) + t - 16 rt
     const int off = (one ? 0 : Z::e_row(rt) - 16 * rt) * kLdK;
-    warp_tile_product<true, false>(x, sdA, kLdC, skE + off, kLdK, rt, n0, kK, kc, 4);
-    warp_tile_product<true, false>(x, sdAqk, kLdC, sqE + off, kLdK, rt, n0, kK, kc, 4);
+    warp_tile_product<true, false>(x, sdA, kLdC, skE + off, kLdK, rt, n0, kK, row_begin, 4);
+    warp_tile_product<true, false>(x, sdAqk, kLdC, sqE + off, kLdK, rt, n0, kK, row_begin, 4);
   }
   __syncthreads();  // the operands are spent: the staging goes over them
 #pragma unroll
@@ -482,12 +495,22 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 16 * rt + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
-        const float fr = kr > 0 ? exp2_ftz(G(t, c) - ref_row(rt, c)) : 0.f;
-        const float fc = kc < 4 ? exp2_ftz(ref_col(rt, c) - G(t, c)) : 0.f;
-        const float pa = fr * ya[n][e], pq = fr * yq[n][e], pc = fc * x[n][e];
-        sSq[t * kLdS + c] = pq;
-        sSk[t * kLdS + c] = pa + pc;
-        sSg[t * kLdS + c] = kn(t, c) * (pa - pc) + qn(t, c) * pq;
+        const float fr = key_end > 0 ? exp2_ftz(G(t, c) - ref_row(rt, c)) : 0.f;
+        const float fc = row_begin < 4 ? exp2_ftz(ref_col(rt, c) - G(t, c)) : 0.f;
+        sSq[t * kLdS + c] = fr * yq[n][e];
+        sSk[t * kLdS + c] = fr * ya[n][e] + fc * x[n][e];
+        // dg: a pair's term enters dg_t and, negated, dg_s. Where block rt's own pairs are here,
+        // its rows' factors are its operands as rounded (the kE, qE, Ks rows of step t), so that
+        // each such pair enters both with the same product: the terms then cancel in sums over
+        // the steps as the true ones do (the gate's gradients weight dg's reverse cumsum by the
+        // cumulative log-decay, which would magnify the difference of two roundings).
+        float kr = kn(t, c) * fr, qr = qn(t, c) * fr, kc = kn(t, c) * fc;
+        if (own) {
+          kr = __bfloat162float(__float2bfloat16_rn(kr));
+          qr = __bfloat162float(__float2bfloat16_rn(qr));
+          kc = __bfloat162float(__float2bfloat16_rn(kc));
+        }
+        sSg[t * kLdS + c] = kr * ya[n][e] - kc * x[n][e] + qr * yq[n][e];
       }
     }
   }
