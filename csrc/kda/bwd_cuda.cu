@@ -269,12 +269,11 @@ __device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const
 
 // chunk_bwd_pairs in bf16-product mode (bf16 / fp16 inputs, K 64 or 128), part 1 of 2, after
 // bwd_dense_bf16_kernel: dbeta's other terms, G_last's extra gradient into w.last, and per element
-// (t, c) the terms from dQg, dKd and ZW and the pairs inside the diagonal 16 x 16 blocks that are
-// not mild (ChunkTiles16::mild_blocks; part 2 takes the mild ones' pairs as products). A thread
-// per (channel, such block) walks the block's 136 pairs once, each pair's exp serving the row
+// (t, c) the terms from dQg, dKd and ZW and the pairs inside the diagonal 16 x 16 blocks. A thread
+// per (channel, diagonal block) walks the block's 136 pairs once, each pair's exp serving the row
 // terms of t and the column term of s; the sums over channels and rows (dbeta, w.last) go
 // through shared memory. dq, dk, dg into w (over dQg, dKd); part 2
-// (bwd_pairs_offdiag_kernel) adds the other pairs and the reverse cumsum.
+// (bwd_pairs_offdiag_kernel) adds the pairs across blocks and the reverse cumsum.
 template <int kK, typename T>
 struct PairsDiag {
   using C = ChunkTiles16<kK, T>;
@@ -303,13 +302,13 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
   const float* Gl = sG + (L - 1) * kLdG;
   if (tid < kChunk) sdb[tid] = 0.f;
   if (tid < kK) slast[tid] = 0.f;
-  const int mild = ct.mild_blocks();  // (barriers)
+  __syncthreads();
 
-  {  // dA (times beta_t) and dAqk staged for the walks; dbeta_t += sum_{s<t} dA A (iteration j: rows warp / 2 + 4 j)
+  {  // dA (times beta_t) and dAqk staged; dbeta_t += sum_{s<t} dA A (iteration j: rows warp / 2 + 4 j)
     constexpr int kIters = kChunk * kChunk / C::kThreads;
     static_assert(kIters == 16, "a transposed sum over 16 rows");
 #pragma unroll 8
-    for (int j = 0; j < kIters && mild != 15; ++j) {
+    for (int j = 0; j < kIters; ++j) {
       const int i = tid + j * C::kThreads, t = i / kChunk;
       sdA[i] = t < L ? sbeta[t] * __ldg(w.dA + row0 * kChunk + i) : 0.f;
       sdAqk[i] = t < L ? __ldg(w.dAqk + row0 * kChunk + i) : 0.f;
@@ -339,18 +338,16 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
       G[i] = sG[(b0 + i) * kLdG + c];
       ra[i] = rq[i] = cl[i] = 0.f;
     }
-    if (!(mild >> (b0 / 16) & 1)) {
 #pragma unroll
-      for (int t = 0; t < 16; ++t) {
-        const float qt = qn(t);
+    for (int t = 0; t < 16; ++t) {
+      const float qt = qn(t);
 #pragma unroll
-        for (int s = 0; s <= t; ++s) {
-          const float e = exp2_ftz(G[t] - G[s]), x = kn[s] * e;
-          const float da = sdA[(b0 + t) * kChunk + b0 + s], dq = sdAqk[(b0 + t) * kChunk + b0 + s];
-          ra[t] += da * x;
-          rq[t] += dq * x;
-          cl[s] += (da * kn[t] + dq * qt) * e;
-        }
+      for (int s = 0; s <= t; ++s) {
+        const float e = exp2_ftz(G[t] - G[s]), x = kn[s] * e;
+        const float da = sdA[(b0 + t) * kChunk + b0 + s], dq = sdAqk[(b0 + t) * kChunk + b0 + s];
+        ra[t] += da * x;
+        rq[t] += dq * x;
+        cl[s] += (da * kn[t] + dq * qt) * e;
       }
     }
     const float last = pairs_diag_out(L - b0, (row0 + b0) * kK + c, kK, sbeta + b0, Gl[c], kn, qn, G, ra, rq, cl,
@@ -371,34 +368,26 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
   if (tid < kK) w.last[gc + tid] = w.last[gc + tid] * exp2_ftz(Gl[tid]) + slast[tid];
 }
 
-// Part 2 of 2: the other pairs as mma.sync products on bf16 tiles (the pairs across diagonal
-// blocks, and those inside the mild diagonal blocks), the operands scaled to one reference per
-// (block, channel) as in the intra kernel. Warp w owns the rows of block b = w % 4 and half of
-// the columns. Row terms: exp(G_t - R_b) times (dA Ks_b, dAqk Ks_b) with Ks_b = k_s exp(R_b - G_s)
-// over the keys s before block b, and over block b's own where it is mild. Column terms:
-// exp(C_b - G_s) times (dA^T kE_b + dAqk^T qE_b) over the rows t after block b (and block b's own
-// where mild), kE_b, qE_b = k_t, q_t exp(G_t - C_b). The references: where the whole chunk is
-// mild (range <= kFactorRange, ChunkTiles16::mild_span), R_b = C_b = its midpoint, and every
-// block's operands are rows of one 64-row Ks, kE, qE; otherwise R_b = C_b = block b's midpoint
-// where it is mild, else R_b = G_16b (the block's first row) and C_b = G_16b+16 (the next
-// block's), every factor within 2^+-48. The terms are staged in shared memory (over the spent
-// operands), then one pass adds them to dq, dk, dg and takes dg's reverse cumsum from w.last.
+// Part 2 of 2: the pairs across diagonal blocks as mma.sync products on bf16 tiles, the operands
+// scaled to one reference row per warp as in the intra kernel. Warp w owns the rows of block
+// b = w % 4 and half of the columns. Row terms (b >= 1, r = 16 b): exp(G_t - G_r) times
+// (dA Ks_r, dAqk Ks_r) with Ks_r = k_s exp(G_r - G_s) over s < r. Column terms (b <= 2, r' = 16 b
+// + 16): exp(G_r' - G_s) times (dA^T kE_r' + dAqk^T qE_r') over the rows t >= r', kE_r', qE_r' =
+// k_t, q_t exp(G_t - G_r'). Every factor is at most 1. The terms are staged in shared memory (over
+// the spent operands), then one pass adds them to dq, dk, dg and takes dg's reverse cumsum from
+// w.last.
 template <int kK, typename T>
 struct PairsOffdiag {
   using C = ChunkTiles16<kK, T>;
   static constexpr int kLdK = C::kLdK, kLdC = kChunk + 8, kLdS = kK + 8;
-  // Ks_0..Ks_3 (16, 32, 48, 64 rows: the keys up to the block's last) and kE_0..kE_3, qE_0..qE_3
-  // (64, 48, 32, 16 rows: the block's first row on): 160 rows each.
-  static constexpr int kSlabRows = 160;
+  // Ks_16, Ks_32, Ks_48 (16, 32, 48 rows) and kE_16, kE_32, kE_48 (48, 32, 16 rows): 96 rows each.
+  static constexpr int kSlabRows = 96;
   static constexpr size_t kOperands = 2 * (2 * kChunk * kLdC + 3 * kSlabRows * kLdK);
   static constexpr size_t kStaging = 4 * 3 * kChunk * kLdS;  // the dq, dk, dg terms in fp32
   static constexpr size_t bytes() { return C::bytes() + (kOperands > kStaging ? kOperands : kStaging); }
-  // Block b's first row among the Ks rows and among the kE / qE rows.
-  __device__ static int ks_row(int b) { return 8 * b * (b + 1); }
-  __device__ static int e_row(int b) { return b * (72 - 8 * b); }
-  // The block of Ks row j and of kE / qE row j.
-  __device__ static int ks_block(int j) { return j < 16 ? 0 : j < 48 ? 1 : j < 96 ? 2 : 3; }
-  __device__ static int e_block(int j) { return j < 64 ? 0 : j < 112 ? 1 : j < 144 ? 2 : 3; }
+  // First row of slab j (reference row 16 j + 16) among the Ks and the kE / qE rows.
+  __device__ static int ks_row(int j) { return j == 0 ? 0 : j == 1 ? 16 : 48; }
+  __device__ static int e_row(int j) { return j == 0 ? 0 : j == 1 ? 48 : 80; }
 };
 
 template <int kK, typename T>
@@ -416,9 +405,9 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   const int64_t row0 = ch.row0, gc = ch.gc;
   bf16* sdA = reinterpret_cast<bf16*>(ch.rest);  // [kChunk, kLdC]: beta_t dA_ts
   bf16* sdAqk = sdA + kChunk * kLdC;              // [kChunk, kLdC]
-  bf16* sKs = sdAqk + kChunk * kLdC;              // [kSlabRows, kLdK]
-  bf16* skE = sKs + Z::kSlabRows * kLdK;          // [kSlabRows, kLdK]
-  bf16* sqE = skE + Z::kSlabRows * kLdK;          // [kSlabRows, kLdK]
+  bf16* sKs = sdAqk + kChunk * kLdC;              // [96, kLdK]
+  bf16* skE = sKs + Z::kSlabRows * kLdK;          // [96, kLdK]
+  bf16* sqE = skE + Z::kSlabRows * kLdK;          // [96, kLdK]
   float* sSq = reinterpret_cast<float*>(ch.rest);  // [kChunk, kLdS] each, over the operands
   float* sSk = sSq + kChunk * kLdS;
   float* sSg = sSk + kChunk * kLdS;
@@ -426,13 +415,6 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   const auto kn = [&](int t, int c) { return to_float(ct.k[t * kLdK + c]) * ct.rk[t]; };
   const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
   const auto G = [&](int t, int c) { return ct.G[t * kLdG + c]; };
-  const bool one = ct.mild_span(0, L - 1);
-  const int mild = one ? 15 : ct.mild_blocks();  // the diagonal blocks taken here (bit b)
-  const auto mid = [&](int b, int c) {
-    return one ? 0.5f * (G(0, c) + G(L - 1, c)) : 0.5f * (G(16 * b, c) + G(16 * b + 15, c));
-  };
-  const auto ref_row = [&](int b, int c) { return mild >> b & 1 ? mid(b, c) : G(16 * b, c); };      // R_b
-  const auto ref_col = [&](int b, int c) { return mild >> b & 1 ? mid(b, c) : G(16 * b + 16, c); };  // C_b (b <= 2 if not mild)
 
 #pragma unroll 8
   for (int i = tid; i < kChunk * kChunk / 2; i += C::kThreads) {
@@ -443,50 +425,32 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     mma::store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
     mma::store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
   }
-  // The operand rows (kRows: the chunk's one set, or the blocks' slabs); a non-mild block's own
-  // rows are not built (its products skip them).
-  const auto build = [&](auto rows) {
-    constexpr int kRows = decltype(rows)::value;
-    constexpr bool kOne = kRows == kChunk;
-#pragma unroll 4
-    for (int i = tid; i < kRows * kK; i += C::kThreads) {
-      const int j = i / kK, c = i % kK;
-      {  // Ks_b row s
-        const int b = kOne ? 0 : Z::ks_block(j), s = kOne ? j : j - Z::ks_row(b);
-        if (s < 16 * b || mild >> b & 1) {
-          sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_ftz(ref_row(b, c) - G(s, c)));
-        }
-      }
-      {  // kE_b, qE_b row t
-        const int b = kOne ? 0 : Z::e_block(j), t = kOne ? j : 16 * b + j - Z::e_row(b);
-        if (t >= 16 * b + 16 || mild >> b & 1) {
-          const float e = exp2_ftz(G(t, c) - ref_col(b, c));
-          skE[j * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
-          sqE[j * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
-        }
-      }
+  for (int i = tid; i < Z::kSlabRows * kK; i += C::kThreads) {
+    const int j = i / kK, c = i % kK;
+    {  // Ks_r row s
+      const int slab = j < 16 ? 0 : j < 48 ? 1 : 2, r = 16 * slab + 16, s = j - Z::ks_row(slab);
+      sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_ftz(G(r, c) - G(s, c)));
     }
-  };
-  if (one) {
-    build(std::integral_constant<int, kChunk>{});
-  } else {
-    build(std::integral_constant<int, Z::kSlabRows>{});
+    {  // kE_r, qE_r row t
+      const int slab = j < 48 ? 0 : j < 80 ? 1 : 2, r = 16 * slab + 16, t = r + j - Z::e_row(slab);
+      const float e = exp2_ftz(G(t, c) - G(r, c));
+      skE[j * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
+      sqE[j * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
+    }
   }
   __syncthreads();
 
   const int rt = warp % 4, n0 = warp / 4 * kK / 2;
-  const bool own = mild >> rt & 1;               // block rt's own pairs here
-  const int key_end = rt + own, row_begin = rt + 1 - own;  // row terms: key blocks [0, key_end); column terms: row blocks [row_begin, 4)
   float ya[8][4] = {}, yq[8][4] = {}, x[8][4] = {};
-  if (key_end > 0) {
-    const bf16* Ks = sKs + (one ? 0 : Z::ks_row(rt)) * kLdK;
-    warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, key_end);
-    warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, key_end);
+  if (rt >= 1) {  // block rt's rows from the keys before it
+    const bf16* Ks = sKs + Z::ks_row(rt - 1) * kLdK;
+    warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
+    warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
   }
-  if (row_begin < 4) {  // operand row of step t: e_row(rt) + t - 16 rt
-    const int off = (one ? 0 : Z::e_row(rt) - 16 * rt) * kLdK;
-    warp_tile_product<true, false>(x, sdA, kLdC, skE + off, kLdK, rt, n0, kK, row_begin, 4);
-    warp_tile_product<true, false>(x, sdAqk, kLdC, sqE + off, kLdK, rt, n0, kK, row_begin, 4);
+  if (rt <= 2) {  // block rt's rows as keys of the later rows (operand rows t - r' + e_row)
+    const int off = (Z::e_row(rt) - 16 * (rt + 1)) * kLdK;
+    warp_tile_product<true, false>(x, sdA, kLdC, skE + off, kLdK, rt, n0, kK, rt + 1, 4);
+    warp_tile_product<true, false>(x, sdAqk, kLdC, sqE + off, kLdK, rt, n0, kK, rt + 1, 4);
   }
   __syncthreads();  // the operands are spent: the staging goes over them
 #pragma unroll
@@ -495,22 +459,12 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 16 * rt + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
-        const float fr = key_end > 0 ? exp2_ftz(G(t, c) - ref_row(rt, c)) : 0.f;
-        const float fc = row_begin < 4 ? exp2_ftz(ref_col(rt, c) - G(t, c)) : 0.f;
-        sSq[t * kLdS + c] = fr * yq[n][e];
-        sSk[t * kLdS + c] = fr * ya[n][e] + fc * x[n][e];
-        // dg: a pair's term enters dg_t and, negated, dg_s. Where block rt's own pairs are here,
-        // its rows' factors are its operands as rounded (the kE, qE, Ks rows of step t), so that
-        // each such pair enters both with the same product: the terms then cancel in sums over
-        // the steps as the true ones do (the gate's gradients weight dg's reverse cumsum by the
-        // cumulative log-decay, which would magnify the difference of two roundings).
-        float kr = kn(t, c) * fr, qr = qn(t, c) * fr, kc = kn(t, c) * fc;
-        if (own) {
-          kr = __bfloat162float(__float2bfloat16_rn(kr));
-          qr = __bfloat162float(__float2bfloat16_rn(qr));
-          kc = __bfloat162float(__float2bfloat16_rn(kc));
-        }
-        sSg[t * kLdS + c] = kr * ya[n][e] - kc * x[n][e] + qr * yq[n][e];
+        const float fr = rt >= 1 ? exp2_ftz(G(t, c) - G(16 * rt, c)) : 0.f;
+        const float fc = rt <= 2 ? exp2_ftz(G(16 * rt + 16, c) - G(t, c)) : 0.f;
+        const float pa = fr * ya[n][e], pq = fr * yq[n][e], pc = fc * x[n][e];
+        sSq[t * kLdS + c] = pq;
+        sSk[t * kLdS + c] = pa + pc;
+        sSg[t * kLdS + c] = kn(t, c) * (pa - pc) + qn(t, c) * pq;
       }
     }
   }
