@@ -511,28 +511,31 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   float base = w.last[gc + c];
   for (int p = p0 + 1; p < kParts; ++p) base += ct.part[p * kK + c];
   const GateIn& gate = in.gate;
-  const GateIn::Channel channel = gate.channel(blockIdx.y, c, kK);
-  float dx_sum = 0.f, da_sum = 0.f;  // with the in-kernel gate: this thread's share of dt_bias's, A_log's gradient
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int t = p0 * kRows + i;
-    if (t >= L) continue;
-    const int64_t e = ((ch.t0 + t) * HV + blockIdx.y) * kK + c;
-    float dg = old[i] + base;  // w.r.t. the log-decay
-    if (gate.A_log != nullptr) {  // w.r.t. the raw g
-      const float2 d = gate.decay_grad(dg, in.g_at(e), channel);
+  for (int i = 0; i < kRows; ++i) sSg[(p0 * kRows + i) * kLdS + c] = old[i] + base;  // w.r.t. the log-decay
+  // Out a row at a time (the store's and the gate's code once): w.r.t. the raw g with the in-kernel
+  // gate, with this thread's shares of dt_bias's and A_log's gradients; then their sums over the
+  // chunk in a fixed order (the parts of a channel, then the warps).
+  const GateIn::Channel channel = gate.channel(blockIdx.y, c, kK);
+  float dx_sum = 0.f, da_sum = 0.f;
+#pragma unroll 1
+  for (int t = p0 * kRows; t < min(L, (p0 + 1) * kRows); ++t) {
+    float dg = sSg[t * kLdS + c];
+    if (gate.A_log != nullptr) {
+      const float2 d = gate.decay_grad(dg, in.g_at(((ch.t0 + t) * HV + blockIdx.y) * kK + c), channel);
       dg = d.x;
       dx_sum += d.x;
       da_sum += d.y;
     }
     if (direct) {
-      store_elem(out.dg, e, dg, out.eg);
+      store_elem(out.dg, ((ch.t0 + t) * HV + blockIdx.y) * kK + c, dg, out.eg);
     } else {
       w.dg[(row0 + t) * kK + c] = dg;
     }
   }
-  if (gate.A_log != nullptr) {  // the chunk's sums in a fixed order (the parts of a channel, then the warps),
-    float* red = sSg;            // over the spent dg terms
+  if (gate.A_log != nullptr) {
+    __syncthreads();  // the kept rows are read: the sums go over them
+    float* red = sSg;
     red[p0 * kK + c] = dx_sum;
     da_sum = warp_reduce(da_sum, SumOp{});
     if (lane == 0) red[kParts * kK + warp] = da_sum;

@@ -252,13 +252,17 @@ struct ChunkTiles16 {
     {
       constexpr int kParts = kThreads / kK, kRows = kChunk / kParts;
       const int c = tid % kK, p0 = tid / kK;
-      const GateIn::Channel gate = in.gate.channel(hv, c, kK);
+      if (in.gate.A_log != nullptr) {  // the in-kernel gate on this thread's rows first (its code once, not per row)
+        const GateIn::Channel gate = in.gate.channel(hv, c, kK);
+#pragma unroll 1
+        for (int t = p0 * kRows; t < min(L, (p0 + 1) * kRows); ++t) G[t * kLdG + c] = in.gate.decay(G[t * kLdG + c], gate);
+      }
       float x[kRows];
       float run = 0.f;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         const int t = p0 * kRows + i;
-        const float g = t < L ? in.gate.decay(G[t * kLdG + c], gate) : 0.f;  // the log-decay
+        const float g = t < L ? G[t * kLdG + c] : 0.f;  // the log-decay
         if (mark != nullptr && !(g < INFINITY)) note_nonfinite(V, t, V);  // NaN or +inf
         run += floor_log_decay(g);
         x[i] = run;
