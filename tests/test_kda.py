@@ -69,7 +69,8 @@ def check_against_reference(device, dtype, g_dtype, B, T, H, group, Kd, V, lens,
                             use_qk_l2norm_in_kernel=l2, cu_seqlens=None if cu is None else cu.cpu())
     table = CUDA_KDA_REL_RMS if device == "cuda" else REL_RMS
     bf16_row = device == "cuda" and precision == "medium"
-    assert_close(o, ro, torch.bfloat16 if bf16_row else dtype, "o", table=table)
+    assert_close(o, ro, torch.bfloat16 if bf16_row else dtype, "o", scale=o_scale(ref_ins, l2, lens, with_h0),
+                 table=table)
     assert_close(ht, rht, torch.bfloat16 if bf16_row else state_dtype, "final_state", table=table)
     do = torch.randn(o.shape, dtype=F64)
     dht = torch.randn(ht.shape, dtype=F64)
@@ -91,6 +92,31 @@ def dbeta_scale(ins, grads):
     return dv.norm(dim=-1) * v.norm(dim=-1) / beta.clamp_min(1e-3)
 
 
+def first_tokens(terms, lens):
+    """terms [B, T, HV] kept at the first token of each sequence, zero elsewhere."""
+    starts = torch.zeros(terms.shape[:2], dtype=torch.bool)
+    if lens is None:
+        starts[:, 0] = True
+    else:
+        first = torch.tensor([0] + lens[:-1]).cumsum(0)
+        starts[0, first[torch.tensor(lens) > 0]] = True
+    return terms * starts[:, :, None]
+
+
+def o_scale(ins, l2, lens, with_h0):
+    """The first token of a sequence without an initial state has o_t = K^-0.5 beta_t (q_t . k_t)
+    v_t: one dot product over K, which can cancel. Its terms' size, K^-0.5 beta_t sum_c |q_tc k_tc|
+    |v_t|, at those tokens; other tokens sum many such products and need no scale."""
+    if with_h0:
+        return None
+    q, k, v, beta = ins[0], ins[1], ins[2], ins[4]
+    if l2:  # the rows the kernel's products see
+        q, k = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6), k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    group = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    return first_tokens((q * k).abs().sum(dim=-1) * v.norm(dim=-1) * beta * q.shape[-1] ** -0.5, lens)
+
+
 def dq_scale(ins, do, l2, lens, with_h0):
     """The first token of a sequence without an initial state has dq_t = K^-0.5 beta_t
     (dO_t . v_t) k_t alone: one dot product over V, which can cancel. Its terms' size,
@@ -102,14 +128,7 @@ def dq_scale(ins, do, l2, lens, with_h0):
     group = v.shape[2] // q.shape[2]
     size = 1.0 / q.norm(dim=-1).clamp_min(1e-6) if l2 else k.norm(dim=-1)  # |k_t| = 1 once normalised
     size = size.repeat_interleave(group, dim=2)
-    terms = (do * v).abs().sum(dim=-1) * beta * size * q.shape[-1] ** -0.5
-    starts = torch.zeros(terms.shape[:2], dtype=torch.bool)
-    if lens is None:
-        starts[:, 0] = True
-    else:
-        first = torch.tensor([0] + lens[:-1]).cumsum(0)
-        starts[0, first[torch.tensor(lens) > 0]] = True
-    return terms * starts[:, :, None]
+    return first_tokens((do * v).abs().sum(dim=-1) * beta * size * q.shape[-1] ** -0.5, lens)
 
 
 def dg_scale(ins, grads):
