@@ -36,6 +36,17 @@ def main():
             o, ht = K.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                use_qk_l2norm_in_kernel=True, cu_seqlens=cu, matmul_precision=precision)
             torch.autograd.grad(o.float().sum() + ht.sum(), (q, k, v, g, beta, h0))
+    # fla 0.6's in-kernel gate (softplus, then GLM-5.3's bounded one) and beta sigmoid on raw inputs
+    q, k, v = (torch.randn(1, 150, 2, 128, device=dev, dtype=bf16, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 150, 2, 128, device=dev, requires_grad=True)
+    beta = torch.randn(1, 150, 2, device=dev, dtype=bf16, requires_grad=True)
+    A_log = torch.randn(2, device=dev, requires_grad=True)
+    dt_bias = torch.randn(2 * 128, device=dev, requires_grad=True)
+    for lower_bound in (None, -5.0):
+        o, _ = K.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor(
+            [0, 37, 150], device=dev, dtype=torch.int32), use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, safe_gate=lower_bound is not None, use_beta_sigmoid_in_kernel=True)
+        torch.autograd.grad(o.float().sum(), (q, k, v, g, beta, A_log, dt_bias))
     torch.cuda.synchronize()
     print("sanitize_kda: done")
 
