@@ -94,10 +94,10 @@ TORCH_LIBRARY(kda_dsa_ops, m) {
   m.def("hc_mix(Tensor x, Tensor a, Tensor? z, Tensor? b) -> Tensor");
   // (dx, da, dz, db); dz and db are [0] without z, b.
   m.def("hc_mix_bwd(Tensor grad_y, Tensor x, Tensor a, Tensor? z, Tensor? b) -> (Tensor, Tensor, Tensor, Tensor)");
-  // Cross-entropy per row of logits [N,V]: loss [N] (accumulation type); with write_grad the logits become
-  // scale * (softmax - onehot) in place.
+  // Cross-entropy per row of logits [N,V]: loss [N] (accumulation type) and argmax [N] int64 (-1: ignored or
+  // no logit above -inf); with write_grad the logits become scale * (softmax - onehot) in place.
   m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor labels, int ignore_index, float scale, bool write_grad) "
-        "-> Tensor");
+        "-> (Tensor, Tensor)");
   // Short causal depthwise convolution + SiLU over packed sequences: x [T,C], weight [C,W], pos [T], halo [W-1,C].
   m.def("short_conv(Tensor x, Tensor weight, Tensor pos, Tensor? halo) -> Tensor");
   // (dx, dweight, dhalo); dweight is [0] without weight_grad, dhalo [0] without a halo.

@@ -1,7 +1,7 @@
-"""cross_entropy_rows_ (the LM head's per-row cross-entropy and its gradient, in place) against
-the float64 reference on CPU and CUDA: awkward widths (one class, not a multiple of the vector
-width), ignored rows, -inf logits, NaN / +inf rows, opcheck, bad inputs; and the chunked linear
-cross-entropy on the CUDA kernels in bf16 against the composition."""
+"""cross_entropy_rows_ (the LM head's per-row cross-entropy, its argmax and its gradient, in place)
+against the float64 reference on CPU and CUDA: awkward widths (one class, not a multiple of the
+vector width), ignored rows, -inf logits, tied maxima, NaN / +inf rows, opcheck, bad inputs; and
+the chunked linear cross-entropy on the CUDA kernels in bf16 against the composition."""
 
 import math
 
@@ -30,11 +30,15 @@ def dtypes(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @given(seed=SEEDS, N=st.integers(0, 9), V=st.sampled_from([1, 7, 8, 64, 1003, 4096]), dtype_index=st.integers(0, 2),
-       ignored=st.booleans(), masked=st.booleans(), write_grad=st.booleans(), scale=st.sampled_from([1.0, 0.37]))
-def test_cross_entropy_rows_matches_reference(device, seed, N, V, dtype_index, ignored, masked, write_grad, scale):
+       ignored=st.booleans(), masked=st.booleans(), tied=st.booleans(), write_grad=st.booleans(),
+       scale=st.sampled_from([1.0, 0.37]))
+def test_cross_entropy_rows_matches_reference(device, seed, N, V, dtype_index, ignored, masked, tied, write_grad,
+                                              scale):
     torch.manual_seed(seed)
     dtype = dtypes(device)[dtype_index]
     x = (torch.randn(N, V) * 3).to(dtype)
+    if tied:  # the row's largest value at several places: the argmax is the first of them
+        x[:, torch.randperm(V)[:3]] = 12.0
     if masked and V > 1:  # -inf logits (a masked vocabulary) are legal
         x[:, ::3] = -math.inf
     labels = torch.randint(0, V, (N,))
@@ -43,11 +47,12 @@ def test_cross_entropy_rows_matches_reference(device, seed, N, V, dtype_index, i
     if ignored and N > 1:
         labels[::2] = -7
     ours = x.clone().to(device)
-    loss = K.cross_entropy_rows_(ours, labels.to(device), -7, scale, write_grad)
+    loss, top = K.cross_entropy_rows_(ours, labels.to(device), -7, scale, write_grad)
     ref_x = x.to(F64, copy=True)
-    ref = R.cross_entropy_rows_(ref_x, labels, -7, scale, write_grad)
+    ref, ref_top = R.cross_entropy_rows_(ref_x, labels, -7, scale, write_grad)
     assert loss.dtype == (F64 if dtype == F64 else torch.float32) and loss.shape == (N,)
     assert_close(loss, ref, dtype, "loss")
+    assert top.dtype == torch.int64 and torch.equal(top.cpu(), ref_top), "argmax"
     if write_grad:
         assert_close(ours, ref_x, dtype, "gradient")
     else:
@@ -57,11 +62,14 @@ def test_cross_entropy_rows_matches_reference(device, seed, N, V, dtype_index, i
 @pytest.mark.parametrize("device", DEVICES)
 def test_cross_entropy_rows_non_finite(device):
     """A NaN or +inf logit makes its row's loss and gradient NaN; a row of -inf gives a NaN loss;
-    the other rows are untouched by them."""
+    the other rows are untouched by them. The argmax passes NaNs over, takes the first +inf, and
+    is -1 on a row of -inf."""
     x = torch.randn(4, 40, device=device)
-    x[0, 5], x[1, 9], x[2] = math.nan, math.inf, -math.inf
+    x[0, [0, 5]], x[1, [9, 30]], x[2] = math.nan, math.inf, -math.inf
     labels = torch.tensor([1, 2, 3, 4], device=device)
-    loss = K.cross_entropy_rows_(x, labels)
+    want = [torch.where(x[0].isnan(), -math.inf, x[0]).argmax().item(), 9, -1, x[3].argmax().item()]
+    loss, top = K.cross_entropy_rows_(x, labels)
+    assert top.tolist() == want
     assert loss[:3].isnan().all() and loss[3].isfinite()
     assert x[:2].isnan().all() and x[3].isfinite().all()
 

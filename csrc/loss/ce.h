@@ -1,8 +1,8 @@
 // Cross-entropy over rows of logits, the core of the LM head's chunked linear cross-entropy
-// (python/kda_dsa_ops/nn/loss.py): per row the loss lse(x) - x[label] and, in place, its
-// gradient scale * (softmax(x) - onehot(label)); a row whose label is ignore_index has loss 0 and
-// gradient 0. Argument checks shared by both backends (ce.cpp), each backend's implementation
-// (ce_cpu.cpp, ce_cuda.cu). Semantics: python/kda_dsa_ops/reference/loss.py.
+// (python/kda_dsa_ops/nn/loss.py): per row the loss lse(x) - x[label], the argmax (the first
+// largest logit, NaNs left out) and, in place, the gradient scale * (softmax(x) - onehot(label));
+// a row whose label is ignore_index has loss 0, argmax -1 and gradient 0. Argument checks shared
+// by both backends (ce.cpp), each backend's implementation (ce_cpu.cpp, ce_cuda.cu). Semantics: python/kda_dsa_ops/reference/loss.py.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,9 +15,9 @@ struct RowsProblem {
 };
 RowsProblem check_ce_rows(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index);
 
-#define KDA_DSA_OPS_LOSS_ENTRIES(DEV)                                                                     \
-  at::Tensor cross_entropy_rows_##DEV(at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index, \
-                                      double scale, bool write_grad);
+#define KDA_DSA_OPS_LOSS_ENTRIES(DEV)                                                                      \
+  std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_##DEV(at::Tensor& logits, const at::Tensor& labels,   \
+                                                              int64_t ignore_index, double scale, bool write_grad);
 
 KDA_DSA_OPS_LOSS_ENTRIES(cpu)
 #ifdef KDA_DSA_OPS_WITH_CUDA

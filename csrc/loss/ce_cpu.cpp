@@ -11,11 +11,12 @@
 
 namespace kda_dsa_ops::loss {
 
-at::Tensor cross_entropy_rows_cpu(at::Tensor& logits, const at::Tensor& labels_in, int64_t ignore_index,
-                                  double scale, bool write_grad) {
+std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(at::Tensor& logits, const at::Tensor& labels_in,
+                                                          int64_t ignore_index, double scale, bool write_grad) {
   const RowsProblem p = check_ce_rows(logits, labels_in, ignore_index);
   const at::Tensor labels = labels_in.contiguous();
-  at::Tensor loss;
+  at::Tensor loss, argmax = at::full({p.N}, -1, labels.options());
+  int64_t* top = argmax.data_ptr<int64_t>();
   KDA_DISPATCH_CPU_FLOATING(logits.scalar_type(), "cross_entropy_rows_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     loss = at::zeros({p.N}, logits.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
@@ -28,7 +29,12 @@ at::Tensor cross_entropy_rows_cpu(at::Tensor& logits, const at::Tensor& labels_i
         const bool ignored = lab[r] == ignore_index;
         if (!ignored) {
           acc_t mx = -std::numeric_limits<acc_t>::infinity();
-          for (int64_t c = 0; c < p.V; ++c) mx = std::max(mx, acc_t(row[c]));  // (a NaN is caught by the sum)
+          for (int64_t c = 0; c < p.V; ++c) {  // the first largest; a NaN is passed over here, caught by the sum
+            if (acc_t(row[c]) > mx) {
+              mx = acc_t(row[c]);
+              top[r] = c;
+            }
+          }
           // +inf: exp(inf - inf) is NaN, as on CUDA; all -inf: lse -inf, the loss NaN
           const acc_t shift = mx == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : mx;
           acc_t sum = 0;
@@ -46,7 +52,7 @@ at::Tensor cross_entropy_rows_cpu(at::Tensor& logits, const at::Tensor& labels_i
       }
     });
   });
-  return loss;
+  return {loss, argmax};
 }
 
 }  // namespace kda_dsa_ops::loss

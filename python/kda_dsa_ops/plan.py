@@ -20,12 +20,14 @@ meta device (no memory is used for either).
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
 from .models import HybridConfig, HybridModel, get_config
+from .nn import layers
 from .parallel import is_expert_param
 
 GB = 1e9
@@ -79,11 +81,31 @@ def saved_bytes(fn, params) -> int:
     return total[0]
 
 
+@contextmanager
+def fused_attention():
+    """Dense attention as the GPU runs it. On the meta device torch's SDPA takes its math path,
+    which saves the [H, Tq, Tk] fp32 probabilities; on a GPU a fused kernel runs, which saves q, k,
+    v, the output and the rows' log-sum-exp: layers.attend calls the memory-efficient kernel (its
+    meta kernel) while this holds."""
+    plain = layers.attend
+
+    def fused(q, k, v, is_causal=False, scale=None):
+        q, k, v = (t[None].transpose(1, 2) for t in (q, k, v))
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
+        return out[0][0].transpose(0, 1)
+
+    layers.attend = fused
+    try:
+        yield
+    finally:
+        layers.attend = plain
+
+
 @lru_cache(maxsize=None)
 def block_activation_bytes(cfg: HybridConfig, tokens: int, lora_rank: int, recompute: str) -> dict:
     """Saved-for-backward bytes of one block of each kind ("K", "D") on `tokens` tokens (one
     sequence), bf16, counted on the meta device; recompute as in HybridModel."""
-    with torch.device("meta"):
+    with torch.device("meta"), fused_attention():
         model = HybridModel(cfg, lora_rank=lora_rank).to(torch.bfloat16)
         cu = torch.tensor([0, tokens], dtype=torch.int32)
         pos = torch.arange(tokens)

@@ -14,8 +14,8 @@ from .._dtypes import accumulation_dtype
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    """Forward: per chunk, the logits (in h's dtype: bf16 operands, fp32 accumulation), the argmax
-    hits, then rows() turns them into the loss and, in place, the gradient of the summed loss, which
+    """Forward: per chunk, the logits (in h's dtype: bf16 operands, fp32 accumulation), then rows()
+    turns them into the loss, the predictions and, in place, the gradient of the summed loss, which
     gives dh (and dW, summed over the chunks in fp32) right away; the backward only scales them."""
 
     @staticmethod
@@ -30,12 +30,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             hs, ls = h[s:s + chunk], labels[s:s + chunk]
             logits = hs @ weight.t()
-            hits = hits + ((logits.argmax(-1) == ls) & valid[s:s + chunk]).sum()
-            total = total + rows(logits, ls, ignore_index, 1.0, want_dh or want_dw).sum()
+            loss, predicted = rows(logits, ls, ignore_index, 1.0, want_dh or want_dw)
+            total, hits = total + loss.sum(), hits + ((predicted == ls) & valid[s:s + chunk]).sum()
             if dh is not None:
                 dh[s:s + chunk] = logits @ weight
             if dw is not None:
-                dw += logits.t() @ hs
+                _add_product(dw, logits.t(), hs)
             del logits  # before the next chunk's: one [chunk, vocab] block at a time
         ctx.save_for_backward(dh, dw, count)
         ctx.weight_dtype = weight.dtype
@@ -46,8 +46,21 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad: Tensor, grad_hits: Tensor):
         dh, dw, count = ctx.saved_tensors
         scale = grad / count
-        return ((dh * scale).to(dh.dtype) if dh is not None else None,
-                (dw * scale).to(ctx.weight_dtype) if dw is not None else None, None, None, None, None, None, None)
+        dw_out = None
+        if dw is not None:  # scaled straight into the weight's dtype: no second fp32 [vocab, hidden]
+            dw_out = torch.mul(dw, scale, out=torch.empty(dw.shape, dtype=ctx.weight_dtype, device=dw.device))
+        return (dh * scale).to(dh.dtype) if dh is not None else None, dw_out, None, None, None, None, None, None
+
+
+def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b with acc in the accumulation dtype: on CUDA the product is summed into acc by
+    the GEMM itself (out_dtype), with no [vocab, hidden] temporary in a's dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b
 
 
 def chunked_linear_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int = 4096,

@@ -12,9 +12,11 @@ from .._dtypes import accumulation_dtype
 
 
 def cross_entropy_rows_(logits: Tensor, labels: Tensor, ignore_index: int = -100, scale: float = 1.0,
-                        write_grad: bool = True) -> Tensor:
+                        write_grad: bool = True) -> tuple[Tensor, Tensor]:
     """Per row r: loss[r] = lse(x[r]) - x[r, labels[r]] (0 where labels[r] == ignore_index), in the
-    accumulation dtype (float64 for float64 logits, else float32); with write_grad the logits are
+    accumulation dtype (float64 for float64 logits, else float32), and argmax[r] (int64), the first
+    index of the row's largest logit with NaNs left out: the prediction, read in the same pass (-1
+    on an ignored row and where no logit is above -inf). With write_grad the logits are
     overwritten with the loss's gradient, scale * (softmax(x[r]) - onehot(labels[r])) (zeros on an
     ignored row). lse = m + log(sum(exp(x - m))) with m the row's max: a NaN or +inf logit makes
     its row NaN, a row of -inf only gives a NaN loss. logits [N, V] contiguous, labels [N] int64
@@ -30,8 +32,12 @@ def cross_entropy_rows_(logits: Tensor, labels: Tensor, ignore_index: int = -100
     lse = m + torch.log(torch.exp(x - m).sum(-1, keepdim=True))
     picked = x.gather(1, torch.where(valid, labels, 0)[:, None])
     loss = torch.where(valid, (lse - picked)[:, 0], torch.zeros((), dtype=acc, device=x.device))
+    argmax = torch.full_like(labels, -1)
+    if x.shape[1]:  # (with no classes there are no rows)
+        finite = torch.where(torch.isnan(x), -math.inf, x)  # torch's argmax takes a row's first largest
+        argmax = torch.where(valid & (finite.amax(-1) > -math.inf), finite.argmax(-1), argmax)
     if write_grad:
         grad = torch.exp(x - lse)
         grad[valid, labels[valid]] -= 1
         logits.copy_(torch.where(valid[:, None], grad * scale, torch.zeros((), dtype=acc, device=x.device)))
-    return loss
+    return loss, argmax
