@@ -19,8 +19,9 @@
 # MAX_JOBS (default 16). Wheels in .whl/ (flash-linear-attention, the KDA baseline;
 # cut-cross-entropy and liger-kernel, the linear cross-entropy's; transformers and peft, the
 # training anchor's) are installed into .pydeps/ first; Triton's cache lives in .triton_cache/ so that a warm machine
-# keeps fla's autotuning between calls. KEEP_TRITON_CACHE=1 also packs that folder into $OUT/triton_cache.tgz:
-# unpacked in the tree here and carried (.triton_cache) it spares a fresh machine fla's minutes of autotuning.
+# keeps fla's autotuning between calls. KEEP_TRITON_CACHE=1 also packs that folder into $OUT/triton_cache.tgz.part-*
+# (15 MB pieces: the files that come back are limited in size): `cat triton_cache.tgz.part-* | tar xzf -` in the
+# tree here, then carried (.triton_cache), it spares a fresh machine fla's minutes of autotuning.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -121,15 +122,15 @@ for step in "${steps[@]}"; do
 done
 
 if [ "${KEEP_TRITON_CACHE:-0}" = 1 ] && [ -d .triton_cache ]; then
-  tar czf "$OUT/triton_cache.tgz" .triton_cache
-  note "triton cache: $(du -h "$OUT/triton_cache.tgz" | cut -f1) packed into triton_cache.tgz"
+  tar czf - .triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part-"
+  note "triton cache: $(cat "$OUT"/triton_cache.tgz.part-* | wc -c) bytes packed into triton_cache.tgz.part-*"
 fi
 for md in "$OUT"/results/*.md; do
   [ -f "$md" ] && cat "$md"
 done
 echo
 cat "$summary"
-packed=$(cd "$OUT" && ls -A | grep -v -x -e summary.txt -e 'gpu_check-.*\.tgz' -e triton_cache.tgz)
+packed=$(cd "$OUT" && ls -A | grep -v -x -e summary.txt -e 'gpu_check-.*\.tgz' -e 'triton_cache\.tgz\.part-.*')
 if [ -n "$packed" ]; then
   (cd "$OUT" && tar czf "gpu_check-$(date -u +%H%M%S).tgz" $packed && rm -rf $packed)
 fi
