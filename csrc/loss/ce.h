@@ -2,7 +2,8 @@
 // (python/kda_dsa_ops/nn/loss.py): per row the loss lse(x) - x[label], the argmax (the first
 // largest logit, NaNs left out) and, in place, the gradient scale * (softmax(x) - onehot(label));
 // a row whose label is ignore_index has loss 0, argmax -1 and gradient 0. Argument checks shared
-// by both backends (ce.cpp), each backend's implementation (ce_cpu.cpp, ce_cuda.cu). Semantics: python/kda_dsa_ops/reference/loss.py.
+// by both backends (ce.cpp), each backend's implementation (ce_cpu.cpp, ce_cuda.cu). Semantics:
+// python/kda_dsa_ops/reference/loss.py.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,7 +1,8 @@
 // cross_entropy_rows_ on the GPU: one block per row, two passes over it. The first keeps an
 // online (max, its first index, sum of exp) per thread over 16-byte vectors and combines them over
-// the block; the second overwrites the row with scale * (exp(x - lse) - onehot). All in fp32; a label outside
-// [0, V) (value checks off) is treated as ignore_index, so nothing outside the row is read.
+// the block; the second overwrites the row with scale * (exp(x - lse) - onehot). All in fp32; a
+// label outside [0, V) (value checks off) is treated as ignore_index, so nothing outside the row
+// is read.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
