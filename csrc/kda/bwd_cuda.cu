@@ -7,8 +7,9 @@
 // outputs in the op's dtypes.
 //   chunk_bwd_kernel           the generic family: kda_chunk.h's chunk_bwd on the block team
 //   bwd_dense_bf16_kernel      the bf16 family, dense part: every product an mma.sync
-//   bwd_pairs_diag_kernel      the bf16 family, pairs inside the diagonal 16 x 16 blocks
-//   bwd_pairs_offdiag_kernel   the bf16 family, pairs across blocks and the reverse cumsum
+//   bwd_pairs_kernel           the bf16 family, pair part: the pairs across the 16 x 16 blocks
+//                              (mma.sync) and inside the diagonal ones, the reverse cumsum, the
+//                              final gradients where HV == H
 //   finish_grads_kernel        the finishing pass, a warp per (token, head task)
 #include <c10/cuda/CUDAGuard.h>
 
@@ -71,8 +72,9 @@ struct BwdDenseBf16 {
 
 template <int kK, typename T>
 __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
-    bwd_dense_bf16_kernel(Seqs sq_, int64_t HV, int V, Intra<__nv_bfloat16> in, const float* __restrict__ starts,
-                          const float* __restrict__ dends, const __nv_bfloat16* __restrict__ dOs, RawIn<T> raw,
+    bwd_dense_bf16_kernel(Seqs sq_, int64_t HV, int V, Intra<__nv_bfloat16> in,
+                          const __nv_bfloat16* __restrict__ starts, const __nv_bfloat16* __restrict__ dends,
+                          const __nv_bfloat16* __restrict__ dOs, RawIn<T> raw,
                           BwdWork<float> w, T* dv) {
   using bf16 = __nv_bfloat16;
   using Z = BwdDenseBf16<kK>;
@@ -106,11 +108,13 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
     beta_rows[hh] = t < L ? raw.beta_at((t0 + t) * HV + hv) : 0.f;
   }
 
-  // The chunk's terms and dO (rows from L on zero) by bulk copies; the states (and sum_j dS1 S0
-  // per row, in fp32) rounded to bf16 meanwhile.
+  // The chunk's terms, dO (rows from L on zero) and the states by bulk copies; then sum_j dS1 S0
+  // per row (fp32 sums of the bf16 operands), a warp per kK / 8 rows.
   const auto rows = [&](const bf16* base, int64_t ld) {
     return [=](int r) { return r < L ? base + r * ld : nullptr; };
   };
+  mma::gather_rows(sS0, kLd, kK, V, V, [=](int r) { return starts + state + r * V; });
+  mma::gather_rows(sdS1, kLd, kK, V, V, [=](int r) { return dends + state + r * V; });
   mma::gather_rows(sW, kLd, kChunk, kK, kK, rows(in.W + row0 * kK, kK));
   mma::gather_rows(sKd, kLd, kChunk, kK, kK, rows(in.Kd + row0 * kK, kK));
   mma::gather_rows(sUt, kLd, kChunk, V, V, rows(in.Ut + row0 * V, V));
@@ -118,30 +122,18 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   mma::gather_rows(sMinv, kLdC, kChunk, kChunk, kChunk, rows(in.Minv + row0 * kChunk, kChunk));
   mma::gather_rows(sdO, kLd, kChunk, V, V, rows(dOs + (t0 * HV + hv) * V, ldv));
   mma::cp_async_commit();
-  constexpr int kRowsPerWarp = kK / (Z::kThreads / 32), kBatch = 4;
-  for (int c0 = warp * kRowsPerWarp; c0 < (warp + 1) * kRowsPerWarp; c0 += kBatch) {
-    float4 a[kBatch], b[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const bool in_row = lane * 4 < V;
-      a[j] = in_row ? __ldg(reinterpret_cast<const float4*>(starts + state + (c0 + j) * V + lane * 4)) : float4{};
-      b[j] = in_row ? __ldg(reinterpret_cast<const float4*>(dends + state + (c0 + j) * V + lane * 4)) : float4{};
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int c = c0 + j;
-      if (lane * 4 < V) {
-        *reinterpret_cast<uint2*>(sS0 + c * kLd + lane * 4) =
-            make_uint2(mma::pack2<bf16>(a[j].x, a[j].y), mma::pack2<bf16>(a[j].z, a[j].w));
-        *reinterpret_cast<uint2*>(sdS1 + c * kLd + lane * 4) =
-            make_uint2(mma::pack2<bf16>(b[j].x, b[j].y), mma::pack2<bf16>(b[j].z, b[j].w));
-      }
-      const float dot = warp_reduce(a[j].x * b[j].x + a[j].y * b[j].y + a[j].z * b[j].z + a[j].w * b[j].w, SumOp{});
-      if (lane == 0) w.last[gc + c] = dot;
-    }
-  }
   mma::cp_async_wait<0>();
   __syncthreads();
+  for (int c = warp * (kK / 8); c < (warp + 1) * (kK / 8); ++c) {
+    float dot = 0.f;
+    for (int j = 2 * lane; j < V; j += 64) {
+      const float2 a = mma::unpack2<bf16>(*reinterpret_cast<const uint32_t*>(sS0 + c * kLd + j));
+      const float2 b = mma::unpack2<bf16>(*reinterpret_cast<const uint32_t*>(sdS1 + c * kLd + j));
+      dot += a.x * b.x + a.y * b.y;
+    }
+    dot = warp_reduce(dot, SumOp{});
+    if (lane == 0) w.last[gc + c] = dot;
+  }
 
   float acc[8][4] = {};
   {  // U = Ut - W S0, dU = Aqk^T (scale dO) + Kd dS1 (rows from L on are zero in both)
@@ -227,15 +219,17 @@ struct Chunk16 {
   }
 };
 
-// bwd_pairs_diag_kernel's results for the rows i < n (up to 16) of one channel of a diagonal
-// block (element i at at + i ld), the loads of kGroup rows issued together. ra[i] is replaced by
-// row i's term of dbeta, ZW k exp(G) (its registers are free then); the return value is the
-// channel's term of G_last's extra gradient over these rows, sum Kd dKd.
+// bwd_pairs_kernel's diagonal-block results for the rows i < n (up to 16) of one channel: the
+// terms from dQg, dKd and ZW (element i at at + i ld, the loads of kGroup rows issued together)
+// with the block's pairs (ra, rq, cl), added to the staged terms of dq, dk, dg (element i at
+// i lds). ra[i] is replaced by row i's term of dbeta, ZW k exp(G) (its registers are free then);
+// the return value is the channel's term of G_last's extra gradient over these rows, sum Kd dKd.
 template <typename QN>
 __device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const float* beta, float gl,
                                                 const float (&kn)[16], QN qn, const float (&G)[16],
                                                 float (&ra)[16], const float (&rq)[16], const float (&cl)[16],
-                                                const float* zw, float* dq, float* dk, float* dg) {
+                                                const float* zw, const float* dqg_in, const float* dkd_in,
+                                                float* sq, float* sk, float* sg, int lds) {
   constexpr int kGroup = 2;
   float last = 0.f;
 #pragma unroll
@@ -244,8 +238,8 @@ __device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       const int64_t e = at + (i0 + i) * ld;
-      dqg[i] = i0 + i < n ? dq[e] : 0.f;
-      dkd[i] = i0 + i < n ? dk[e] : 0.f;
+      dqg[i] = i0 + i < n ? __ldg(dqg_in + e) : 0.f;
+      dkd[i] = i0 + i < n ? __ldg(dkd_in + e) : 0.f;
       z[i] = i0 + i < n ? __ldg(zw + e) : 0.f;
     }
 #pragma unroll
@@ -254,12 +248,10 @@ __device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const
       const float eg = exp2_ftz(G[i]), ed = exp2_ftz(gl - G[i]), zg = z[j] * eg;
       last += kn[i] * ed * dkd[j];
       if (i < n) {
-        const int64_t e = at + i * ld;
-        const float bz = beta[i] * zg;
-        dq[e] = dqg[j] * eg + rq[i];
-        dk[e] = dkd[j] * ed + ra[i] + cl[i] + bz;
-        const float qi = qn(i);
-        dg[e] = dqg[j] * qi * eg - dkd[j] * kn[i] * ed + kn[i] * (ra[i] - cl[i] + bz) + qi * rq[i];
+        const float bz = beta[i] * zg, qi = qn(i);
+        sq[i * lds] += dqg[j] * eg + rq[i];
+        sk[i * lds] += dkd[j] * ed + ra[i] + cl[i] + bz;
+        sg[i * lds] += dqg[j] * qi * eg - dkd[j] * kn[i] * ed + kn[i] * (ra[i] - cl[i] + bz) + qi * rq[i];
       }
       ra[i] = zg * kn[i];
     }
@@ -267,124 +259,35 @@ __device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const
   return last;
 }
 
-// chunk_bwd_pairs in bf16-product mode (bf16 / fp16 inputs, K 64 or 128), part 1 of 2, after
-// bwd_dense_bf16_kernel: dbeta's other terms, G_last's extra gradient into w.last, and per element
-// (t, c) the terms from dQg, dKd and ZW and the pairs inside the diagonal 16 x 16 blocks. A thread
-// per (channel, diagonal block) walks the block's 136 pairs once, each pair's exp serving the row
-// terms of t and the column term of s; the sums over channels and rows (dbeta, w.last) go
-// through shared memory. dq, dk, dg into w (over dQg, dKd); part 2
-// (bwd_pairs_offdiag_kernel) adds the pairs across blocks and the reverse cumsum.
+// chunk_bwd_pairs in bf16-product mode (bf16 / fp16 inputs, K 64 or 128), after
+// bwd_dense_bf16_kernel: the gradients of A and Aqk back to q, k and the cumulative log-decay G,
+// with the terms from dQg, dKd and ZW, dbeta's other terms and dg's reverse cumsum; one block of
+// 8 warps per (chunk, value head). The per-element terms of dq, dk, dg gather in fp32 in shared
+// memory from two parts:
+//   across blocks    mma.sync on bf16 tiles, the operands scaled to one reference row per warp as
+//                    in the intra kernel; warp w owns the rows of block b = w % 4 and half of the
+//                    columns. Row terms (b >= 1, r = 16 b): exp(G_t - G_r) times (dA Ks_r,
+//                    dAqk Ks_r) with Ks_r = k_s exp(G_r - G_s) over s < r. Column terms (b <= 2,
+//                    r' = 16 b + 16): exp(G_r' - G_s) times (dA^T kE_r' + dAqk^T qE_r') over the
+//                    rows t >= r', kE_r', qE_r' = k_t, q_t exp(G_t - G_r'). Every factor is at
+//                    most 1.
+//   inside the       a thread per (channel, diagonal block) walks the block's 136 pairs once
+//   diagonal blocks  (fp32), each pair's exp serving the row terms of t and the column term of s;
+//                    the sums over channels and rows (dbeta, G_last's extra gradient) go through
+//                    shared memory.
+// Then dg's reverse cumsum and the outputs: the final gradients where HV == H (through the
+// in-kernel gate, beta and the normalisation), else head-major into w for the finishing pass.
 template <int kK, typename T>
-struct PairsDiag {
-  using C = ChunkTiles16<kK, T>;
-  static constexpr size_t bytes() { return C::bytes() + 4 * (2 * kChunk * kChunk + kChunk + kK); }
-};
-
-template <int kK, typename T>
-__global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 2)
-    bwd_pairs_diag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, const float* __restrict__ A, BwdWork<float> w,
-                          GradOut out) {
-  using C = ChunkTiles16<kK, T>;
-  constexpr int kLdK = C::kLdK, kLdG = C::kLdG;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Chunk16<kK, T> ch;
-  if (!ch.begin(sq_, H, HV, in, smem_raw)) return;
-  const C& ct = ch.ct;
-  const int L = ch.L;
-  const int64_t row0 = ch.row0, gc = ch.gc;
-  const T *sq = ct.q, *sk = ct.k;
-  const float *sG = ct.G, *sbeta = ct.beta, *srq = ct.rq, *srk = ct.rk;
-  float* sdA = reinterpret_cast<float*>(ch.rest);  // [kChunk, kChunk]: beta_t dA_ts
-  float* sdAqk = sdA + kChunk * kChunk;            // [kChunk, kChunk]
-  float* sdb = sdAqk + kChunk * kChunk;            // [kChunk]: dbeta's terms here
-  float* slast = sdb + kChunk;                     // [kK]: sum_t Kd dKd
-  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const float* Gl = sG + (L - 1) * kLdG;
-  if (tid < kChunk) sdb[tid] = 0.f;
-  if (tid < kK) slast[tid] = 0.f;
-  __syncthreads();
-
-  {  // dA (times beta_t) and dAqk staged; dbeta_t += sum_{s<t} dA A (iteration j: rows warp / 2 + 4 j)
-    constexpr int kIters = kChunk * kChunk / C::kThreads;
-    static_assert(kIters == 16, "a transposed sum over 16 rows");
-#pragma unroll 8
-    for (int j = 0; j < kIters; ++j) {
-      const int i = tid + j * C::kThreads, t = i / kChunk;
-      sdA[i] = t < L ? sbeta[t] * __ldg(w.dA + row0 * kChunk + i) : 0.f;
-      sdAqk[i] = t < L ? __ldg(w.dAqk + row0 * kChunk + i) : 0.f;
-    }
-    float da_a[kIters];
-#pragma unroll
-    for (int j = 0; j < kIters; ++j) {
-      const int i = tid + j * C::kThreads, t = i / kChunk;
-      da_a[j] = t < L ? __ldg(w.dA + row0 * kChunk + i) * __ldg(A + row0 * kChunk + i) : 0.f;
-    }
-    const float sum = warp_sum_transposed(da_a);
-    if (lane < kIters) atomicAdd(sdb + warp / 2 + 4 * lane, sum);
-  }
-  __syncthreads();
-
-  // Per (channel, diagonal block), a warp sharing its block: the block's pairs, then the outputs,
-  // dbeta's ZW k exp(G) summed over the warp's channels, sum_t Kd dKd over the block's rows.
-  for (int task = tid; task < 4 * kK; task += C::kThreads) {
-    const int c = task % kK, b0 = task / kK * 16;
-    if (b0 >= L) continue;
-    // q's normalised row i of the block, from shared memory where needed (not held in registers)
-    const auto qn = [&](int i) { return to_float(sq[(b0 + i) * kLdK + c]) * srq[b0 + i]; };
-    float kn[16], G[16], ra[16], rq[16], cl[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      kn[i] = to_float(sk[(b0 + i) * kLdK + c]) * srk[b0 + i];
-      G[i] = sG[(b0 + i) * kLdG + c];
-      ra[i] = rq[i] = cl[i] = 0.f;
-    }
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {
-      const float qt = qn(t);
-#pragma unroll
-      for (int s = 0; s <= t; ++s) {
-        const float e = exp2_ftz(G[t] - G[s]), x = kn[s] * e;
-        const float da = sdA[(b0 + t) * kChunk + b0 + s], dq = sdAqk[(b0 + t) * kChunk + b0 + s];
-        ra[t] += da * x;
-        rq[t] += dq * x;
-        cl[s] += (da * kn[t] + dq * qt) * e;
-      }
-    }
-    const float last = pairs_diag_out(L - b0, (row0 + b0) * kK + c, kK, sbeta + b0, Gl[c], kn, qn, G, ra, rq, cl,
-                                      w.ZW, w.dq, w.dk, w.dg);
-    atomicAdd(slast + c, last);
-    const float zsum = warp_sum_transposed(ra);  // dbeta's terms now
-    if (lane < 16) atomicAdd(sdb + b0 + lane, zsum);
-  }
-  __syncthreads();
-  if (tid < L) {  // w.r.t. the raw beta where its sigmoid is in the kernel
-    const float db = in.gate.beta_grad(w.dbeta[row0 + tid] + sdb[tid], sbeta[tid]);
-    if (out.dbeta != nullptr) {
-      store_elem(out.dbeta, (ch.t0 + tid) * HV + blockIdx.y, db, out.eb);
-    } else {
-      w.dbeta[row0 + tid] = db;
-    }
-  }
-  if (tid < kK) w.last[gc + tid] = w.last[gc + tid] * exp2_ftz(Gl[tid]) + slast[tid];
-}
-
-// Part 2 of 2: the pairs across diagonal blocks as mma.sync products on bf16 tiles, the operands
-// scaled to one reference row per warp as in the intra kernel. Warp w owns the rows of block
-// b = w % 4 and half of the columns. Row terms (b >= 1, r = 16 b): exp(G_t - G_r) times
-// (dA Ks_r, dAqk Ks_r) with Ks_r = k_s exp(G_r - G_s) over s < r. Column terms (b <= 2, r' = 16 b
-// + 16): exp(G_r' - G_s) times (dA^T kE_r' + dAqk^T qE_r') over the rows t >= r', kE_r', qE_r' =
-// k_t, q_t exp(G_t - G_r'). Every factor is at most 1. The terms are staged in shared memory (over
-// the spent operands), then one pass adds them to dq, dk, dg and takes dg's reverse cumsum from
-// w.last.
-template <int kK, typename T>
-struct PairsOffdiag {
+struct Pairs {
   using C = ChunkTiles16<kK, T>;
   static constexpr int kLdK = C::kLdK, kLdC = kChunk + 8, kLdS = kK + 8;
   // Ks_16, Ks_32, Ks_48 (16, 32, 48 rows) and kE_16, kE_32, kE_48 (48, 32, 16 rows): 96 rows each.
   static constexpr int kSlabRows = 96;
   static constexpr size_t kOperands = 2 * (2 * kChunk * kLdC + 3 * kSlabRows * kLdK);
-  static constexpr size_t kStaging = 4 * 3 * kChunk * kLdS;  // the dq, dk, dg terms in fp32
-  static constexpr size_t bytes() { return C::bytes() + (kOperands > kStaging ? kOperands : kStaging); }
+  static constexpr size_t kStaging = 4 * 3 * kChunk * kLdS;  // the dq, dk, dg terms, over the operands
+  static constexpr size_t kRegion = kOperands > kStaging ? kOperands : kStaging;
+  // then beta_t dA and dAqk in fp32 [kChunk, kChunk] each, dbeta's terms [kChunk], G_last's [kK]
+  static constexpr size_t bytes() { return C::bytes() + kRegion + 4 * (2 * kChunk * kChunk + kChunk + kK); }
   // First row of slab j (reference row 16 j + 16) among the Ks and the kE / qE rows.
   __device__ static int ks_row(int j) { return j == 0 ? 0 : j == 1 ? 16 : 48; }
   __device__ static int e_row(int j) { return j == 0 ? 0 : j == 1 ? 48 : 80; }
@@ -392,10 +295,11 @@ struct PairsOffdiag {
 
 template <int kK, typename T>
 __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
-    bwd_pairs_offdiag_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, BwdWork<float> w, GradOut out) {
+    bwd_pairs_kernel(Seqs sq_, int64_t H, int64_t HV, RawIn<T> in, const float* __restrict__ A, BwdWork<float> w,
+                     GradOut out) {
   using bf16 = __nv_bfloat16;
   using C = ChunkTiles16<kK, T>;
-  using Z = PairsOffdiag<kK, T>;
+  using Z = Pairs<kK, T>;
   constexpr int kLdK = C::kLdK, kLdG = C::kLdG, kLdC = Z::kLdC, kLdS = Z::kLdS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Chunk16<kK, T> ch;
@@ -411,17 +315,26 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   float* sSq = reinterpret_cast<float*>(ch.rest);  // [kChunk, kLdS] each, over the operands
   float* sSk = sSq + kChunk * kLdS;
   float* sSg = sSk + kChunk * kLdS;
+  float* fdA = reinterpret_cast<float*>(ch.rest + Z::kRegion);  // [kChunk, kChunk]: beta_t dA_ts
+  float* fdAqk = fdA + kChunk * kChunk;                          // [kChunk, kChunk]
+  float* sdb = fdAqk + kChunk * kChunk;                          // [kChunk]: dbeta's terms here
+  float* slast = sdb + kChunk;                                   // [kK]: sum_t Kd dKd, then G_last's gradient
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const auto kn = [&](int t, int c) { return to_float(ct.k[t * kLdK + c]) * ct.rk[t]; };
   const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
   const auto G = [&](int t, int c) { return ct.G[t * kLdG + c]; };
+  if (tid < kChunk) sdb[tid] = 0.f;
+  if (tid < kK) slast[tid] = 0.f;
 
+  // dA (times beta_t) and dAqk in fp32 and as bf16 operands; the operand slabs.
 #pragma unroll 8
   for (int i = tid; i < kChunk * kChunk / 2; i += C::kThreads) {
     const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
     const float b = t < L ? ct.beta[t] : 0.f;
     const float2 da = t < L ? __ldg(reinterpret_cast<const float2*>(w.dA + (row0 + t) * kChunk + s)) : float2{};
     const float2 dq = t < L ? __ldg(reinterpret_cast<const float2*>(w.dAqk + (row0 + t) * kChunk + s)) : float2{};
+    *reinterpret_cast<float2*>(fdA + t * kChunk + s) = make_float2(b * da.x, b * da.y);
+    *reinterpret_cast<float2*>(fdAqk + t * kChunk + s) = dq;
     mma::store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
     mma::store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
   }
@@ -439,76 +352,122 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     }
   }
   __syncthreads();
+  {  // dbeta_t += sum_{s<t} dA A (iteration j: rows warp / 2 + 4 j)
+    constexpr int kIters = kChunk * kChunk / C::kThreads;
+    static_assert(kIters == 16, "a transposed sum over 16 rows");
+    float da_a[kIters];
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int i = tid + j * C::kThreads, t = i / kChunk;
+      da_a[j] = t < L ? __ldg(w.dA + row0 * kChunk + i) * __ldg(A + row0 * kChunk + i) : 0.f;
+    }
+    const float sum = warp_sum_transposed(da_a);
+    if (lane < kIters) atomicAdd(sdb + warp / 2 + 4 * lane, sum);
+  }
 
-  const int rt = warp % 4, n0 = warp / 4 * kK / 2;
-  float ya[8][4] = {}, yq[8][4] = {}, x[8][4] = {};
-  if (rt >= 1) {  // block rt's rows from the keys before it
-    const bf16* Ks = sKs + Z::ks_row(rt - 1) * kLdK;
-    warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
-    warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
-  }
-  if (rt <= 2) {  // block rt's rows as keys of the later rows (operand rows t - r' + e_row)
-    const int off = (Z::e_row(rt) - 16 * (rt + 1)) * kLdK;
-    warp_tile_product<true, false>(x, sdA, kLdC, skE + off, kLdK, rt, n0, kK, rt + 1, 4);
-    warp_tile_product<true, false>(x, sdAqk, kLdC, sqE + off, kLdK, rt, n0, kK, rt + 1, 4);
-  }
-  __syncthreads();  // the operands are spent: the staging goes over them
+  // Across blocks.
+  {
+    const int rt = warp % 4, n0 = warp / 4 * kK / 2;
+    float ya[8][4] = {}, yq[8][4] = {}, x[8][4] = {};
+    if (rt >= 1) {  // block rt's rows from the keys before it
+      const bf16* Ks = sKs + Z::ks_row(rt - 1) * kLdK;
+      warp_tile_product<false, false>(ya, sdA, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
+      warp_tile_product<false, false>(yq, sdAqk, kLdC, Ks, kLdK, rt, n0, kK, 0, rt);
+    }
+    if (rt <= 2) {  // block rt's rows as keys of the later rows (operand rows t - r' + e_row)
+      const int off = (Z::e_row(rt) - 16 * (rt + 1)) * kLdK;
+      warp_tile_product<true, false>(x, sdA, kLdC, skE + off, kLdK, rt, n0, kK, rt + 1, 4);
+      warp_tile_product<true, false>(x, sdAqk, kLdC, sqE + off, kLdK, rt, n0, kK, rt + 1, 4);
+    }
+    __syncthreads();  // the operands are spent: the staging goes over them
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    if (n < kK / 16) {
+    for (int n = 0; n < 8; ++n) {
+      if (n < kK / 16) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = 16 * rt + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
-        const float fr = rt >= 1 ? exp2_ftz(G(t, c) - G(16 * rt, c)) : 0.f;
-        const float fc = rt <= 2 ? exp2_ftz(G(16 * rt + 16, c) - G(t, c)) : 0.f;
-        const float pa = fr * ya[n][e], pq = fr * yq[n][e], pc = fc * x[n][e];
-        sSq[t * kLdS + c] = pq;
-        sSk[t * kLdS + c] = pa + pc;
-        sSg[t * kLdS + c] = kn(t, c) * (pa - pc) + qn(t, c) * pq;
+        for (int e = 0; e < 4; ++e) {
+          const int t = 16 * rt + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
+          const float fr = rt >= 1 ? exp2_ftz(G(t, c) - G(16 * rt, c)) : 0.f;
+          const float fc = rt <= 2 ? exp2_ftz(G(16 * rt + 16, c) - G(t, c)) : 0.f;
+          const float pa = fr * ya[n][e], pq = fr * yq[n][e], pc = fc * x[n][e];
+          sSq[t * kLdS + c] = pq;
+          sSk[t * kLdS + c] = pa + pc;
+          sSg[t * kLdS + c] = kn(t, c) * (pa - pc) + qn(t, c) * pq;
+        }
       }
     }
   }
   __syncthreads();
 
-  // dq, dk, dg += the staged terms, then dg's reverse cumsum: a thread per channel and part of
-  // the rows, each part's old values loaded together.
-  constexpr int kParts = C::kThreads / kK, kRows = kChunk / kParts;
-  const int c = tid % kK, p0 = tid / kK;
-  float old[kRows];
-  const auto add_staged = [&](float* d, const float* st) {
+  // Inside the diagonal blocks, per (channel, block), a warp sharing its block: the block's pairs,
+  // then the terms into the staging, dbeta's ZW k exp(G) summed over the warp's channels, sum_t Kd
+  // dKd over the block's rows.
+  const float* Gl = ct.G + (L - 1) * kLdG;
+  for (int task = tid; task < 4 * kK; task += C::kThreads) {
+    const int c = task % kK, b0 = task / kK * 16;
+    if (b0 >= L) continue;
+    // q's normalised row i of the block, from shared memory where needed (not held in registers)
+    const auto qrow = [&](int i) { return qn(b0 + i, c); };
+    float kr[16], Gr[16], ra[16], rq[16], cl[16];
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int t = p0 * kRows + i;
-      old[i] = t < L ? d[(row0 + t) * kK + c] : 0.f;
+    for (int i = 0; i < 16; ++i) {
+      kr[i] = kn(b0 + i, c);
+      Gr[i] = G(b0 + i, c);
+      ra[i] = rq[i] = cl[i] = 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) old[i] += st[(p0 * kRows + i) * kLdS + c];
-  };
-  const bool direct = out.dq != nullptr;
-  for (int which = 0; which < 2; ++which) {
-    float* d = which == 0 ? w.dq : w.dk;
-    float* st = which == 0 ? sSq : sSk;
-    add_staged(d, st);
+    for (int t = 0; t < 16; ++t) {
+      const float qt = qrow(t);
 #pragma unroll
+      for (int s = 0; s <= t; ++s) {
+        const float e = exp2_ftz(Gr[t] - Gr[s]), xs = kr[s] * e;
+        const float da = fdA[(b0 + t) * kChunk + b0 + s], dq = fdAqk[(b0 + t) * kChunk + b0 + s];
+        ra[t] += da * xs;
+        rq[t] += dq * xs;
+        cl[s] += (da * kr[t] + dq * qt) * e;
+      }
+    }
+    const int at = b0 * kLdS + c;
+    const float last = pairs_diag_out(L - b0, (row0 + b0) * kK + c, kK, ct.beta + b0, Gl[c], kr, qrow, Gr, ra, rq,
+                                      cl, w.ZW, w.dq, w.dk, sSq + at, sSk + at, sSg + at, kLdS);
+    atomicAdd(slast + c, last);
+    const float zsum = warp_sum_transposed(ra);  // dbeta's terms now
+    if (lane < 16) atomicAdd(sdb + b0 + lane, zsum);
+  }
+  __syncthreads();
+  if (tid < L) {  // w.r.t. the raw beta where its sigmoid is in the kernel
+    const float db = in.gate.beta_grad(w.dbeta[row0 + tid] + sdb[tid], ct.beta[tid]);
+    if (out.dbeta != nullptr) {
+      store_elem(out.dbeta, (ch.t0 + tid) * HV + blockIdx.y, db, out.eb);
+    } else {
+      w.dbeta[row0 + tid] = db;
+    }
+  }
+  if (tid < kK) slast[tid] = w.last[gc + tid] * exp2_ftz(Gl[tid]) + slast[tid];  // G_last's extra gradient
+
+  // dq, dk out (head-major) where the finishing pass takes them; dg's reverse cumsum: a thread per
+  // channel and part of the rows.
+  constexpr int kParts = C::kThreads / kK, kRows = kChunk / kParts;
+  const int c = tid % kK, p0 = tid / kK;
+  const bool direct = out.dq != nullptr;
+  if (!direct) {
     for (int i = 0; i < kRows; ++i) {
       const int t = p0 * kRows + i;
-      if (direct) {
-        st[t * kLdS + c] = old[i];  // the normalisation's pass below takes them from here
-      } else if (t < L) {
-        d[(row0 + t) * kK + c] = old[i];
+      if (t < L) {
+        w.dq[(row0 + t) * kK + c] = sSq[t * kLdS + c];
+        w.dk[(row0 + t) * kK + c] = sSk[t * kLdS + c];
       }
     }
   }
-  add_staged(w.dg, sSg);
+  float old[kRows];
   float run = 0.f;
 #pragma unroll
   for (int i = kRows - 1; i >= 0; --i) {
-    run += old[i];
+    run += sSg[(p0 * kRows + i) * kLdS + c];
     old[i] = run;
   }
   ct.part[p0 * kK + c] = run;
   __syncthreads();
-  float base = w.last[gc + c];
+  float base = slast[c];
   for (int p = p0 + 1; p < kParts; ++p) base += ct.part[p * kK + c];
   const GateIn& gate = in.gate;
 #pragma unroll
@@ -674,8 +633,8 @@ void run_chunk_bwd(const Problem& p, const Inputs& in, const Launch& l, const In
 
 template <int kK, typename T>
 void run_chunk_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l,
-                        const Intra<__nv_bfloat16>& intra, const float* starts, const float* dends,
-                        const at::Tensor& dOs, Grads& gr) {
+                        const Intra<__nv_bfloat16>& intra, const __nv_bfloat16* starts,
+                        const __nv_bfloat16* dends, const at::Tensor& dOs, Grads& gr) {
   using bf16 = __nv_bfloat16;
   const int64_t rows = p.HV * l.seqs.tokens;
   if (rows == 0 || l.seqs.slots == 0) return;
@@ -705,15 +664,10 @@ void run_chunk_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const 
       l.seqs, p.HV, static_cast<int>(p.V), intra, starts, dends, static_cast<const bf16*>(dOs.data_ptr()), ri, w,
       static_cast<T*>(gr.dv.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const auto diag = bwd_pairs_diag_kernel<kK, T>;
-  set_smem(diag, PairsDiag<kK, T>::bytes());
-  diag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsDiag<kK, T>::bytes(), l.stream>>>(
-      l.seqs, p.H, p.HV, ri, intra.A, w, direct ? out : GradOut{});
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const auto offdiag = bwd_pairs_offdiag_kernel<kK, T>;
-  set_smem(offdiag, PairsOffdiag<kK, T>::bytes());
-  offdiag<<<grid, ChunkTiles16<kK, T>::kThreads, PairsOffdiag<kK, T>::bytes(), l.stream>>>(
-      l.seqs, p.H, p.HV, ri, w, direct ? out : GradOut{});
+  const auto pairs = bwd_pairs_kernel<kK, T>;
+  set_smem(pairs, Pairs<kK, T>::bytes());
+  pairs<<<grid, ChunkTiles16<kK, T>::kThreads, Pairs<kK, T>::bytes(), l.stream>>>(l.seqs, p.H, p.HV, ri, intra.A, w,
+                                                                                   direct ? out : GradOut{});
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (!direct) run_finish(p, l, w.dq, w.dk, w.dg, w.dbeta, raw.q, raw.k, l2norm, out);
   if (p.gate.on()) {
@@ -724,8 +678,8 @@ void run_chunk_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const 
 
 #define KDA_CHUNK_BWD_BF16(K, T)                                                                                  \
   template void run_chunk_bwd_bf16<K, T>(const Problem&, const Inputs&, bool, const Launch&,                     \
-                                         const Intra<__nv_bfloat16>&, const float*, const float*, const at::Tensor&, \
-                                         Grads&);
+                                         const Intra<__nv_bfloat16>&, const __nv_bfloat16*, const __nv_bfloat16*,   \
+                                         const at::Tensor&, Grads&);
 KDA_CHUNK_BWD_BF16(64, __nv_bfloat16)
 KDA_CHUNK_BWD_BF16(128, __nv_bfloat16)
 KDA_CHUNK_BWD_BF16(64, __half)

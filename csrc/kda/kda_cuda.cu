@@ -86,14 +86,17 @@ void run_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch
                   const float* dht, Grads& gr) {
   std::vector<at::Tensor> keep;
   const Intra<__nv_bfloat16> intra = run_intra_bf16<kK, T>(p, raw, l2norm, l, true, keep);
+  using bf16 = __nv_bfloat16;
   const at::Tensor starts =
-      at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * kK * p.V)}, raw.q.options().dtype(at::kFloat));
+      at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * kK * p.V)}, raw.q.options().dtype(at::kBFloat16));
   const at::Tensor dends = at::empty_like(starts);
+  bf16* s0 = static_cast<bf16*>(starts.data_ptr());
+  bf16* ds1 = static_cast<bf16*>(dends.data_ptr());
   if (p.N > 0) {
-    run_state_fwd_bf16<kK, float>(p, l, intra, raw, nullptr, nullptr, starts.data_ptr<float>());
-    run_state_bwd_bf16<kK>(p, l, intra, dOs, dht, dends.data_ptr<float>(), gr.dinitial_state.data_ptr<float>());
+    run_state_fwd_bf16<kK, float>(p, l, intra, raw, nullptr, nullptr, s0);
+    run_state_bwd_bf16<kK>(p, l, intra, dOs, dht, ds1, gr.dinitial_state.data_ptr<float>());
   }
-  run_chunk_bwd_bf16<kK, T>(p, raw, l2norm, l, intra, starts.data_ptr<float>(), dends.data_ptr<float>(), dOs, gr);
+  run_chunk_bwd_bf16<kK, T>(p, raw, l2norm, l, intra, s0, ds1, dOs, gr);
 }
 
 // The inputs as the bf16 kernels take them: contiguous, with 16-byte aligned rows for their bulk

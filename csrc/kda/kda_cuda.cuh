@@ -374,19 +374,20 @@ void run_chunk_bwd(const Problem& p, const Inputs& in, const Launch& l, const In
 template <int kK, typename T>
 Intra<__nv_bfloat16> run_intra_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l, bool for_bwd,
                                     std::vector<at::Tensor>& keep);
-// Forward state passing on bf16 terms (o in O, ht, starts each may be nullptr).
+// Forward state passing on bf16 terms (o in O, ht, starts each may be nullptr); the start states
+// in bf16, the operand the chunk backward takes.
 template <int kK, typename O>
 void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const Inputs& raw, O* o,
-                        float* ht, float* starts);
-// Backward state passing on bf16 terms, dOs = scale dO in bf16.
+                        float* ht, __nv_bfloat16* starts);
+// Backward state passing on bf16 terms, dOs = scale dO in bf16; dends in bf16.
 template <int kK>
 void run_state_bwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const at::Tensor& dOs,
-                        const float* dht, float* dends, float* dh0);
+                        const float* dht, __nv_bfloat16* dends, float* dh0);
 // Every gradient of every chunk from the bf16 terms: the final gradients where HV == H, else
 // through the finishing pass.
 template <int kK, typename T>
 void run_chunk_bwd_bf16(const Problem& p, const Inputs& raw, bool l2norm, const Launch& l,
-                        const Intra<__nv_bfloat16>& intra, const float* starts, const float* dends,
-                        const at::Tensor& dOs, Grads& gr);
+                        const Intra<__nv_bfloat16>& intra, const __nv_bfloat16* starts,
+                        const __nv_bfloat16* dends, const at::Tensor& dOs, Grads& gr);
 
 }  // namespace kda_dsa_ops::kda

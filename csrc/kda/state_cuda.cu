@@ -209,6 +209,22 @@ struct Bf16State {
       for (int r = 0; r < 4; ++r) m[srow(r) * V + j0 + scol(j, r)] = S[j][r];
     }
   }
+  // A chunk's start state (or its end state's gradient) for the chunk backward, in the terms' type:
+  // fp32 from the registers (save_early, before the chunk's products), or bf16 as round_state left
+  // it in bS (save_rounded, after the barrier that follows round_state): the operand the chunk
+  // backward takes, written in whole 16-byte rows.
+  __device__ void save_early(const float (&S)[kSTiles][4], Ws* m, int64_t V, int j0) const {
+    if constexpr (kStaged) store_state(S, m, V, j0);
+  }
+  __device__ void save_rounded(Ws* m, int64_t V, int j0) const {
+    if constexpr (!kStaged) {
+      if (m == nullptr) return;
+      for (int i = threadIdx.x; i < kK * (kCols / 8); i += kThreads) {
+        const int r = i / (kCols / 8), c = i % (kCols / 8) * 8;
+        *reinterpret_cast<uint4*>(m + r * V + j0 + c) = *reinterpret_cast<const uint4*>(bS + r * kLdC + c);
+      }
+    }
+  }
 
   // The chunk at workspace row `row` (L steps): into the staging area (kStaged) or into tile set
   // s; X's rows (Ut or dO, 64 columns) at x + t * ldx.
@@ -323,7 +339,7 @@ struct Bf16State {
 template <int kK, typename Ws, typename O>
 __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_kernel(
     Seqs sq_, Sizes<float> z, float scale, Intra<Ws> in, const float* __restrict__ h0, O* o, float* ht,
-    float* starts) {
+    Ws* starts) {
   using F = Bf16State<kK, Ws>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const F sm(smem_raw);
@@ -347,7 +363,8 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     // this chunk's marks of the tile's columns (the forward's), read early: nullptr unless it is not clean
     const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (V + 1) : nullptr;
     const unsigned char* mark = marks != nullptr && marks[V] < L ? marks + st.j0 : nullptr;
-    sm.store_state(S, starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr, V, st.j0);
+    Ws* start = starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr;
+    sm.save_early(S, start, V, st.j0);
     mma::cp_async_wait<0>();
     __syncthreads();
     const typename F::Tiles cur = sm.set(static_cast<int>(i % 2));
@@ -368,6 +385,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
       }
     }
     __syncthreads();  // the staging area is free, the bf16 tiles are complete
+    sm.save_rounded(start, V, st.j0);
     stage(i + 1);
     sm.template mul_u<false>(u, cur.W, F::kLdK, sm.bS, 0, kK / 16);
     sm.template mul_u<false>(acc_o, cur.Q, F::kLdK, sm.bS, 0, kK / 16);
@@ -413,7 +431,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
 template <int kK, typename Ws>
 __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_kernel(
     Seqs sq_, Sizes<float> z, float scale, Intra<Ws> in, const Ws* __restrict__ dO, const float* __restrict__ dht,
-    float* dends, float* dh0) {
+    Ws* dends, float* dh0) {
   using F = Bf16State<kK, Ws>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const F sm(smem_raw);
@@ -437,7 +455,8 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
       stage(i - 1);  // keep one staged chunk in flight, as the generic kernel skips this one
       continue;
     }
-    sm.store_state(dS, dends + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
+    Ws* dend = dends + (st.hv * sq_.slots + slot) * kK * V;
+    sm.save_early(dS, dend, V, st.j0);
     mma::cp_async_wait<0>();
     __syncthreads();
     const typename F::Tiles cur = sm.set(static_cast<int>(i % 2));
@@ -447,6 +466,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
     }
     sm.round_state(dS);
     __syncthreads();
+    sm.save_rounded(dend, V, st.j0);
     stage(i - 1);
     float du[4][4];
 #pragma unroll
@@ -508,7 +528,7 @@ void run_state_bwd(const Problem& p, const Launch& l, const Intra<float>& intra,
 
 template <int kK, typename O>
 void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const Inputs& raw, O* o,
-                        float* ht, float* starts) {
+                        float* ht, __nv_bfloat16* starts) {
   using F = Bf16State<kK, __nv_bfloat16>;
   const auto kernel = state_fwd_bf16_kernel<kK, __nv_bfloat16, O>;
   set_smem(kernel, F::bytes());
@@ -520,7 +540,7 @@ void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bflo
 
 template <int kK>
 void run_state_bwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const at::Tensor& dOs,
-                        const float* dht, float* dends, float* dh0) {
+                        const float* dht, __nv_bfloat16* dends, float* dh0) {
   using bf16 = __nv_bfloat16;
   using F = Bf16State<kK, bf16>;
   const auto kernel = state_bwd_bf16_kernel<kK, bf16>;
@@ -533,7 +553,7 @@ void run_state_bwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bflo
 
 #define KDA_STATE_FWD_BF16(K, O)                                                                                 \
   template void run_state_fwd_bf16<K, O>(const Problem&, const Launch&, const Intra<__nv_bfloat16>&, const Inputs&, \
-                                         O*, float*, float*);
+                                         O*, float*, __nv_bfloat16*);
 KDA_STATE_FWD_BF16(64, __nv_bfloat16)
 KDA_STATE_FWD_BF16(128, __nv_bfloat16)
 KDA_STATE_FWD_BF16(64, __half)
@@ -542,8 +562,8 @@ KDA_STATE_FWD_BF16(64, float)
 KDA_STATE_FWD_BF16(128, float)
 #undef KDA_STATE_FWD_BF16
 template void run_state_bwd_bf16<64>(const Problem&, const Launch&, const Intra<__nv_bfloat16>&, const at::Tensor&,
-                                     const float*, float*, float*);
+                                     const float*, __nv_bfloat16*, float*);
 template void run_state_bwd_bf16<128>(const Problem&, const Launch&, const Intra<__nv_bfloat16>&, const at::Tensor&,
-                                      const float*, float*, float*);
+                                      const float*, __nv_bfloat16*, float*);
 
 }  // namespace kda_dsa_ops::kda
