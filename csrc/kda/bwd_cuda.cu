@@ -15,6 +15,7 @@
 
 #include <algorithm>
 
+#include "common/hopper.cuh"
 #include "kda/kda_cuda.cuh"
 #include "kda/tiles16.cuh"
 
@@ -200,70 +201,11 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   }
 }
 
-// This block's chunk for the bf16 backward kernels: its tiles laid out from the front of shared
-// memory (rest: the first byte after them), its first token t0 and length L.
-template <int kK, typename T>
-struct Chunk16 {
-  ChunkTiles16<kK, T> ct;
-  unsigned char* rest;
-  int64_t t0, row0, gc;  // row0: the workspaces' row of step 0; gc: the [HV, slots, K] offset
-  int L;
-  // false for an unused slot, else the chunk is loaded.
-  __device__ bool begin(const Seqs& sq_, int64_t H, int64_t HV, const RawIn<T>& in, unsigned char* smem) {
-    ct = ChunkTiles16<kK, T>::carve(smem, &rest);
-    if (!sq_.locate(blockIdx.x, t0, L) || !sq_.valid(blockIdx.x, t0, L)) return false;
-    row0 = blockIdx.y * sq_.tokens + t0;
-    gc = (blockIdx.y * sq_.slots + blockIdx.x) * kK;
-    ct.load(in, H, HV, t0, L, blockIdx.y, nullptr, 0);
-    return true;
-  }
-};
-
-// bwd_pairs_kernel's diagonal-block results for the rows i < n (up to 16) of one channel: the
-// terms from dQg, dKd and ZW (element i at at + i ld, the loads of kGroup rows issued together)
-// with the block's pairs (ra, rq, cl), added to the staged terms of dq, dk, dg (element i at
-// i lds). ra[i] is replaced by row i's term of dbeta, ZW k exp(G) (its registers are free then);
-// the return value is the channel's term of G_last's extra gradient over these rows, sum Kd dKd.
-template <typename QN>
-__device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const float* beta, float gl,
-                                                const float (&kn)[16], QN qn, const float (&G)[16],
-                                                float (&ra)[16], const float (&rq)[16], const float (&cl)[16],
-                                                const float* zw, const float* dqg_in, const float* dkd_in,
-                                                float* sq, float* sk, float* sg, int lds) {
-  constexpr int kGroup = 2;
-  float last = 0.f;
-#pragma unroll
-  for (int i0 = 0; i0 < 16; i0 += kGroup) {
-    float dqg[kGroup], dkd[kGroup], z[kGroup];
-#pragma unroll
-    for (int i = 0; i < kGroup; ++i) {
-      const int64_t e = at + (i0 + i) * ld;
-      dqg[i] = i0 + i < n ? __ldg(dqg_in + e) : 0.f;
-      dkd[i] = i0 + i < n ? __ldg(dkd_in + e) : 0.f;
-      z[i] = i0 + i < n ? __ldg(zw + e) : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < kGroup; ++j) {
-      const int i = i0 + j;
-      const float eg = exp2_ftz(G[i]), ed = exp2_ftz(gl - G[i]), zg = z[j] * eg;
-      last += kn[i] * ed * dkd[j];
-      if (i < n) {
-        const float bz = beta[i] * zg, qi = qn(i);
-        sq[i * lds] += dqg[j] * eg + rq[i];
-        sk[i * lds] += dkd[j] * ed + ra[i] + cl[i] + bz;
-        sg[i * lds] += dqg[j] * qi * eg - dkd[j] * kn[i] * ed + kn[i] * (ra[i] - cl[i] + bz) + qi * rq[i];
-      }
-      ra[i] = zg * kn[i];
-    }
-  }
-  return last;
-}
-
 // chunk_bwd_pairs in bf16-product mode (bf16 / fp16 inputs, K 64 or 128), after
 // bwd_dense_bf16_kernel: the gradients of A and Aqk back to q, k and the cumulative log-decay G,
 // with the terms from dQg, dKd and ZW, dbeta's other terms and dg's reverse cumsum; one block of
-// 8 warps per (chunk, value head). The per-element terms of dq, dk, dg gather in fp32 in shared
-// memory from two parts:
+// 8 warps per (chunk, value head). The terms of dq, dk, dg gather in fp32 in shared memory from
+// three parts:
 //   across blocks    mma.sync on bf16 tiles, the operands scaled to one reference row per warp as
 //                    in the intra kernel; warp w owns the rows of block b = w % 4 and half of the
 //                    columns. Row terms (b >= 1, r = 16 b): exp(G_t - G_r) times (dA Ks_r,
@@ -271,10 +213,11 @@ __device__ __forceinline__ float pairs_diag_out(int n, int64_t at, int ld, const
 //                    r' = 16 b + 16): exp(G_r' - G_s) times (dA^T kE_r' + dAqk^T qE_r') over the
 //                    rows t >= r', kE_r', qE_r' = k_t, q_t exp(G_t - G_r'). Every factor is at
 //                    most 1.
+//   per element      the terms from dQg, dKd, ZW (read in batches of rows; the block asks L2 for
+//                    them, and for dA, dAqk, A, as it starts), with dbeta's ZW k exp(G) and
+//                    G_last's extra gradient summed through shared memory.
 //   inside the       a thread per (channel, diagonal block) walks the block's 136 pairs once
-//   diagonal blocks  (fp32), each pair's exp serving the row terms of t and the column term of s;
-//                    the sums over channels and rows (dbeta, G_last's extra gradient) go through
-//                    shared memory.
+//   diagonal blocks  (fp32), each pair's exp serving the row terms of t and the column term of s.
 // Then dg's reverse cumsum and the outputs: the final gradients where HV == H (through the
 // in-kernel gate, beta and the normalisation), else head-major into w for the finishing pass.
 template <int kK, typename T>
@@ -302,20 +245,29 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   using Z = Pairs<kK, T>;
   constexpr int kLdK = C::kLdK, kLdG = C::kLdG, kLdC = Z::kLdC, kLdS = Z::kLdS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Chunk16<kK, T> ch;
-  if (!ch.begin(sq_, H, HV, in, smem_raw)) return;
-  const C& ct = ch.ct;
-  const int L = ch.L;
-  const int64_t row0 = ch.row0, gc = ch.gc;
-  bf16* sdA = reinterpret_cast<bf16*>(ch.rest);  // [kChunk, kLdC]: beta_t dA_ts
+  unsigned char* rest;  // the first byte after the chunk's tiles
+  const C ct = C::carve(smem_raw, &rest);
+  int64_t t0;
+  int L;
+  if (!sq_.locate(blockIdx.x, t0, L) || !sq_.valid(blockIdx.x, t0, L)) return;
+  const int64_t row0 = blockIdx.y * sq_.tokens + t0;          // the workspaces' row of step 0
+  const int64_t gc = (blockIdx.y * sq_.slots + blockIdx.x) * kK;  // the [HV, slots, K] offset
+  if (threadIdx.x == 0) {  // what the later passes read, into L2 while the chunk loads
+    const float* rows_k[] = {w.dq, w.dk, w.ZW};
+    const float* rows_c[] = {w.dA, w.dAqk, A};
+    for (const float* x : rows_k) sm90::bulk_prefetch_l2(x + row0 * kK, 4 * L * kK);
+    for (const float* x : rows_c) sm90::bulk_prefetch_l2(x + row0 * kChunk, 4 * L * kChunk);
+  }
+  ct.load(in, H, HV, t0, L, blockIdx.y, nullptr, 0);
+  bf16* sdA = reinterpret_cast<bf16*>(rest);  // [kChunk, kLdC]: beta_t dA_ts
   bf16* sdAqk = sdA + kChunk * kLdC;              // [kChunk, kLdC]
   bf16* sKs = sdAqk + kChunk * kLdC;              // [96, kLdK]
   bf16* skE = sKs + Z::kSlabRows * kLdK;          // [96, kLdK]
   bf16* sqE = skE + Z::kSlabRows * kLdK;          // [96, kLdK]
-  float* sSq = reinterpret_cast<float*>(ch.rest);  // [kChunk, kLdS] each, over the operands
+  float* sSq = reinterpret_cast<float*>(rest);  // [kChunk, kLdS] each, over the operands
   float* sSk = sSq + kChunk * kLdS;
   float* sSg = sSk + kChunk * kLdS;
-  float* fdA = reinterpret_cast<float*>(ch.rest + Z::kRegion);  // [kChunk, kChunk]: beta_t dA_ts
+  float* fdA = reinterpret_cast<float*>(rest + Z::kRegion);  // [kChunk, kChunk]: beta_t dA_ts
   float* fdAqk = fdA + kChunk * kChunk;                          // [kChunk, kChunk]
   float* sdb = fdAqk + kChunk * kChunk;                          // [kChunk]: dbeta's terms here
   float* slast = sdb + kChunk;                                   // [kK]: sum_t Kd dKd, then G_last's gradient
@@ -398,25 +350,58 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   }
   __syncthreads();
 
-  // Inside the diagonal blocks, per (channel, block), a warp sharing its block: the block's pairs,
-  // then the terms into the staging, dbeta's ZW k exp(G) summed over the warp's channels, sum_t Kd
-  // dKd over the block's rows.
+  // Per element, a thread per channel and part of the rows (kBatch rows' loads issued together):
+  // the terms from dQg, dKd and ZW; dbeta's ZW k exp(G) summed over the channels, sum_t Kd dKd
+  // over the rows.
+  constexpr int kParts = C::kThreads / kK, kRows = kChunk / kParts, kBatch = 8;
+  const int c = tid % kK, p0 = tid / kK;
   const float* Gl = ct.G + (L - 1) * kLdG;
+  {
+    float zk[kRows], last = 0.f;
+#pragma unroll
+    for (int i0 = 0; i0 < kRows; i0 += kBatch) {
+      float dqg[kBatch], dkd[kBatch], z[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int t = p0 * kRows + i0 + i;
+        const int64_t e = (row0 + t) * kK + c;
+        dqg[i] = t < L ? __ldg(w.dq + e) : 0.f;
+        dkd[i] = t < L ? __ldg(w.dk + e) : 0.f;
+        z[i] = t < L ? __ldg(w.ZW + e) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int t = p0 * kRows + i0 + i, e = t * kLdS + c;
+        const float Gt = G(t, c), eg = exp2_ftz(Gt), ed = exp2_ftz(Gl[c] - Gt), kt = kn(t, c), qt = qn(t, c);
+        const float zg = z[i] * eg, bz = ct.beta[t] * zg;
+        last += kt * ed * dkd[i];
+        sSq[e] += dqg[i] * eg;
+        sSk[e] += dkd[i] * ed + bz;
+        sSg[e] += dqg[i] * qt * eg - dkd[i] * kt * ed + kt * bz;
+        zk[i0 + i] = zg * kt;
+      }
+    }
+    atomicAdd(slast + c, last);
+    const float zsum = warp_sum_transposed(zk);
+    if (lane < kRows) atomicAdd(sdb + p0 * kRows + lane, zsum);
+  }
+  __syncthreads();
+
+  // Inside the diagonal blocks, a thread per (channel, block), a warp sharing its block: the
+  // block's pairs into the staged terms.
   for (int task = tid; task < 4 * kK; task += C::kThreads) {
-    const int c = task % kK, b0 = task / kK * 16;
+    const int cw = task % kK, b0 = task / kK * 16;
     if (b0 >= L) continue;
-    // q's normalised row i of the block, from shared memory where needed (not held in registers)
-    const auto qrow = [&](int i) { return qn(b0 + i, c); };
     float kr[16], Gr[16], ra[16], rq[16], cl[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      kr[i] = kn(b0 + i, c);
-      Gr[i] = G(b0 + i, c);
+      kr[i] = kn(b0 + i, cw);
+      Gr[i] = G(b0 + i, cw);
       ra[i] = rq[i] = cl[i] = 0.f;
     }
 #pragma unroll
     for (int t = 0; t < 16; ++t) {
-      const float qt = qrow(t);
+      const float qt = qn(b0 + t, cw);
 #pragma unroll
       for (int s = 0; s <= t; ++s) {
         const float e = exp2_ftz(Gr[t] - Gr[s]), xs = kr[s] * e;
@@ -426,28 +411,28 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
         cl[s] += (da * kr[t] + dq * qt) * e;
       }
     }
-    const int at = b0 * kLdS + c;
-    const float last = pairs_diag_out(L - b0, (row0 + b0) * kK + c, kK, ct.beta + b0, Gl[c], kr, qrow, Gr, ra, rq,
-                                      cl, w.ZW, w.dq, w.dk, sSq + at, sSk + at, sSg + at, kLdS);
-    atomicAdd(slast + c, last);
-    const float zsum = warp_sum_transposed(ra);  // dbeta's terms now
-    if (lane < 16) atomicAdd(sdb + b0 + lane, zsum);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if (b0 + i < L) {
+        const int e = (b0 + i) * kLdS + cw;
+        sSq[e] += rq[i];
+        sSk[e] += ra[i] + cl[i];
+        sSg[e] += kr[i] * (ra[i] - cl[i]) + qn(b0 + i, cw) * rq[i];
+      }
+    }
   }
   __syncthreads();
   if (tid < L) {  // w.r.t. the raw beta where its sigmoid is in the kernel
     const float db = in.gate.beta_grad(w.dbeta[row0 + tid] + sdb[tid], ct.beta[tid]);
     if (out.dbeta != nullptr) {
-      store_elem(out.dbeta, (ch.t0 + tid) * HV + blockIdx.y, db, out.eb);
+      store_elem(out.dbeta, (t0 + tid) * HV + blockIdx.y, db, out.eb);
     } else {
       w.dbeta[row0 + tid] = db;
     }
   }
   if (tid < kK) slast[tid] = w.last[gc + tid] * exp2_ftz(Gl[tid]) + slast[tid];  // G_last's extra gradient
 
-  // dq, dk out (head-major) where the finishing pass takes them; dg's reverse cumsum: a thread per
-  // channel and part of the rows.
-  constexpr int kParts = C::kThreads / kK, kRows = kChunk / kParts;
-  const int c = tid % kK, p0 = tid / kK;
+  // dq, dk out (head-major) where the finishing pass takes them; dg's reverse cumsum.
   const bool direct = out.dq != nullptr;
   if (!direct) {
     for (int i = 0; i < kRows; ++i) {
@@ -481,13 +466,13 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   for (int t = p0 * kRows; t < min(L, (p0 + 1) * kRows); ++t) {
     float dg = sSg[t * kLdS + c];
     if (gate.A_log != nullptr) {
-      const float2 d = gate.decay_grad(dg, in.g_at(((ch.t0 + t) * HV + blockIdx.y) * kK + c), channel);
+      const float2 d = gate.decay_grad(dg, in.g_at(((t0 + t) * HV + blockIdx.y) * kK + c), channel);
       dg = d.x;
       dx_sum += d.x;
       da_sum += d.y;
     }
     if (direct) {
-      store_elem(out.dg, ((ch.t0 + t) * HV + blockIdx.y) * kK + c, dg, out.eg);
+      store_elem(out.dg, ((t0 + t) * HV + blockIdx.y) * kK + c, dg, out.eg);
     } else {
       w.dg[(row0 + t) * kK + c] = dg;
     }
@@ -529,7 +514,7 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     nd = in.l2norm ? warp_reduce(nd, SumOp{}) : 0.f;
 #pragma unroll
     for (int i = 0; i < kK / 32; ++i) {
-      store_elem(is_k ? out.dk : out.dq, ((ch.t0 + t) * HV + blockIdx.y) * kK + lane + 32 * i, (ds[i] - n[i] * nd) * r,
+      store_elem(is_k ? out.dk : out.dq, ((t0 + t) * HV + blockIdx.y) * kK + lane + 32 * i, (ds[i] - n[i] * nd) * r,
                  out.eq);
     }
   }
