@@ -290,17 +290,34 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     mma::store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
     mma::store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
   }
-  for (int i = tid; i < Z::kSlabRows * kK; i += C::kThreads) {
-    const int j = i / kK, c = i % kK;
+  for (int i = tid; i < Z::kSlabRows * (kK / 8); i += C::kThreads) {  // eight channels a thread
+    const int j = i / (kK / 8), c = i % (kK / 8) * 8;
+    float x[8], y[8], gr[8], gx[8], o[8];
     {  // Ks_r row s
       const int slab = j < 16 ? 0 : j < 48 ? 1 : 2, r = 16 * slab + 16, s = j - Z::ks_row(slab);
-      sKs[j * kLdK + c] = __float2bfloat16_rn(kn(s, c) * exp2_ftz(G(r, c) - G(s, c)));
+      load_floats(ct.k + s * kLdK + c, x);
+      load_floats(ct.G + r * kLdG + c, gr);
+      load_floats(ct.G + s * kLdG + c, gx);
+      const float f = ct.rk[s];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = x[e] * f * exp2_ftz(gr[e] - gx[e]);
+      store8(sKs + j * kLdK + c, o);
     }
     {  // kE_r, qE_r row t
       const int slab = j < 48 ? 0 : j < 80 ? 1 : 2, r = 16 * slab + 16, t = r + j - Z::e_row(slab);
-      const float e = exp2_ftz(G(t, c) - G(r, c));
-      skE[j * kLdK + c] = __float2bfloat16_rn(kn(t, c) * e);
-      sqE[j * kLdK + c] = __float2bfloat16_rn(qn(t, c) * e);
+      load_floats(ct.k + t * kLdK + c, x);
+      load_floats(ct.q + t * kLdK + c, y);
+      load_floats(ct.G + r * kLdG + c, gr);
+      load_floats(ct.G + t * kLdG + c, gx);
+      const float fk = ct.rk[t], fq = ct.rq[t];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        gx[e] = exp2_ftz(gx[e] - gr[e]);
+        o[e] = x[e] * fk * gx[e];
+        y[e] *= fq * gx[e];
+      }
+      store8(skE + j * kLdK + c, o);
+      store8(sqE + j * kLdK + c, y);
     }
   }
   __syncthreads();
@@ -336,54 +353,88 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     for (int n = 0; n < 8; ++n) {
       if (n < kK / 16) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = 16 * rt + lane / 4 + 8 * (e / 2), c = n0 + 8 * n + 2 * (lane % 4) + e % 2;
-          const float fr = rt >= 1 ? exp2_ftz(G(t, c) - G(16 * rt, c)) : 0.f;
-          const float fc = rt <= 2 ? exp2_ftz(G(16 * rt + 16, c) - G(t, c)) : 0.f;
-          const float pa = fr * ya[n][e], pq = fr * yq[n][e], pc = fc * x[n][e];
-          sSq[t * kLdS + c] = pq;
-          sSk[t * kLdS + c] = pa + pc;
-          sSg[t * kLdS + c] = kn(t, c) * (pa - pc) + qn(t, c) * pq;
+        for (int hh = 0; hh < 2; ++hh) {  // columns c, c + 1 of row t
+          const int t = 16 * rt + lane / 4 + 8 * hh, c = n0 + 8 * n + 2 * (lane % 4), e = t * kLdS + c;
+          float gt[2], gr[2], gc[2], kt[2], qt[2], sq[2], sk[2], sg[2];
+          load_floats(ct.G + t * kLdG + c, gt);
+          load_floats(ct.G + 16 * rt * kLdG + c, gr);
+          load_floats(ct.G + (16 * rt + 16) * kLdG + c, gc);
+          load_floats(ct.k + t * kLdK + c, kt);
+          load_floats(ct.q + t * kLdK + c, qt);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float fr = rt >= 1 ? exp2_ftz(gt[i] - gr[i]) : 0.f;
+            const float fc = rt <= 2 ? exp2_ftz(gc[i] - gt[i]) : 0.f;
+            const float pa = fr * ya[n][2 * hh + i], pq = fr * yq[n][2 * hh + i], pc = fc * x[n][2 * hh + i];
+            sq[i] = pq;
+            sk[i] = pa + pc;
+            sg[i] = kt[i] * ct.rk[t] * (pa - pc) + qt[i] * ct.rq[t] * pq;
+          }
+          *reinterpret_cast<float2*>(sSq + e) = make_float2(sq[0], sq[1]);
+          *reinterpret_cast<float2*>(sSk + e) = make_float2(sk[0], sk[1]);
+          *reinterpret_cast<float2*>(sSg + e) = make_float2(sg[0], sg[1]);
         }
       }
     }
   }
   __syncthreads();
 
-  // Per element, a thread per channel and part of the rows (kBatch rows' loads issued together):
-  // the terms from dQg, dKd and ZW; dbeta's ZW k exp(G) summed over the channels, sum_t Kd dKd
-  // over the rows.
-  constexpr int kParts = C::kThreads / kK, kRows = kChunk / kParts, kBatch = 8;
-  const int c = tid % kK, p0 = tid / kK;
+  // Per element, four channels a thread and a row per kLanes lanes (the loads of kBatch rows
+  // issued together): the terms from dQg, dKd and ZW; dbeta's ZW k exp(G) summed over each row's
+  // lanes, sum_t Kd dKd over the rows.
   const float* Gl = ct.G + (L - 1) * kLdG;
   {
-    float zk[kRows], last = 0.f;
+    constexpr int kLanes = kK / 4, kStep = C::kThreads / kLanes, kBatch = 4;
+    const int c = tid % kLanes * 4;
+    float gl[4], last[4] = {};
+    load_floats(Gl + c, gl);
 #pragma unroll
-    for (int i0 = 0; i0 < kRows; i0 += kBatch) {
-      float dqg[kBatch], dkd[kBatch], z[kBatch];
+    for (int tb = tid / kLanes; tb < kChunk; tb += kStep * kBatch) {
+      float4 dqg[kBatch], dkd[kBatch], z[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int t = p0 * kRows + i0 + i;
+        const int t = tb + i * kStep;
         const int64_t e = (row0 + t) * kK + c;
-        dqg[i] = t < L ? __ldg(w.dq + e) : 0.f;
-        dkd[i] = t < L ? __ldg(w.dk + e) : 0.f;
-        z[i] = t < L ? __ldg(w.ZW + e) : 0.f;
+        dqg[i] = t < L ? __ldg(reinterpret_cast<const float4*>(w.dq + e)) : float4{};
+        dkd[i] = t < L ? __ldg(reinterpret_cast<const float4*>(w.dk + e)) : float4{};
+        z[i] = t < L ? __ldg(reinterpret_cast<const float4*>(w.ZW + e)) : float4{};
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int t = p0 * kRows + i0 + i, e = t * kLdS + c;
-        const float Gt = G(t, c), eg = exp2_ftz(Gt), ed = exp2_ftz(Gl[c] - Gt), kt = kn(t, c), qt = qn(t, c);
-        const float zg = z[i] * eg, bz = ct.beta[t] * zg;
-        last += kt * ed * dkd[i];
-        sSq[e] += dqg[i] * eg;
-        sSk[e] += dkd[i] * ed + bz;
-        sSg[e] += dqg[i] * qt * eg - dkd[i] * kt * ed + kt * bz;
-        zk[i0 + i] = zg * kt;
+        const int t = tb + i * kStep, e = t * kLdS + c;
+        float gt[4], kt[4], qt[4];
+        load_floats(ct.G + t * kLdG + c, gt);
+        load_floats(ct.k + t * kLdK + c, kt);
+        load_floats(ct.q + t * kLdK + c, qt);
+        const float fk = ct.rk[t], fq = ct.rq[t], b = ct.beta[t];
+        const float dq4[4] = {dqg[i].x, dqg[i].y, dqg[i].z, dqg[i].w}, dk4[4] = {dkd[i].x, dkd[i].y, dkd[i].z, dkd[i].w};
+        const float z4[4] = {z[i].x, z[i].y, z[i].z, z[i].w};
+        float4 aq = *reinterpret_cast<const float4*>(sSq + e), ak = *reinterpret_cast<const float4*>(sSk + e),
+               ag = *reinterpret_cast<const float4*>(sSg + e);
+        float* pq = &aq.x;
+        float* pk = &ak.x;
+        float* pg = &ag.x;
+        float zrow = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float eg = exp2_ftz(gt[j]), ed = exp2_ftz(gl[j] - gt[j]), kn_ = kt[j] * fk, qn_ = qt[j] * fq;
+          const float zg = z4[j] * eg, bz = b * zg;
+          last[j] += kn_ * ed * dk4[j];
+          pq[j] += dq4[j] * eg;
+          pk[j] += dk4[j] * ed + bz;
+          pg[j] += dq4[j] * qn_ * eg - dk4[j] * kn_ * ed + kn_ * bz;
+          zrow += zg * kn_;
+        }
+        *reinterpret_cast<float4*>(sSq + e) = aq;
+        *reinterpret_cast<float4*>(sSk + e) = ak;
+        *reinterpret_cast<float4*>(sSg + e) = ag;
+#pragma unroll
+        for (int m = kLanes / 2; m >= 1; m /= 2) zrow += __shfl_xor_sync(0xffffffffu, zrow, m);
+        if (tid % kLanes == 0) sdb[t] += zrow;  // one group of lanes per row
       }
     }
-    atomicAdd(slast + c, last);
-    const float zsum = warp_sum_transposed(zk);
-    if (lane < kRows) atomicAdd(sdb + p0 * kRows + lane, zsum);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) atomicAdd(slast + c + j, last[j]);
   }
   __syncthreads();
 
@@ -403,12 +454,20 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     for (int t = 0; t < 16; ++t) {
       const float qt = qn(b0 + t, cw);
 #pragma unroll
-      for (int s = 0; s <= t; ++s) {
-        const float e = exp2_ftz(Gr[t] - Gr[s]), xs = kr[s] * e;
-        const float da = fdA[(b0 + t) * kChunk + b0 + s], dq = fdAqk[(b0 + t) * kChunk + b0 + s];
-        ra[t] += da * xs;
-        rq[t] += dq * xs;
-        cl[s] += (da * kr[t] + dq * qt) * e;
+      for (int s0 = 0; s0 <= t; s0 += 4) {  // four pairs' dA, dAqk a load (the same for the warp)
+        const float4 da4 = *reinterpret_cast<const float4*>(fdA + (b0 + t) * kChunk + b0 + s0);
+        const float4 dq4 = *reinterpret_cast<const float4*>(fdAqk + (b0 + t) * kChunk + b0 + s0);
+        const float das[4] = {da4.x, da4.y, da4.z, da4.w}, dqs[4] = {dq4.x, dq4.y, dq4.z, dq4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int s = s0 + j;
+          if (s <= t) {
+            const float e = exp2_ftz(Gr[t] - Gr[s]), xs = kr[s] * e;
+            ra[t] += das[j] * xs;
+            rq[t] += dqs[j] * xs;
+            cl[s] += (das[j] * kr[t] + dqs[j] * qt) * e;
+          }
+        }
       }
     }
 #pragma unroll
@@ -432,7 +491,10 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   }
   if (tid < kK) slast[tid] = w.last[gc + tid] * exp2_ftz(Gl[tid]) + slast[tid];  // G_last's extra gradient
 
-  // dq, dk out (head-major) where the finishing pass takes them; dg's reverse cumsum.
+  // dq, dk out (head-major) where the finishing pass takes them; dg's reverse cumsum: a thread per
+  // channel and part of the rows.
+  constexpr int kParts = C::kThreads / kK, kRows = kChunk / kParts;
+  const int c = tid % kK, p0 = tid / kK;
   const bool direct = out.dq != nullptr;
   if (!direct) {
     for (int i = 0; i < kRows; ++i) {
