@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   int64_t t0;
   int L;
   if (!sq_.locate(blockIdx.x, t0, L) || !sq_.valid(blockIdx.x, t0, L)) return;
-  const int64_t row0 = blockIdx.y * sq_.tokens + t0;          // the workspaces' row of step 0
+  const int64_t row0 = blockIdx.y * sq_.tokens + t0;              // the workspaces' row of step 0
   const int64_t gc = (blockIdx.y * sq_.slots + blockIdx.x) * kK;  // the [HV, slots, K] offset
   if (threadIdx.x == 0) {  // what the later passes read, into L2 while the chunk loads
     const float* rows_k[] = {w.dq, w.dk, w.ZW};
@@ -260,17 +260,17 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   }
   ct.load(in, H, HV, t0, L, blockIdx.y, nullptr, 0);
   bf16* sdA = reinterpret_cast<bf16*>(rest);  // [kChunk, kLdC]: beta_t dA_ts
-  bf16* sdAqk = sdA + kChunk * kLdC;              // [kChunk, kLdC]
-  bf16* sKs = sdAqk + kChunk * kLdC;              // [96, kLdK]
-  bf16* skE = sKs + Z::kSlabRows * kLdK;          // [96, kLdK]
-  bf16* sqE = skE + Z::kSlabRows * kLdK;          // [96, kLdK]
+  bf16* sdAqk = sdA + kChunk * kLdC;          // [kChunk, kLdC]
+  bf16* sKs = sdAqk + kChunk * kLdC;          // [96, kLdK]
+  bf16* skE = sKs + Z::kSlabRows * kLdK;      // [96, kLdK]
+  bf16* sqE = skE + Z::kSlabRows * kLdK;      // [96, kLdK]
   float* sSq = reinterpret_cast<float*>(rest);  // [kChunk, kLdS] each, over the operands
   float* sSk = sSq + kChunk * kLdS;
   float* sSg = sSk + kChunk * kLdS;
   float* fdA = reinterpret_cast<float*>(rest + Z::kRegion);  // [kChunk, kChunk]: beta_t dA_ts
-  float* fdAqk = fdA + kChunk * kChunk;                          // [kChunk, kChunk]
-  float* sdb = fdAqk + kChunk * kChunk;                          // [kChunk]: dbeta's terms here
-  float* slast = sdb + kChunk;                                   // [kK]: sum_t Kd dKd, then G_last's gradient
+  float* fdAqk = fdA + kChunk * kChunk;                      // [kChunk, kChunk]
+  float* sdb = fdAqk + kChunk * kChunk;                      // [kChunk]: dbeta's terms here
+  float* slast = sdb + kChunk;                               // [kK]: sum_t Kd dKd, then G_last's gradient
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const auto kn = [&](int t, int c) { return to_float(ct.k[t * kLdK + c]) * ct.rk[t]; };
   const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
@@ -407,8 +407,8 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
         load_floats(ct.k + t * kLdK + c, kt);
         load_floats(ct.q + t * kLdK + c, qt);
         const float fk = ct.rk[t], fq = ct.rq[t], b = ct.beta[t];
-        const float dq4[4] = {dqg[i].x, dqg[i].y, dqg[i].z, dqg[i].w}, dk4[4] = {dkd[i].x, dkd[i].y, dkd[i].z, dkd[i].w};
-        const float z4[4] = {z[i].x, z[i].y, z[i].z, z[i].w};
+        const float dq4[4] = {dqg[i].x, dqg[i].y, dqg[i].z, dqg[i].w};
+        const float dk4[4] = {dkd[i].x, dkd[i].y, dkd[i].z, dkd[i].w}, z4[4] = {z[i].x, z[i].y, z[i].z, z[i].w};
         float4 aq = *reinterpret_cast<const float4*>(sSq + e), ak = *reinterpret_cast<const float4*>(sSk + e),
                ag = *reinterpret_cast<const float4*>(sSg + e);
         float* pq = &aq.x;
