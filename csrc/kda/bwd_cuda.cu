@@ -59,8 +59,9 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_kernel(Seqs sq_, Sizes<T> 
 // chunk_bwd_dense in bf16-product mode for K, V in {64, 128}: one block of 8 warps per (chunk,
 // value head), every product an mma.sync on bf16 tiles in shared memory (fp32 accumulation),
 // warp w taking rows 16 (w % 4).. and half of the columns. It takes the intra kernel's bf16
-// terms, dO as scale dO in bf16, and v, beta as given. Results into w's dq (dQg), dk (dKd), ZW,
-// dA, dAqk, last and dbeta, and dv (in v's type), as chunk_bwd_dense leaves them.
+// terms, the state passes' bf16 start states and end-state gradients, dO as scale dO in bf16, and
+// v, beta as given. Results into w's dq (dQg), dk (dKd), ZW, dA, dAqk, last and dbeta, and dv (in
+// v's type), as chunk_bwd_dense leaves them.
 template <int kK>
 struct BwdDenseBf16 {
   static constexpr int kThreads = 256;
