@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   }
 
   // The chunk's terms, dO (rows from L on zero) and the states by bulk copies; then sum_j dS1 S0
-  // per row (fp32 sums of the bf16 operands), a warp per kK / 8 rows.
+  // per row (fp32 sums of the bf16 operands), a warp per kK / 8 rows, its rows' sums independent
+  // until one transposed warp sum.
   const auto rows = [&](const bf16* base, int64_t ld) {
     return [=](int r) { return r < L ? base + r * ld : nullptr; };
   };
@@ -126,15 +127,21 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   mma::cp_async_commit();
   mma::cp_async_wait<0>();
   __syncthreads();
-  for (int c = warp * (kK / 8); c < (warp + 1) * (kK / 8); ++c) {
-    float dot = 0.f;
-    for (int j = 2 * lane; j < V; j += 64) {
-      const float2 a = mma::unpack2<bf16>(*reinterpret_cast<const uint32_t*>(sS0 + c * kLd + j));
-      const float2 b = mma::unpack2<bf16>(*reinterpret_cast<const uint32_t*>(sdS1 + c * kLd + j));
-      dot += a.x * b.x + a.y * b.y;
+  {
+    constexpr int kRows = kK / 8;
+    float dot[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      dot[r] = 0.f;
+      const int c = warp * kRows + r;
+      for (int j = 2 * lane; r < kRows && j < V; j += 64) {
+        const float2 a = mma::unpack2<bf16>(*reinterpret_cast<const uint32_t*>(sS0 + c * kLd + j));
+        const float2 b = mma::unpack2<bf16>(*reinterpret_cast<const uint32_t*>(sdS1 + c * kLd + j));
+        dot[r] += a.x * b.x + a.y * b.y;
+      }
     }
-    dot = warp_reduce(dot, SumOp{});
-    if (lane == 0) w.last[gc + c] = dot;
+    const float sum = warp_sum_transposed(dot);  // lane l: row warp kRows + l % 16
+    if (lane < kRows) w.last[gc + warp * kRows + lane] = sum;
   }
 
   float acc[8][4] = {};
@@ -276,20 +283,30 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   const auto kn = [&](int t, int c) { return to_float(ct.k[t * kLdK + c]) * ct.rk[t]; };
   const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
   const auto G = [&](int t, int c) { return ct.G[t * kLdG + c]; };
-  if (tid < kChunk) sdb[tid] = 0.f;
   if (tid < kK) slast[tid] = 0.f;
 
-  // dA (times beta_t) and dAqk in fp32 and as bf16 operands; the operand slabs.
-#pragma unroll 8
-  for (int i = tid; i < kChunk * kChunk / 2; i += C::kThreads) {
-    const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
-    const float b = t < L ? ct.beta[t] : 0.f;
-    const float2 da = t < L ? __ldg(reinterpret_cast<const float2*>(w.dA + (row0 + t) * kChunk + s)) : float2{};
-    const float2 dq = t < L ? __ldg(reinterpret_cast<const float2*>(w.dAqk + (row0 + t) * kChunk + s)) : float2{};
-    *reinterpret_cast<float2*>(fdA + t * kChunk + s) = make_float2(b * da.x, b * da.y);
-    *reinterpret_cast<float2*>(fdAqk + t * kChunk + s) = dq;
-    mma::store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
-    mma::store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
+  // dA (times beta_t) and dAqk in fp32 and as bf16 operands, and dbeta_t's first term sum_{s<t}
+  // dA A (warp w the rows w + 8 j, their sums summed over the warp at once); the operand slabs.
+  {
+    constexpr int kIters = kChunk * kChunk / 2 / C::kThreads;
+    static_assert(kIters == 8 && C::kThreads == 256, "a warp per row in each iteration");
+    float da_a[16] = {};
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int t = warp + 8 * j, s = 2 * lane;
+      const int64_t e = (row0 + t) * kChunk + s;
+      const float b = t < L ? ct.beta[t] : 0.f;
+      const float2 da = t < L ? __ldg(reinterpret_cast<const float2*>(w.dA + e)) : float2{};
+      const float2 dq = t < L ? __ldg(reinterpret_cast<const float2*>(w.dAqk + e)) : float2{};
+      const float2 a = t < L ? __ldg(reinterpret_cast<const float2*>(A + e)) : float2{};
+      da_a[j] = da.x * a.x + da.y * a.y;
+      *reinterpret_cast<float2*>(fdA + t * kChunk + s) = make_float2(b * da.x, b * da.y);
+      *reinterpret_cast<float2*>(fdAqk + t * kChunk + s) = dq;
+      mma::store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
+      mma::store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
+    }
+    const float sum = warp_sum_transposed(da_a);  // lane l < 8: row warp + 8 l
+    if (lane < kIters) sdb[warp + 8 * lane] = sum;  // every row once: dbeta's terms start here
   }
   for (int i = tid; i < Z::kSlabRows * (kK / 8); i += C::kThreads) {  // eight channels a thread
     const int j = i / (kK / 8), c = i % (kK / 8) * 8;
@@ -322,18 +339,6 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     }
   }
   __syncthreads();
-  {  // dbeta_t += sum_{s<t} dA A (iteration j: rows warp / 2 + 4 j)
-    constexpr int kIters = kChunk * kChunk / C::kThreads;
-    static_assert(kIters == 16, "a transposed sum over 16 rows");
-    float da_a[kIters];
-#pragma unroll
-    for (int j = 0; j < kIters; ++j) {
-      const int i = tid + j * C::kThreads, t = i / kChunk;
-      da_a[j] = t < L ? __ldg(w.dA + row0 * kChunk + i) * __ldg(A + row0 * kChunk + i) : 0.f;
-    }
-    const float sum = warp_sum_transposed(da_a);
-    if (lane < kIters) atomicAdd(sdb + warp / 2 + 4 * lane, sum);
-  }
 
   // Across blocks.
   {
