@@ -103,12 +103,6 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   const int rt = warp % 4, half = warp / 4;
   const int64_t row0 = hv * sq_.tokens + t0, gc = (hv * sq_.slots + slot) * kK, state = gc * V;
   const int64_t ldv = HV * V;  // token-major rows of dO, v, dv
-  float beta_rows[2];           // beta of this lane's rows 16 rt + lane / 4 + {0, 8} (dv = diag(beta) ZU)
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int t = 16 * rt + lane / 4 + 8 * hh;
-    beta_rows[hh] = t < L ? raw.beta_at((t0 + t) * HV + hv) : 0.f;
-  }
 
   // The chunk's terms, dO (rows from L on zero) and the states by bulk copies; then sum_j dS1 S0
   // per row (fp32 sums of the bf16 operands), a warp per kK / 8 rows, its rows' sums independent
@@ -125,6 +119,20 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
   mma::gather_rows(sMinv, kLdC, kChunk, kChunk, kChunk, rows(in.Minv + row0 * kChunk, kChunk));
   mma::gather_rows(sdO, kLd, kChunk, V, V, rows(dOs + (t0 * HV + hv) * V, ldv));
   mma::cp_async_commit();
+  // While the copies land: beta and v where this lane's ZU fragments lie (rows 16 rt + lane / 4
+  // + 8 hh, column pairs half V / 2 + 8 n + 2 (lane % 4)), for dv = diag(beta) ZU and sum_j ZU v.
+  float beta_rows[2];
+  uint32_t v_pairs[8][2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int t = 16 * rt + lane / 4 + 8 * hh;
+    beta_rows[hh] = t < L ? raw.beta_at((t0 + t) * HV + hv) : 0.f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int64_t e = (t0 + t) * ldv + hv * V + half * V / 2 + 8 * n + 2 * (lane % 4);
+      v_pairs[n][hh] = t < L && n < V / 16 ? __ldg(reinterpret_cast<const uint32_t*>(raw.v + e)) : 0u;
+    }
+  }
   mma::cp_async_wait<0>();
   __syncthreads();
   {
@@ -182,15 +190,22 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
     });
     warp_tile_product<true, false>(acc, sMinv, kLdC, sdU, kLd, rt, half * V / 2, V, 0, kChunk / 16);
     float part[2] = {0.f, 0.f};
-    drain_tile(acc, rt, half * V / 2, V, [&](int t, int col, float x0, float x1) {
-      mma::store_pair(sdO + t * kLd + col, x0, x1);
-      if (t < L) {
-        const int64_t e = (t0 + t) * ldv + hv * V + col;
-        const float v0 = to_float(__ldg(raw.v + e)), v1 = to_float(__ldg(raw.v + e + 1));
-        mma::store_pair(dv + e, beta_rows[(t / 8) % 2] * x0, beta_rows[(t / 8) % 2] * x1);
-        part[(t / 8) % 2] += x0 * v0 + x1 * v1;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {  // drain_tile's order, with v_pairs' indices
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int t = 16 * rt + lane / 4 + 8 * hh, col = half * V / 2 + 8 * n + 2 * (lane % 4);
+        const float x0 = acc[n][2 * hh], x1 = acc[n][2 * hh + 1];
+        acc[n][2 * hh] = acc[n][2 * hh + 1] = 0.f;
+        if (n >= V / 16) continue;
+        mma::store_pair(sdO + t * kLd + col, x0, x1);
+        if (t < L) {
+          const float2 vv = mma::unpack2<T>(v_pairs[n][hh]);
+          mma::store_pair(dv + (t0 + t) * ldv + hv * V + col, beta_rows[hh] * x0, beta_rows[hh] * x1);
+          part[hh] += x0 * vv.x + x1 * vv.y;
+        }
       }
-    });
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       part[hh] += __shfl_xor_sync(0xffffffffu, part[hh], 1);

@@ -431,12 +431,20 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   const auto product = [&](const bf16* B, int ldb, int N, bf16* dst, const float* col_scale) {
     float acc[8][4] = {};
     const int n0 = half * N / 2;
+    float2 scale[8];  // this lane's columns' factors, read before the products
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      scale[n] = col_scale != nullptr && n < N / 16
+                     ? *reinterpret_cast<const float2*>(col_scale + n0 + 8 * n + 2 * (lane % 4))
+                     : make_float2(1.f, 1.f);
+    }
     warp_tile_product<false, false>(acc, sMb, Z::kLdM, B, ldb, rt, n0, N, 0, kChunk / 16);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      acc[n][0] *= scale[n].x, acc[n][1] *= scale[n].y, acc[n][2] *= scale[n].x, acc[n][3] *= scale[n].y;
+    }
     drain_tile(acc, rt, n0, N, [&](int t, int col, float x0, float x1) {
-      if (t < L) {
-        mma::store_pair(dst + (row0 + t) * N + col, col_scale != nullptr ? x0 * col_scale[col] : x0,
-                        col_scale != nullptr ? x1 * col_scale[col + 1] : x1);
-      }
+      if (t < L) mma::store_pair(dst + (row0 + t) * N + col, x0, x1);
     });
   };
   product(reinterpret_cast<const bf16*>(sk), kLdK, kK, out.W, wide ? nullptr : spart + kK);

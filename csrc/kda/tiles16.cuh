@@ -172,8 +172,11 @@ struct ChunkTiles16 {
     const int tid = static_cast<int>(threadIdx.x);
     for (int i = tid; i < L * (V / 8); i += kThreads) {
       const int t = i / (V / 8), c = i % (V / 8) * 8;
-      float x[8];
+      float x[8], nan_if_any = 0.f;  // x * 0 is NaN exactly where x is not finite
       load_floats(sv + t * kLdV + c, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) nan_if_any += x[e] * 0.f;
+      if (!isnan(nan_if_any)) continue;
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         if (!isfinite(x[e])) note_nonfinite(c + e, t, V);
@@ -239,15 +242,28 @@ struct ChunkTiles16 {
     __syncthreads();
     if (mark != nullptr) find_nonfinite_v_beta(L, sv, V);
 
-    // 1 / |q_t|, 1 / |k_t| (ones without normalisation); G = log2(e) cumsum(g) by parts of rows.
-    for (int task = warp; task < 2 * kChunk; task += kThreads / 32) {
-      float x[kK / 32], ss = 0.f;
-      load_floats((task < kChunk ? q : k) + (task % kChunk) * kLdK + lane * (kK / 32), x);
+    // 1 / |q_t|, 1 / |k_t| (ones without normalisation): warp w the rows 16 w.. of [q; k], their
+    // sums of squares independent until one transposed warp sum; G = log2(e) cumsum(g) by parts
+    // of rows.
+    {
+      constexpr int kTasks = 2 * kChunk / (kThreads / 32);
+      static_assert(kTasks == 16, "16 rows a warp");
+      float ss[kTasks];
 #pragma unroll
-      for (int c = 0; c < kK / 32; ++c) ss += x[c] * x[c];
-      ss = warp_reduce(ss, SumOp{});
-      if (lane == 0) (task < kChunk ? rq : rk)[task % kChunk] = in.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
-      if (mark != nullptr && lane == 0 && task >= kChunk && !isfinite(ss)) note_nonfinite(V, task - kChunk, V);
+      for (int r = 0; r < kTasks; ++r) {
+        const int task = kTasks * warp + r;
+        float x[kK / 32];
+        load_floats((task < kChunk ? q : k) + (task % kChunk) * kLdK + lane * (kK / 32), x);
+        ss[r] = 0.f;
+#pragma unroll
+        for (int c = 0; c < kK / 32; ++c) ss[r] += x[c] * x[c];
+      }
+      const float sum = warp_sum_transposed(ss);  // lane l: task 16 warp + l % 16
+      const int task = kTasks * warp + lane;
+      if (lane < kTasks) {
+        (task < kChunk ? rq : rk)[task % kChunk] = in.l2norm ? rsqrtf(sum + kNormEps) : 1.f;
+        if (mark != nullptr && task >= kChunk && !isfinite(sum)) note_nonfinite(V, task - kChunk, V);
+      }
     }
     {
       constexpr int kParts = kThreads / kK, kRows = kChunk / kParts;
