@@ -275,11 +275,22 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   if (!sq_.locate(blockIdx.x, t0, L) || !sq_.valid(blockIdx.x, t0, L)) return;
   const int64_t row0 = blockIdx.y * sq_.tokens + t0;              // the workspaces' row of step 0
   const int64_t gc = (blockIdx.y * sq_.slots + blockIdx.x) * kK;  // the [HV, slots, K] offset
-  if (threadIdx.x == 0) {  // what the later passes read, into L2 while the chunk loads
-    const float* rows_k[] = {w.dq, w.dk, w.ZW};
-    const float* rows_c[] = {w.dA, w.dAqk, A};
-    for (const float* x : rows_k) sm90::bulk_prefetch_l2(x + row0 * kK, 4 * L * kK);
-    for (const float* x : rows_c) sm90::bulk_prefetch_l2(x + row0 * kChunk, 4 * L * kChunk);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  if (threadIdx.x == 0) {  // what the per-element pass reads, into L2 while the chunk loads
+    for (const float* x : {w.dq, w.dk, w.ZW}) sm90::bulk_prefetch_l2(x + row0 * kK, 4 * L * kK);
+  }
+  // dA, dAqk and A where the first pass takes them (rows warp + 8 j, columns 2 lane..), read
+  // while the chunk loads.
+  constexpr int kIters = kChunk * kChunk / 2 / C::kThreads;
+  static_assert(kIters == 8 && C::kThreads == 256, "a warp per row in each iteration");
+  float2 da[kIters], dqk[kIters], a[kIters];
+#pragma unroll
+  for (int j = 0; j < kIters; ++j) {
+    const int t = warp + 8 * j;
+    const int64_t e = (row0 + t) * kChunk + 2 * lane;
+    da[j] = t < L ? __ldg(reinterpret_cast<const float2*>(w.dA + e)) : float2{};
+    dqk[j] = t < L ? __ldg(reinterpret_cast<const float2*>(w.dAqk + e)) : float2{};
+    a[j] = t < L ? __ldg(reinterpret_cast<const float2*>(A + e)) : float2{};
   }
   ct.load(in, H, HV, t0, L, blockIdx.y, nullptr, 0);
   bf16* sdA = reinterpret_cast<bf16*>(rest);  // [kChunk, kLdC]: beta_t dA_ts
@@ -294,7 +305,6 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   float* fdAqk = fdA + kChunk * kChunk;                      // [kChunk, kChunk]
   float* sdb = fdAqk + kChunk * kChunk;                      // [kChunk]: dbeta's terms here
   float* slast = sdb + kChunk;                               // [kK]: sum_t Kd dKd, then G_last's gradient
-  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const auto kn = [&](int t, int c) { return to_float(ct.k[t * kLdK + c]) * ct.rk[t]; };
   const auto qn = [&](int t, int c) { return to_float(ct.q[t * kLdK + c]) * ct.rq[t]; };
   const auto G = [&](int t, int c) { return ct.G[t * kLdG + c]; };
@@ -303,22 +313,16 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
   // dA (times beta_t) and dAqk in fp32 and as bf16 operands, and dbeta_t's first term sum_{s<t}
   // dA A (warp w the rows w + 8 j, their sums summed over the warp at once); the operand slabs.
   {
-    constexpr int kIters = kChunk * kChunk / 2 / C::kThreads;
-    static_assert(kIters == 8 && C::kThreads == 256, "a warp per row in each iteration");
     float da_a[16] = {};
 #pragma unroll
     for (int j = 0; j < kIters; ++j) {
       const int t = warp + 8 * j, s = 2 * lane;
-      const int64_t e = (row0 + t) * kChunk + s;
       const float b = t < L ? ct.beta[t] : 0.f;
-      const float2 da = t < L ? __ldg(reinterpret_cast<const float2*>(w.dA + e)) : float2{};
-      const float2 dq = t < L ? __ldg(reinterpret_cast<const float2*>(w.dAqk + e)) : float2{};
-      const float2 a = t < L ? __ldg(reinterpret_cast<const float2*>(A + e)) : float2{};
-      da_a[j] = da.x * a.x + da.y * a.y;
-      *reinterpret_cast<float2*>(fdA + t * kChunk + s) = make_float2(b * da.x, b * da.y);
-      *reinterpret_cast<float2*>(fdAqk + t * kChunk + s) = dq;
-      mma::store_pair(sdA + t * kLdC + s, b * da.x, b * da.y);
-      mma::store_pair(sdAqk + t * kLdC + s, dq.x, dq.y);
+      da_a[j] = da[j].x * a[j].x + da[j].y * a[j].y;
+      *reinterpret_cast<float2*>(fdA + t * kChunk + s) = make_float2(b * da[j].x, b * da[j].y);
+      *reinterpret_cast<float2*>(fdAqk + t * kChunk + s) = dqk[j];
+      mma::store_pair(sdA + t * kLdC + s, b * da[j].x, b * da[j].y);
+      mma::store_pair(sdAqk + t * kLdC + s, dqk[j].x, dqk[j].y);
     }
     const float sum = warp_sum_transposed(da_a);  // lane l < 8: row warp + 8 l
     if (lane < kIters) sdb[warp + 8 * lane] = sum;  // every row once: dbeta's terms start here
@@ -579,22 +583,44 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     }
   }
   if (!direct) return;
-  // dq, dk w.r.t. the raw q, k (HV == H): through the normalisation, (d - n (n . d)) r; a warp per row.
+  // dq, dk w.r.t. the raw q, k (HV == H): through the normalisation, (d - n (n . d)) r; warp w the
+  // rows task = w + 8 j of [dq; dk], their n . d independent until one transposed warp sum.
   __syncthreads();
-  for (int task = warp; task < 2 * L; task += C::kThreads / 32) {
+  constexpr int kTasks = 2 * kChunk / (C::kThreads / 32);
+  static_assert(kTasks == 16, "16 rows a warp");
+  const auto row = [&](int task, float (&ds)[kK / 32], float (&n)[kK / 32]) {
     const bool is_k = task >= L;
     const int t = task % L;
     const float* d = (is_k ? sSk : sSq) + t * kLdS;
     const T* x = (is_k ? ct.k : ct.q) + t * kLdK;
     const float r = (is_k ? ct.rk : ct.rq)[t];
-    float ds[kK / 32], n[kK / 32], nd = 0.f;
 #pragma unroll
     for (int i = 0; i < kK / 32; ++i) {
       ds[i] = d[lane + 32 * i];
       n[i] = to_float(x[lane + 32 * i]) * r;
-      nd += n[i] * ds[i];
     }
-    nd = in.l2norm ? warp_reduce(nd, SumOp{}) : 0.f;
+  };
+  float nd_rows[kTasks];
+#pragma unroll
+  for (int j = 0; j < kTasks; ++j) {
+    float ds[kK / 32], n[kK / 32];
+    nd_rows[j] = 0.f;
+    if (warp + 8 * j >= 2 * L) continue;
+    row(warp + 8 * j, ds, n);
+#pragma unroll
+    for (int i = 0; i < kK / 32; ++i) nd_rows[j] += n[i] * ds[i];
+  }
+  const float nd_lane = warp_sum_transposed(nd_rows);  // lane l: the row of j = l % 16
+#pragma unroll
+  for (int j = 0; j < kTasks; ++j) {
+    const int task = warp + 8 * j;
+    if (task >= 2 * L) break;
+    const bool is_k = task >= L;
+    const int t = task % L;
+    const float r = (is_k ? ct.rk : ct.rq)[t];
+    const float nd = in.l2norm ? __shfl_sync(0xffffffffu, nd_lane, j) : 0.f;
+    float ds[kK / 32], n[kK / 32];
+    row(task, ds, n);
 #pragma unroll
     for (int i = 0; i < kK / 32; ++i) {
       store_elem(is_k ? out.dk : out.dq, ((t0 + t) * HV + blockIdx.y) * kK + lane + 32 * i, (ds[i] - n[i] * nd) * r,

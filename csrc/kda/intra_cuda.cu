@@ -80,7 +80,7 @@ struct IntraBf16 {
   static constexpr size_t kRegion = kGBytes > kInvBytes ? kGBytes : kInvBytes;  // G, later Minv
   static constexpr size_t bytes() {
     return 2 * (2 * kChunk * kLdK + kChunk * kLdV) + kRegion + 4 * (kChunk * kLdA + 3 * kChunk + 256) +
-           4 * (kMaxHeadDim + 2);
+           4 * (kMaxHeadDim + 2) + 8;
   }
   static_assert(kK == 64 || kK == 128, "K 64 or 128");
 };
@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   const int64_t row0 = hv * sq_.tokens + t0;  // workspace row of step 0
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32, g8 = lane / 4, q4 = lane % 4;
 
-  const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart, sfirst};
+  uint64_t* sbar = reinterpret_cast<uint64_t*>(sfirst + kMaxHeadDim + 2);
+  const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart, sfirst, sbar};
   ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * (V + 1) : nullptr);
 
   // The chunk's decay range D = max_c (G_0c - G_Lc) against kFactorRange: one factorisation of

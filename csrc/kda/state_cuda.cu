@@ -322,8 +322,11 @@ struct Bf16State {
       }
     }
   }
-  __device__ void scale_state_rows(float (&S)[kSTiles][4], const float* gc) const {
-    const float g0 = gc[srow(0)], g1 = gc[srow(2)];
+  // The chunk's decay gC of this thread's state rows: read at the chunk's start, used after its
+  // products, which hide the load.
+  __device__ float2 row_decay(const float* gc) const { return make_float2(gc[srow(0)], gc[srow(2)]); }
+  __device__ void scale_state_rows(float (&S)[kSTiles][4], float2 decay) const {
+    const float g0 = decay.x, g1 = decay.y;
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) {
       S[j][0] *= g0;
@@ -360,9 +363,11 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     int64_t slot, t0;
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
-    // this chunk's marks of the tile's columns (the forward's), read early: nullptr unless it is not clean
+    // this chunk's first non-finite step (the forward's marks) and decay, read here and used after
+    // the products
     const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (V + 1) : nullptr;
-    const unsigned char* mark = marks != nullptr && marks[V] < L ? marks + st.j0 : nullptr;
+    const int first_marked = marks != nullptr ? marks[V] : L;
+    const float2 decay = sm.row_decay(in.gC + (st.hv * sq_.slots + slot) * kK);
     Ws* start = starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr;
     sm.save_early(S, start, V, st.j0);
     mma::cp_async_wait<0>();
@@ -397,6 +402,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     sm.round_u(u);
     __syncthreads();
     sm.template mul_u<false>(acc_o, cur.A, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
+    const unsigned char* mark = first_marked < L ? marks + st.j0 : nullptr;  // nullptr: the chunk is clean
     const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
     if (o != nullptr) {
 #pragma unroll
@@ -411,7 +417,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
         }
       }
     }
-    sm.scale_state_rows(S, in.gC + (st.hv * sq_.slots + slot) * kK);
+    sm.scale_state_rows(S, decay);
     sm.mul_state(S, cur.Kd, sm.bU);
 #pragma unroll
     for (int j = 0; j < F::kSTiles; ++j) {
@@ -456,6 +462,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
       continue;
     }
     Ws* dend = dends + (st.hv * sq_.slots + slot) * kK * V;
+    const float2 decay = sm.row_decay(in.gC + (st.hv * sq_.slots + slot) * kK);
     sm.save_early(dS, dend, V, st.j0);
     mma::cp_async_wait<0>();
     __syncthreads();
@@ -478,7 +485,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
     sm.template mul_u<false>(du, cur.Kd, F::kLdK, sm.bS, 0, kK / 16);
     sm.round_u(du, -1.f);
     __syncthreads();
-    sm.scale_state_rows(dS, in.gC + (st.hv * sq_.slots + slot) * kK);
+    sm.scale_state_rows(dS, decay);
     sm.mul_state(dS, cur.Q, cur.X);
     sm.mul_state(dS, cur.W, sm.bU);
     __syncthreads();

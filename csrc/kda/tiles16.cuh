@@ -4,6 +4,7 @@
 // whose 16-bit leading dimension is an odd multiple of 8), and small vector loads and stores.
 #pragma once
 
+#include "common/hopper.cuh"
 #include "kda/kda_cuda.cuh"
 
 namespace kda_dsa_ops::kda {
@@ -125,17 +126,18 @@ constexpr float kFactorRange = 96.f;
 // q, k [kChunk, kK + 8] in T, G = log2(e) cumsum(g) [kChunk, kK + 4] in fp32 (plain fp32 sum,
 // scaled so that every exp is one ex2; g the log-decay, through the in-kernel gate where it is
 // on), beta (through its sigmoid where on) and the factors 1 / |q_t|, 1 / |k_t| (ones without
-// normalisation) [kChunk], and kThreads floats of scratch. Rows from L on are zero (g too: G
-// stays at its last value).
+// normalisation) [kChunk], kThreads floats of scratch and the mbarrier of the load's bulk copies
+// (16 bytes). Rows from L on are zero (g too: G stays at its last value).
 template <int kK, typename T>
 struct ChunkTiles16 {
   static constexpr int kThreads = 256, kLdK = kK + 8, kLdG = kK + 4, kLdV = kMaxHeadDim + 8;
   static constexpr size_t bytes() {
-    return 2 * sizeof(T) * kChunk * kLdK + 4 * (kChunk * kLdG + 3 * kChunk + kThreads);
+    return 2 * sizeof(T) * kChunk * kLdK + 4 * (kChunk * kLdG + 3 * kChunk + kThreads) + 16;
   }
   T *q, *k;
   float *G, *beta, *rq, *rk, *part;
   int* first;  // [kMaxHeadDim + 2] the forward's scratch of chunk_mark_nonfinite (nullptr elsewhere)
+  uint64_t* bar;  // 8-byte aligned
 
   // The tiles laid out from smem on (bytes() of it); *end receives the first byte after them.
   __device__ static ChunkTiles16 carve(unsigned char* smem, unsigned char** end) {
@@ -143,8 +145,9 @@ struct ChunkTiles16 {
     T* k = q + kChunk * kLdK;
     float* G = reinterpret_cast<float*>(k + kChunk * kLdK);
     float* beta = G + kChunk * kLdG;
-    *end = reinterpret_cast<unsigned char*>(beta + 3 * kChunk + kThreads);
-    return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk, nullptr};
+    uint64_t* bar = reinterpret_cast<uint64_t*>(beta + 3 * kChunk + kThreads);
+    *end = reinterpret_cast<unsigned char*>(bar) + 16;
+    return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk, nullptr, bar};
   }
 
   // Whether every channel's decay range from row r0 to row r1, G_r0 - G_r1, is within
@@ -213,24 +216,38 @@ struct ChunkTiles16 {
     const int64_t h = hv / (HV / H);
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
     if (mark != nullptr && tid < V + 2) first[tid] = L;  // (V + 2 <= kThreads)
-    // Loads; rows from L on are zero (g too: G stays at its last value).
-    for (int i = tid; i < kChunk * (kK / 8); i += kThreads) {
-      const int t = i / (kK / 8), c = i % (kK / 8) * 8;
-      const int64_t src = ((t0 + t) * H + h) * kK + c;
-      mma::cp_async_16_or_zero(q + t * kLdK + c, t < L ? in.q + src : nullptr);
-      mma::cp_async_16_or_zero(k + t * kLdK + c, t < L ? in.k + src : nullptr);
+    // Loads: thread (m, t) copies row t of q, k, v (where given) or g (fp32) for m = 0..3 by one
+    // bulk copy, its bytes counted on bar, or zeroes it from L on (g too: G stays at its last
+    // value).
+    static_assert(kThreads == 4 * kChunk, "a thread per (tile, row)");
+    if (tid == 0) {
+      sm90::mbar_init(bar, 1);
+      sm90::mbar_init_fence();
     }
-    for (int i = tid; sv != nullptr && i < kChunk * (V / 8); i += kThreads) {
-      const int t = i / (V / 8), c = i % (V / 8) * 8;
-      mma::cp_async_16_or_zero(sv + t * kLdV + c, t < L ? in.v + ((t0 + t) * HV + hv) * V + c : nullptr);
-    }
-    if (in.g_f32) {
-      const float* g = static_cast<const float*>(in.g);
-      for (int i = tid; i < kChunk * (kK / 4); i += kThreads) {
-        const int t = i / (kK / 4), c = i % (kK / 4) * 4;
-        mma::cp_async_16_or_zero(G + t * kLdG + c, t < L ? g + ((t0 + t) * HV + hv) * kK + c : nullptr);
+    __syncthreads();
+    const bool g_bulk = in.g_f32;
+    {
+      const int m = tid / kChunk, t = tid % kChunk;
+      T* const row = m == 0 ? q + t * kLdK : m == 1 ? k + t * kLdK : sv != nullptr ? sv + t * kLdV : nullptr;
+      unsigned char* dst = m < 3 ? reinterpret_cast<unsigned char*>(row)
+                                 : g_bulk ? reinterpret_cast<unsigned char*>(G + t * kLdG) : nullptr;
+      const int bytes = m < 2 ? kK * sizeof(T) : m == 2 ? V * sizeof(T) : kK * 4;
+      if (tid == 0) {
+        sm90::mbar_arrive_expect_tx(
+            bar, L * (2 * kK * sizeof(T) + (sv != nullptr ? V * sizeof(T) : 0) + (g_bulk ? kK * 4 : 0)));
       }
-    } else {
+      if (dst != nullptr && t < L) {
+        const int64_t qk = ((t0 + t) * H + h) * kK, tv = ((t0 + t) * HV + hv);
+        const void* src = m == 0   ? static_cast<const void*>(in.q + qk)
+                          : m == 1 ? static_cast<const void*>(in.k + qk)
+                          : m == 2 ? static_cast<const void*>(in.v + tv * V)
+                                   : static_cast<const void*>(static_cast<const float*>(in.g) + tv * kK);
+        sm90::bulk_load(dst, src, bytes, bar);
+      } else if (dst != nullptr) {
+        for (int b = 0; b < bytes; b += 16) *reinterpret_cast<uint4*>(dst + b) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    if (!g_bulk) {
       const T* g = static_cast<const T*>(in.g);
       for (int i = tid; i < kChunk * kK; i += kThreads) {
         const int t = i / kK, c = i % kK;
@@ -238,7 +255,7 @@ struct ChunkTiles16 {
       }
     }
     if (tid < kChunk) beta[tid] = tid < L ? in.beta_at((t0 + tid) * HV + hv) : 0.f;
-    mma::cp_async_wait_all();
+    sm90::mbar_wait(bar, 0);
     __syncthreads();
     if (mark != nullptr) find_nonfinite_v_beta(L, sv, V);
 
