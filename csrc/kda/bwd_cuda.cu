@@ -611,8 +611,8 @@ __global__ void __launch_bounds__(ChunkTiles16<kK, T>::kThreads, 1)
     for (int i = 0; i < kK / 32; ++i) nd_rows[j] += n[i] * ds[i];
   }
   const float nd_lane = warp_sum_transposed(nd_rows);  // lane l: the row of j = l % 16
-#pragma unroll
-  for (int j = 0; j < kTasks; ++j) {
+#pragma unroll 1
+  for (int j = 0; j < kTasks; ++j) {  // (the stores' code once: the kernel's code is near the instruction cache's size)
     const int task = warp + 8 * j;
     if (task >= 2 * L) break;
     const bool is_k = task >= L;
