@@ -237,8 +237,9 @@ __global__ void __launch_bounds__(BwdDenseBf16<kK>::kThreads, 1)
 //                    rows t >= r', kE_r', qE_r' = k_t, q_t exp(G_t - G_r'). Every factor is at
 //                    most 1.
 //   per element      the terms from dQg, dKd, ZW (read in batches of rows; the block asks L2 for
-//                    them, and for dA, dAqk, A, as it starts), with dbeta's ZW k exp(G) and
-//                    G_last's extra gradient summed through shared memory.
+//                    them as it starts, and reads dA, dAqk, A into registers while the chunk
+//                    loads), with dbeta's ZW k exp(G) and G_last's extra gradient summed through
+//                    shared memory.
 //   inside the       a thread per (channel, diagonal block) walks the block's 136 pairs once
 //   diagonal blocks  (fp32), each pair's exp serving the row terms of t and the column term of s.
 // Then dg's reverse cumsum and the outputs: the final gradients where HV == H (through the
