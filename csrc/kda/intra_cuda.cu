@@ -80,7 +80,7 @@ struct IntraBf16 {
   static constexpr size_t kRegion = kGBytes > kInvBytes ? kGBytes : kInvBytes;  // G, later Minv
   static constexpr size_t bytes() {
     return 2 * (2 * kChunk * kLdK + kChunk * kLdV) + kRegion + 4 * (kChunk * kLdA + 3 * kChunk + 256) +
-           4 * (kMaxHeadDim + 2) + 8;
+           4 * (kMaxHeadDim + 2);
   }
   static_assert(kK == 64 || kK == 128, "K 64 or 128");
 };
@@ -114,8 +114,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   const int64_t row0 = hv * sq_.tokens + t0;  // workspace row of step 0
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32, g8 = lane / 4, q4 = lane % 4;
 
-  uint64_t* sbar = reinterpret_cast<uint64_t*>(sfirst + kMaxHeadDim + 2);
-  const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart, sfirst, sbar};
+  const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart, sfirst};
   ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * (V + 1) : nullptr);
 
   // The chunk's decay range D = max_c (G_0c - G_Lc) against kFactorRange: one factorisation of
@@ -426,10 +425,14 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   }
   __syncthreads();
 
-  // W = Mb (k exp(G)), Ut = Mb v: warp w takes rows 16 (w % 4).. and half of the columns.
+  // W = Mb (k exp(G)), Ut = Mb v: warp w takes rows 16 (w % 4).. and half of the columns, into
+  // shared memory (W over q, Ut over A: both spent), then out in 16-byte pieces of whole rows.
   const int rt = warp % 4, half = warp / 4;
+  bf16* sW = reinterpret_cast<bf16*>(sq);  // [kChunk, kLdK]
+  bf16* sU = reinterpret_cast<bf16*>(sA);  // [kChunk, kLdV]
+  static_assert(kChunk * Z::kLdV * 2 <= kChunk * kLdA * 4, "Ut fits over A");
   // Factored: k holds ka = k 2^(G - Gm), so W's columns take the factor 2^Gm.
-  const auto product = [&](const bf16* B, int ldb, int N, bf16* dst, const float* col_scale) {
+  const auto product = [&](const bf16* B, int ldb, int N, bf16* dst, int ld_dst, const float* col_scale) {
     float acc[8][4] = {};
     const int n0 = half * N / 2;
     float2 scale[8];  // this lane's columns' factors, read before the products
@@ -445,11 +448,26 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
       acc[n][0] *= scale[n].x, acc[n][1] *= scale[n].y, acc[n][2] *= scale[n].x, acc[n][3] *= scale[n].y;
     }
     drain_tile(acc, rt, n0, N, [&](int t, int col, float x0, float x1) {
-      if (t < L) mma::store_pair(dst + (row0 + t) * N + col, x0, x1);
+      *reinterpret_cast<uint32_t*>(dst + t * ld_dst + col) = mma::pack2<bf16>(x0, x1);
     });
   };
-  product(reinterpret_cast<const bf16*>(sk), kLdK, kK, out.W, wide ? nullptr : spart + kK);
-  product(reinterpret_cast<const bf16*>(sv), Z::kLdV, V, out.Ut, nullptr);
+  product(reinterpret_cast<const bf16*>(sk), kLdK, kK, sW, kLdK, wide ? nullptr : spart + kK);
+  product(reinterpret_cast<const bf16*>(sv), Z::kLdV, V, sU, Z::kLdV, nullptr);
+  __syncthreads();
+  // Rows of N columns from s (leading dim ld) to the workspace dst: a row in N / 8 lanes.
+  const auto store_rows = [&](const bf16* src, int ld, auto n_tag, bf16* dst) {
+    constexpr int N = decltype(n_tag)::value, kRowsPerPass = Z::kThreads / (N / 8);
+    const int r = tid / (N / 8), c = tid % (N / 8) * 8;
+    for (int t = r; t < L; t += kRowsPerPass) {
+      *reinterpret_cast<uint4*>(dst + (row0 + t) * N + c) = *reinterpret_cast<const uint4*>(src + t * ld + c);
+    }
+  };
+  store_rows(sW, kLdK, std::integral_constant<int, kK>{}, out.W);
+  if (V == kMaxHeadDim) {
+    store_rows(sU, Z::kLdV, std::integral_constant<int, kMaxHeadDim>{}, out.Ut);
+  } else {
+    store_rows(sU, Z::kLdV, std::integral_constant<int, kMaxHeadDim / 2>{}, out.Ut);
+  }
 }
 
 // The forward's workspace of chunk_mark_nonfinite's marks, [HV, slots, V + 1].

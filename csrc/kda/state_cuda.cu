@@ -229,29 +229,19 @@ struct Bf16State {
   // The chunk at workspace row `row` (L steps): into the staging area (kStaged) or into tile set
   // s; X's rows (Ut or dO, 64 columns) at x + t * ldx.
   __device__ void stage(const Intra<Ws>& in, int64_t row, int L, const Ws* x, int64_t ldx, int s) const {
-    constexpr int kVec = 16 / sizeof(Ws);  // elements per 16-byte copy
     const Tiles d = set(s);
-    const Ws* src[3] = {in.W + row * kK, in.Qg + row * kK, in.Kd + row * kK};
-    const auto dst_k = [&](int m, int t, int c) -> void* {
-      if constexpr (kStaged) {
-        return (m == 0 ? stW : m == 1 ? stQ : stKd) + t * kK + c;
-      } else {
-        return (m == 0 ? d.W : m == 1 ? d.Q : d.Kd) + t * kLdK + c;
-      }
-    };
-#pragma unroll
-    for (int m = 0; m < 3; ++m) {
-      for (int i = threadIdx.x; i < kChunk * (kK / kVec); i += kThreads) {
-        const int t = i / (kK / kVec), c = i % (kK / kVec) * kVec;
-        mma::cp_async_16_or_zero(dst_k(m, t, c), t < L ? src[m] + t * kK + c : nullptr);
-      }
-    }
-    for (int i = threadIdx.x; i < kChunk * (kChunk / kVec); i += kThreads) {
-      const int t = i / (kChunk / kVec), c = i % (kChunk / kVec) * kVec;
-      void* da = kStaged ? static_cast<void*>(stA + t * kChunk + c) : static_cast<void*>(d.A + t * kLdC + c);
-      void* dx = kStaged ? static_cast<void*>(stX + t * kLdX + c) : static_cast<void*>(d.X + t * kLdC + c);
-      mma::cp_async_16_or_zero(da, t < L ? in.Aqk + (row + t) * kChunk + c : nullptr);
-      mma::cp_async_16_or_zero(dx, t < L ? x + t * ldx + c : nullptr);
+    if constexpr (kStaged) {
+      copy_rows_async<kThreads, kK, kK>(stW, in.W + row * kK, kK, L);
+      copy_rows_async<kThreads, kK, kK>(stQ, in.Qg + row * kK, kK, L);
+      copy_rows_async<kThreads, kK, kK>(stKd, in.Kd + row * kK, kK, L);
+      copy_rows_async<kThreads, kChunk, kChunk>(stA, in.Aqk + row * kChunk, kChunk, L);
+      copy_rows_async<kThreads, kCols, kLdX>(stX, x, ldx, L);
+    } else {
+      copy_rows_async<kThreads, kK, kLdK>(d.W, in.W + row * kK, kK, L);
+      copy_rows_async<kThreads, kK, kLdK>(d.Q, in.Qg + row * kK, kK, L);
+      copy_rows_async<kThreads, kK, kLdK>(d.Kd, in.Kd + row * kK, kK, L);
+      copy_rows_async<kThreads, kChunk, kLdC>(d.A, in.Aqk + row * kChunk, kChunk, L);
+      copy_rows_async<kThreads, kCols, kLdC>(d.X, x, ldx, L);
     }
     mma::cp_async_commit();
   }

@@ -47,6 +47,23 @@ __device__ __forceinline__ void load_floats(const T* p, float (&x)[N]) {
   }
 }
 
+// A [kChunk, kCols] tile of E (rows at src + t * ld) into shared rows of kLdS elements by
+// 16-byte cp.async for a block of kThreads, zeros from row L on: thread i copies the pieces i,
+// i + kThreads, ..., whose addresses differ from its first by constants (no index arithmetic or
+// branch per piece; a piece from L on has source size 0 and reads nothing). The caller commits.
+template <int kThreads, int kCols, int kLdS, typename E>
+__device__ __forceinline__ void copy_rows_async(E* dst, const E* src, int64_t ld, int L) {
+  constexpr int kVec = 16 / sizeof(E), kPieces = kCols / kVec, kRowsPerPass = kThreads / kPieces;
+  static_assert(kCols % kVec == 0 && kThreads % kPieces == 0 && kChunk % kRowsPerPass == 0, "whole passes");
+  const int r = static_cast<int>(threadIdx.x) / kPieces, c = static_cast<int>(threadIdx.x) % kPieces * kVec;
+  E* d = dst + r * kLdS + c;
+  const E* s = src + r * ld + c;
+#pragma unroll
+  for (int j = 0; j < kChunk / kRowsPerPass; ++j) {
+    mma::cp_async_16_zfill(d + j * kRowsPerPass * kLdS, s + j * kRowsPerPass * ld, r + j * kRowsPerPass < L);
+  }
+}
+
 // acc (this warp's 16 x 8 kTiles tile: rows 16 rt.., columns n0.., of which the first N / 2 are
 // used, N / 2 a multiple of 16) += A B over the k blocks [kk0, kk1) of 16. A row-major [*, lda]
 // (kTransA: A is the transpose of a row-major [k, *] tile); B row-major [k, *] (kBnk: B is the
@@ -126,18 +143,17 @@ constexpr float kFactorRange = 96.f;
 // q, k [kChunk, kK + 8] in T, G = log2(e) cumsum(g) [kChunk, kK + 4] in fp32 (plain fp32 sum,
 // scaled so that every exp is one ex2; g the log-decay, through the in-kernel gate where it is
 // on), beta (through its sigmoid where on) and the factors 1 / |q_t|, 1 / |k_t| (ones without
-// normalisation) [kChunk], kThreads floats of scratch and the mbarrier of the load's bulk copies
-// (16 bytes). Rows from L on are zero (g too: G stays at its last value).
+// normalisation) [kChunk] and kThreads floats of scratch. Rows from L on are zero (g too: G stays
+// at its last value).
 template <int kK, typename T>
 struct ChunkTiles16 {
   static constexpr int kThreads = 256, kLdK = kK + 8, kLdG = kK + 4, kLdV = kMaxHeadDim + 8;
   static constexpr size_t bytes() {
-    return 2 * sizeof(T) * kChunk * kLdK + 4 * (kChunk * kLdG + 3 * kChunk + kThreads) + 16;
+    return 2 * sizeof(T) * kChunk * kLdK + 4 * (kChunk * kLdG + 3 * kChunk + kThreads);
   }
   T *q, *k;
   float *G, *beta, *rq, *rk, *part;
   int* first;  // [kMaxHeadDim + 2] the forward's scratch of chunk_mark_nonfinite (nullptr elsewhere)
-  uint64_t* bar;  // 8-byte aligned
 
   // The tiles laid out from smem on (bytes() of it); *end receives the first byte after them.
   __device__ static ChunkTiles16 carve(unsigned char* smem, unsigned char** end) {
@@ -145,9 +161,8 @@ struct ChunkTiles16 {
     T* k = q + kChunk * kLdK;
     float* G = reinterpret_cast<float*>(k + kChunk * kLdK);
     float* beta = G + kChunk * kLdG;
-    uint64_t* bar = reinterpret_cast<uint64_t*>(beta + 3 * kChunk + kThreads);
-    *end = reinterpret_cast<unsigned char*>(bar) + 16;
-    return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk, nullptr, bar};
+    *end = reinterpret_cast<unsigned char*>(beta + 3 * kChunk + kThreads);
+    return ChunkTiles16{q, k, G, beta, beta + kChunk, beta + 2 * kChunk, beta + 3 * kChunk, nullptr};
   }
 
   // Whether every channel's decay range from row r0 to row r1, G_r0 - G_r1, is within
@@ -216,38 +231,20 @@ struct ChunkTiles16 {
     const int64_t h = hv / (HV / H);
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
     if (mark != nullptr && tid < V + 2) first[tid] = L;  // (V + 2 <= kThreads)
-    // Loads: thread (m, t) copies row t of q, k, v (where given) or g (fp32) for m = 0..3 by one
-    // bulk copy, its bytes counted on bar, or zeroes it from L on (g too: G stays at its last
-    // value).
-    static_assert(kThreads == 4 * kChunk, "a thread per (tile, row)");
-    if (tid == 0) {
-      sm90::mbar_init(bar, 1);
-      sm90::mbar_init_fence();
+    // Loads: q, k, v (where given) and g (fp32; else converted here) by cp.async, zeros from L on
+    // (g too: G stays at its last value).
+    copy_rows_async<kThreads, kK, kLdK>(q, in.q + (t0 * H + h) * kK, H * kK, L);
+    copy_rows_async<kThreads, kK, kLdK>(k, in.k + (t0 * H + h) * kK, H * kK, L);
+    if (sv != nullptr && V == kMaxHeadDim) {
+      copy_rows_async<kThreads, kMaxHeadDim, kLdV>(sv, in.v + (t0 * HV + hv) * V, HV * V, L);
+    } else if (sv != nullptr) {
+      copy_rows_async<kThreads, kMaxHeadDim / 2, kLdV>(sv, in.v + (t0 * HV + hv) * V, HV * V, L);
     }
-    __syncthreads();
-    const bool g_bulk = in.g_f32;
-    {
-      const int m = tid / kChunk, t = tid % kChunk;
-      T* const row = m == 0 ? q + t * kLdK : m == 1 ? k + t * kLdK : sv != nullptr ? sv + t * kLdV : nullptr;
-      unsigned char* dst = m < 3 ? reinterpret_cast<unsigned char*>(row)
-                                 : g_bulk ? reinterpret_cast<unsigned char*>(G + t * kLdG) : nullptr;
-      const int bytes = m < 2 ? kK * sizeof(T) : m == 2 ? V * sizeof(T) : kK * 4;
-      if (tid == 0) {
-        sm90::mbar_arrive_expect_tx(
-            bar, L * (2 * kK * sizeof(T) + (sv != nullptr ? V * sizeof(T) : 0) + (g_bulk ? kK * 4 : 0)));
-      }
-      if (dst != nullptr && t < L) {
-        const int64_t qk = ((t0 + t) * H + h) * kK, tv = ((t0 + t) * HV + hv);
-        const void* src = m == 0   ? static_cast<const void*>(in.q + qk)
-                          : m == 1 ? static_cast<const void*>(in.k + qk)
-                          : m == 2 ? static_cast<const void*>(in.v + tv * V)
-                                   : static_cast<const void*>(static_cast<const float*>(in.g) + tv * kK);
-        sm90::bulk_load(dst, src, bytes, bar);
-      } else if (dst != nullptr) {
-        for (int b = 0; b < bytes; b += 16) *reinterpret_cast<uint4*>(dst + b) = make_uint4(0, 0, 0, 0);
-      }
+    if (in.g_f32) {
+      copy_rows_async<kThreads, kK, kLdG>(G, static_cast<const float*>(in.g) + (t0 * HV + hv) * kK, HV * kK, L);
     }
-    if (!g_bulk) {
+    mma::cp_async_commit();
+    if (!in.g_f32) {
       const T* g = static_cast<const T*>(in.g);
       for (int i = tid; i < kChunk * kK; i += kThreads) {
         const int t = i / kK, c = i % kK;
@@ -255,7 +252,7 @@ struct ChunkTiles16 {
       }
     }
     if (tid < kChunk) beta[tid] = tid < L ? in.beta_at((t0 + tid) * HV + hv) : 0.f;
-    sm90::mbar_wait(bar, 0);
+    mma::cp_async_wait<0>();
     __syncthreads();
     if (mark != nullptr) find_nonfinite_v_beta(L, sv, V);
 
