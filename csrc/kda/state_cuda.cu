@@ -229,7 +229,6 @@ struct Bf16State {
   // The chunk at workspace row `row` (L steps): into the staging area (kStaged) or into tile set
   // s; X's rows (Ut or dO, 64 columns) at x + t * ldx.
   __device__ void stage(const Intra<Ws>& in, int64_t row, int L, const Ws* x, int64_t ldx, int s) const {
-    const Tiles d = set(s);
     if constexpr (kStaged) {
       copy_rows_async<kThreads, kK, kK>(stW, in.W + row * kK, kK, L);
       copy_rows_async<kThreads, kK, kK>(stQ, in.Qg + row * kK, kK, L);
@@ -237,6 +236,7 @@ struct Bf16State {
       copy_rows_async<kThreads, kChunk, kChunk>(stA, in.Aqk + row * kChunk, kChunk, L);
       copy_rows_async<kThreads, kCols, kLdX>(stX, x, ldx, L);
     } else {
+      const Tiles d = set(s);
       copy_rows_async<kThreads, kK, kLdK>(d.W, in.W + row * kK, kK, L);
       copy_rows_async<kThreads, kK, kLdK>(d.Q, in.Qg + row * kK, kK, L);
       copy_rows_async<kThreads, kK, kLdK>(d.Kd, in.Kd + row * kK, kK, L);

@@ -4,7 +4,6 @@
 // whose 16-bit leading dimension is an odd multiple of 8), and small vector loads and stores.
 #pragma once
 
-#include "common/hopper.cuh"
 #include "kda/kda_cuda.cuh"
 
 namespace kda_dsa_ops::kda {
