@@ -312,8 +312,7 @@ struct Bf16State {
       }
     }
   }
-  // The chunk's decay gC of this thread's state rows: read at the chunk's start, used after its
-  // products, which hide the load.
+  // The chunk's decay gC of this thread's state rows (read with the chunk's tiles).
   __device__ float2 row_decay(const float* gc) const { return make_float2(gc[srow(0)], gc[srow(2)]); }
   __device__ void scale_state_rows(float (&S)[kSTiles][4], float2 decay) const {
     const float g0 = decay.x, g1 = decay.y;
@@ -340,12 +339,18 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
   const int64_t V = z.V;
   float S[F::kSTiles][4];
   sm.load_state(S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr, V, st.j0);
+  // The staged chunk's decay (gC of this thread's rows) and first non-finite step (the forward's
+  // marks), read with its tiles: a chunk before their use.
+  float2 next_decay{};
+  int next_marked = 0;
   auto stage = [&](int64_t i) {
     int64_t slot, t0;
     int L;
     if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
       const int64_t row = st.hv * sq_.tokens + t0;
       sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % 2));
+      next_decay = sm.row_decay(in.gC + (st.hv * sq_.slots + slot) * kK);
+      next_marked = in.mark != nullptr ? in.mark[(st.hv * sq_.slots + slot) * (V + 1) + V] : L;
     }
   };
   stage(0);
@@ -353,11 +358,9 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     int64_t slot, t0;
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
-    // this chunk's first non-finite step (the forward's marks) and decay, read here and used after
-    // the products
     const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (V + 1) : nullptr;
-    const int first_marked = marks != nullptr ? marks[V] : L;
-    const float2 decay = sm.row_decay(in.gC + (st.hv * sq_.slots + slot) * kK);
+    const int first_marked = next_marked;
+    const float2 decay = next_decay;
     Ws* start = starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr;
     sm.save_early(S, start, V, st.j0);
     mma::cp_async_wait<0>();
@@ -394,16 +397,19 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     sm.template mul_u<false>(acc_o, cur.A, F::kLdC, sm.bU, 0, sm.ru + 1);  // Aqk is zero above the diagonal
     const unsigned char* mark = first_marked < L ? marks + st.j0 : nullptr;  // nullptr: the chunk is clean
     const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
+    // O into shared memory over W and Qg (spent since the barrier above), out in whole rows after
+    // the chunk's last barrier.
+    O* sO = reinterpret_cast<O*>(cur.W);
+    constexpr int kLdO = kStateCols + 16 / sizeof(O);
+    static_assert(kChunk * kLdO * sizeof(O) <= 2 * kChunk * F::kLdK * sizeof(__nv_bfloat16), "O over W and Qg");
     if (o != nullptr) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int t = sm.urow(2 * h), col = sm.ucol(j, 2 * h);
-          if (t < L) {
-            mma::store_pair(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + col, marked(scale * acc_o[j][2 * h], t, col),
-                       marked(scale * acc_o[j][2 * h + 1], t, col + 1));
-          }
+          mma::store_pair(sO + t * kLdO + col, marked(scale * acc_o[j][2 * h], t, col),
+                          marked(scale * acc_o[j][2 * h + 1], t, col + 1));
         }
       }
     }
@@ -415,6 +421,14 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
       for (int r = 0; r < 4; ++r) S[j][r] = marked(S[j][r], L - 1, sm.scol(j, r));  // NaN where the last step is
     }
     __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
+    if (o != nullptr) {  // (before the next chunk's first barrier)
+      constexpr int kPieces = kStateCols * sizeof(O) / 16;
+      for (int i = threadIdx.x; i < L * kPieces; i += F::kThreads) {
+        const int t = i / kPieces, c = i % kPieces * (16 / sizeof(O));
+        *reinterpret_cast<uint4*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + c) =
+            *reinterpret_cast<const uint4*>(sO + t * kLdO + c);
+      }
+    }
   }
   mma::cp_async_wait<0>();
   sm.store_state(S, ht != nullptr ? ht + st.matrix(z.HV) : nullptr, V, st.j0);
@@ -435,12 +449,14 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
   const int64_t V = z.V;
   float dS[F::kSTiles][4];
   sm.load_state(dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr, V, st.j0);
+  float2 next_decay{};  // the staged chunk's gC (this thread's rows), read with its tiles
   auto stage = [&](int64_t i) {
     int64_t slot, t0;
     int L;
     if (i >= 0 && st.chunk(sq_, i, slot, t0, L)) {
       sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V,
                static_cast<int>(i % 2));
+      next_decay = sm.row_decay(in.gC + (st.hv * sq_.slots + slot) * kK);
     }
   };
   stage(st.chunks - 1);
@@ -452,7 +468,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
       continue;
     }
     Ws* dend = dends + (st.hv * sq_.slots + slot) * kK * V;
-    const float2 decay = sm.row_decay(in.gC + (st.hv * sq_.slots + slot) * kK);
+    const float2 decay = next_decay;
     sm.save_early(dS, dend, V, st.j0);
     mma::cp_async_wait<0>();
     __syncthreads();
