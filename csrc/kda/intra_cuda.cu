@@ -75,6 +75,7 @@ struct IntraBf16 {
   static constexpr int kLdG = kK + 4;                // fp32 rows of G
   static constexpr int kLdA = kChunk + 4;            // fp32 rows of A and Minv
   static constexpr int kLdM = kChunk + 8;            // bf16 rows of Minv diag(beta)
+  static constexpr int kLdQ = kChunk + 8;            // bf16 rows of Aqk (mild chunks), over q
   static constexpr size_t kGBytes = 4 * kChunk * kLdG;
   static constexpr size_t kInvBytes = 4 * kChunk * kLdA + 2 * kChunk * kLdM + 4 * 32 * 32;
   static constexpr size_t kRegion = kGBytes > kInvBytes ? kGBytes : kInvBytes;  // G, later Minv
@@ -100,6 +101,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   float* sMinv = sG;  // once G is spent
   bf16* sMb = reinterpret_cast<bf16*>(sMinv + kChunk * kLdA);
   float* sP = reinterpret_cast<float*>(sMb + kChunk * Z::kLdM);
+  bf16* sAq = reinterpret_cast<bf16*>(sq);  // [kChunk, kLdQ] once q is spent (mild chunks)
   float* sA = reinterpret_cast<float*>(region + Z::kRegion);
   float* sbeta = sA + kChunk * kLdA;
   float* srq = sbeta + kChunk;
@@ -158,20 +160,28 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
     }
     __syncthreads();
     // A = ka kb^T (warps 0-3), Aqk = qa kb^T (warps 4-7): warp w the rows 16 (w % 4).. up to the
-    // diagonal; the upper triangle (2^(G_t - G_s) >= 1 there) is dropped by selection.
+    // diagonal; the upper triangle (2^(G_t - G_s) >= 1 there) is dropped by selection. Aqk goes
+    // to sAq over q (spent once the products are) with zeros in the columns past the product's,
+    // and out in whole rows below.
     const int rt = warp % 4;
     float acc[8][4] = {};
     warp_tile_product<false, true>(acc, reinterpret_cast<const bf16*>(warp < 4 ? sk : sq), kLdK, sKb, kLdK, rt, 0,
                                    32 * (rt + 1), 0, kK / 16);
-    __syncthreads();  // kb is read: A may take its place
+    __syncthreads();  // kb and qa are read: A and Aqk may take their places
     drain_tile(acc, rt, 0, 32 * (rt + 1), [&](int t, int s, float x0, float x1) {
       if (warp < 4) {
         sA[t * kLdA + s] = s < t ? x0 : 0.f;
         sA[t * kLdA + s + 1] = s + 1 < t ? x1 : 0.f;
-      } else if (t < L) {
-        mma::store_pair(out.Aqk + (row0 + t) * kChunk + s, s <= t ? x0 : 0.f, s + 1 <= t ? x1 : 0.f);
+      } else {
+        mma::store_pair(sAq + t * Z::kLdQ + s, s <= t ? x0 : 0.f, s + 1 <= t ? x1 : 0.f);
       }
     });
+    if (warp >= 4 && rt < 3) {  // the product's rows 16 rt.. end at column 16 (rt + 1)
+      const int pairs = 8 * (3 - rt);  // column pairs from there to kChunk
+      for (int i = lane; i < 16 * pairs; i += 32) {
+        mma::store_pair(sAq + (16 * rt + i / pairs) * Z::kLdQ + 16 * (rt + 1) + i % pairs * 2, 0.f, 0.f);
+      }
+    }
   } else {
     // Diagonal blocks whose own range is mild (bit b of mild) take a factorisation through their
     // midpoint like the whole chunk above; the others one exp per pair (below).
@@ -295,12 +305,19 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
       }
     }
   }
-  // Aqk is zero right of the diagonal blocks.
-  for (int i = tid; i < kChunk * kChunk / 2; i += Z::kThreads) {
-    const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
-    if (t < L && s >= (t / 16 + 1) * 16) mma::store_pair(out.Aqk + (row0 + t) * kChunk + s, 0.f, 0.f);
+  if (wide) {  // Aqk is zero right of the diagonal blocks
+    for (int i = tid; i < kChunk * kChunk / 2; i += Z::kThreads) {
+      const int t = i / (kChunk / 2), s = i % (kChunk / 2) * 2;
+      if (t < L && s >= (t / 16 + 1) * 16) mma::store_pair(out.Aqk + (row0 + t) * kChunk + s, 0.f, 0.f);
+    }
   }
   __syncthreads();
+  if (!wide) {  // Aqk's rows from sAq, 8 lanes a row
+    for (int t = tid / 8; t < L; t += Z::kThreads / 8) {
+      *reinterpret_cast<uint4*>(out.Aqk + (row0 + t) * kChunk + tid % 8 * 8) =
+          *reinterpret_cast<const uint4*>(sAq + t * Z::kLdQ + tid % 8 * 8);
+    }
+  }
 
   // Elementwise (blocks): Qg = q exp(G), Kd = k exp(G_last - G) out, k exp(G) over k (bf16).
   if (wide) {
