@@ -115,6 +115,14 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   if (!sq_.locate(slot, t0, L) || !sq_.valid(slot, t0, L)) return;
   const int64_t row0 = hv * sq_.tokens + t0;  // workspace row of step 0
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32, g8 = lane / 4, q4 = lane % 4;
+  // Rows of N columns from src (leading dim ld) to the workspace dst: a row in N / 8 lanes.
+  const auto store_rows = [&](const bf16* src, int ld, auto n_tag, bf16* dst) {
+    constexpr int N = decltype(n_tag)::value, kRowsPerPass = Z::kThreads / (N / 8);
+    const int r = tid / (N / 8), c = tid % (N / 8) * 8;
+    for (int t = r; t < L; t += kRowsPerPass) {
+      *reinterpret_cast<uint4*>(dst + (row0 + t) * N + c) = *reinterpret_cast<const uint4*>(src + t * ld + c);
+    }
+  };
 
   const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart, sfirst};
   ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * (V + 1) : nullptr);
@@ -312,12 +320,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
     }
   }
   __syncthreads();
-  if (!wide) {  // Aqk's rows from sAq, 8 lanes a row
-    for (int t = tid / 8; t < L; t += Z::kThreads / 8) {
-      *reinterpret_cast<uint4*>(out.Aqk + (row0 + t) * kChunk + tid % 8 * 8) =
-          *reinterpret_cast<const uint4*>(sAq + t * Z::kLdQ + tid % 8 * 8);
-    }
-  }
+  if (!wide) store_rows(sAq, Z::kLdQ, std::integral_constant<int, kChunk>{}, out.Aqk);  // Aqk's rows from sAq
 
   // Elementwise (blocks): Qg = q exp(G), Kd = k exp(G_last - G) out, k exp(G) over k (bf16).
   if (wide) {
@@ -471,14 +474,6 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   product(reinterpret_cast<const bf16*>(sk), kLdK, kK, sW, kLdK, wide ? nullptr : spart + kK);
   product(reinterpret_cast<const bf16*>(sv), Z::kLdV, V, sU, Z::kLdV, nullptr);
   __syncthreads();
-  // Rows of N columns from s (leading dim ld) to the workspace dst: a row in N / 8 lanes.
-  const auto store_rows = [&](const bf16* src, int ld, auto n_tag, bf16* dst) {
-    constexpr int N = decltype(n_tag)::value, kRowsPerPass = Z::kThreads / (N / 8);
-    const int r = tid / (N / 8), c = tid % (N / 8) * 8;
-    for (int t = r; t < L; t += kRowsPerPass) {
-      *reinterpret_cast<uint4*>(dst + (row0 + t) * N + c) = *reinterpret_cast<const uint4*>(src + t * ld + c);
-    }
-  };
   store_rows(sW, kLdK, std::integral_constant<int, kK>{}, out.W);
   if (V == kMaxHeadDim) {
     store_rows(sU, Z::kLdV, std::integral_constant<int, kMaxHeadDim>{}, out.Ut);
