@@ -11,8 +11,12 @@
 //                                                  chunk_state_fwd / _bwd on the block team
 //   state_fwd_bf16_kernel, state_bwd_bf16_kernel   bf16 operands, the state in registers, the
 //                                                  next chunk staged while this one computes
+//   state_fwd_wgmma_kernel                         the forward (and start-state pass) at K 128 on
+//                                                  Hopper's wgmma: two warpgroups, the state in
+//                                                  their accumulators
 #include <c10/cuda/CUDAGuard.h>
 
+#include "common/hopper.cuh"
 #include "kda/kda_cuda.cuh"
 #include "kda/tiles16.cuh"
 
@@ -500,6 +504,197 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
   sm.store_state(dS, dh0 + st.matrix(z.HV), V, st.j0);
 }
 
+// The forward state pass on bf16 workspaces at K 128 with Hopper's wgmma: two warpgroups, each
+// operand read from shared memory once per product (mma.sync reads the state tile once per warp).
+// The chunk's terms arrive by cp.async in 128-byte-swizzled [64, 64] chunks (the layout
+// sw128_descriptor reads: W, Qg, Aqk K-major, Kd as the M-major A of Kd^T U), two sets used in
+// turn; the state S [128, 64] lives in the warpgroups' accumulators (warpgroup w rows 64 w..) and
+// goes to shared memory as the bf16 B operand (M/N-major) once a chunk, U likewise.
+//   warpgroup 0: U = Ut - W S, into bU       warpgroup 1: O = scale (Qg S + Aqk U)
+//   both: S[64 w.., :] <- diag(gC) S + (Kd^T U)[64 w.., :]
+struct WgState {
+  using bf16 = __nv_bfloat16;
+  static constexpr int kK = 128, kThreads = 256, kCols = kStateCols;
+  static constexpr int kChunkBytes = kChunk * 128;           // one swizzled [64, 64] chunk
+  static constexpr int kTermBytes = (kK / 64) * kChunkBytes;  // W, Qg, Kd
+  static constexpr int kLdX = kCols + 8;                      // Ut's plain bf16 rows
+  static constexpr int kSetBytes = 3 * kTermBytes + kChunkBytes + kChunk * kLdX * 2;
+  static constexpr int kSBytes = kK * 128, kUBytes = kChunk * 128;
+  static constexpr size_t bytes() { return 1024 + 2 * kSetBytes + kSBytes + kUBytes; }
+  static_assert(kChunk == 64 && kCols == 64 && kSetBytes % 1024 == 0, "tile shapes");
+
+  struct Tiles {
+    unsigned char *W, *Q, *Kd, *A;
+    bf16* X;
+  };
+  unsigned char* base;  // 1024-aligned
+  unsigned char *bS, *bU;
+  int wg, g, q, r0;  // warpgroup; this thread's rows r0, r0 + 8 of its warpgroup's [64, *] tiles
+
+  __device__ explicit WgState(unsigned char* smem)
+      : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t{1023})),
+        bS(base + 2 * kSetBytes), bU(bS + kSBytes), wg(threadIdx.x / 128), g(threadIdx.x % 32 / 4), q(threadIdx.x % 4),
+        r0(threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4) {}
+  __device__ Tiles set(int s) const {
+    unsigned char* b = base + s * kSetBytes;
+    return Tiles{b, b + kTermBytes, b + 2 * kTermBytes, b + 3 * kTermBytes,
+                 reinterpret_cast<bf16*>(b + 3 * kTermBytes + kChunkBytes)};
+  }
+  // Accumulator element e of a [64, 64] tile: row, column (the wgmma layout).
+  __device__ int arow(int e) const { return r0 + 8 * (e % 4 / 2); }
+  __device__ static int acol(int e, int q) { return 8 * (e / 4) + 2 * q + e % 2; }
+  // Byte of element (r, c) in a swizzled tile of 64-element rows.
+  __device__ static int sw_byte(int r, int c) { return sm90::sw128_offset(r, c / 8) + c % 8 * 2; }
+
+  // A [kChunk, kCols] bf16 tile (rows at src + t * ld) into swizzled [64, 64] chunks at dst, zeros
+  // from row L on; per thread pieces at constant distances, as copy_rows_async.
+  template <int kC>
+  __device__ static void copy_sw(unsigned char* dst, const bf16* src, int64_t ld, int L) {
+    constexpr int kPieces = kC / 8, kRows = kThreads / kPieces;
+    static_assert(kRows % 8 == 0 && kChunk % kRows == 0, "whole passes of whole swizzle groups");
+    const int r = static_cast<int>(threadIdx.x) / kPieces, p = static_cast<int>(threadIdx.x) % kPieces;
+    unsigned char* d = dst + p / 8 * kChunkBytes + sm90::sw128_offset(r, p % 8);
+    const bf16* s = src + r * ld + p * 8;
+#pragma unroll
+    for (int j = 0; j < kChunk / kRows; ++j) mma::cp_async_16_zfill(d + j * kRows * 128, s + j * kRows * ld, r + j * kRows < L);
+  }
+  __device__ void stage(const Intra<bf16>& in, int64_t row, int L, const bf16* x, int64_t ldx, int s, bool with_o) const {
+    const Tiles d = set(s);
+    copy_sw<kK>(d.W, in.W + row * kK, kK, L);
+    copy_sw<kK>(d.Kd, in.Kd + row * kK, kK, L);
+    if (with_o) {
+      copy_sw<kK>(d.Q, in.Qg + row * kK, kK, L);
+      copy_sw<kChunk>(d.A, in.Aqk + row * kChunk, kChunk, L);
+    }
+    copy_rows_async<kThreads, kCols, kLdX>(d.X, x, ldx, L);
+    mma::cp_async_commit();
+  }
+  // An accumulator tile (times factor) as bf16 into the swizzled tile t at rows row0.. (M/N-major B).
+  __device__ void put(unsigned char* t, int row0, const float (&a)[32], float factor = 1.f) const {
+#pragma unroll
+    for (int e = 0; e < 32; e += 2) {
+      *reinterpret_cast<uint32_t*>(t + sw_byte(row0 + arow(e), acol(e, q))) = mma::pack2<bf16>(factor * a[e], factor * a[e + 1]);
+    }
+  }
+  // acc += A B over kSteps k blocks of 16: A K-major in chunks of kChunkBytes (kTransA 0) or the
+  // M-major [k, 64] rows of one chunk (kTransA 1); B the M/N-major [k, 64] rows at b.
+  template <int kTransA, int kSteps>
+  __device__ static void product(float (&acc)[32], const unsigned char* a, const unsigned char* b) {
+    sm90::fence_accumulators(acc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      const uint32_t a_off = kTransA ? kk * 2048 : kk / 4 * kChunkBytes + kk % 4 * 32;
+      sm90::wgmma_m64n64k16<bf16, kTransA, 1>(acc, sm90::sw128_descriptor(sm90::smem_addr(a) + a_off, kChunkBytes),
+                                              sm90::sw128_descriptor(sm90::smem_addr(b) + kk * 2048, kChunkBytes));
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_accumulators(acc);
+  }
+};
+
+template <typename O>
+__global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
+    Seqs sq_, Sizes<float> z, float scale, Intra<__nv_bfloat16> in, const float* __restrict__ h0, O* o, float* ht,
+    __nv_bfloat16* starts) {
+  using F = WgState;
+  constexpr int kK = F::kK;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const F sm(smem_raw);
+  const StateTile<float> st(sq_, z);
+  const int64_t V = z.V;
+  const bool with_o = o != nullptr;  // else only the states (the backward's start-state pass)
+  const int srow0 = 64 * sm.wg;      // this warpgroup's state rows
+  float S[32];
+#pragma unroll
+  for (int e = 0; e < 32; ++e) S[e] = h0 != nullptr ? h0[st.matrix(z.HV) + (srow0 + sm.arow(e)) * V + st.j0 + F::acol(e, sm.q)] : 0.f;
+  float2 next_decay{};
+  int next_marked = 0;
+  auto stage = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
+      const int64_t row = st.hv * sq_.tokens + t0;
+      sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % 2), with_o);
+      const float* gc = in.gC + (st.hv * sq_.slots + slot) * kK + srow0;
+      next_decay = make_float2(gc[sm.arow(0)], gc[sm.arow(2)]);
+      next_marked = in.mark != nullptr ? in.mark[(st.hv * sq_.slots + slot) * (V + 1) + V] : L;
+    }
+  };
+  stage(0);
+  for (int64_t i = 0; i < st.chunks; ++i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) break;
+    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (V + 1) : nullptr;
+    const int first_marked = next_marked;
+    const float2 decay = next_decay;
+    mma::cp_async_wait<0>();
+    sm90::fence_proxy_async();  // the copies are read by wgmma
+    __syncthreads();
+    const F::Tiles cur = sm.set(static_cast<int>(i % 2));
+    sm.put(sm.bS, srow0, S);
+    sm90::fence_proxy_async();
+    __syncthreads();  // bS complete; the other set is free
+    if (starts != nullptr) {  // the start state, bf16, in whole 16-byte rows
+      __nv_bfloat16* m = starts + (st.hv * sq_.slots + slot) * kK * V + st.j0;
+      for (int p = threadIdx.x; p < kK * 8; p += F::kThreads) {
+        *reinterpret_cast<uint4*>(m + p / 8 * V + p % 8 * 8) =
+            *reinterpret_cast<const uint4*>(sm.bS + sm90::sw128_offset(p / 8, p % 8));
+      }
+    }
+    stage(i + 1);
+    float acc[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[e] = 0.f;
+    if (sm.wg == 0) {
+      F::product<0, kK / 16>(acc, cur.W, sm.bS);
+#pragma unroll
+      for (int e = 0; e < 32; ++e) acc[e] = to_float(cur.X[sm.arow(e) * F::kLdX + F::acol(e, sm.q)]) - acc[e];
+      sm.put(sm.bU, 0, acc);
+      sm90::fence_proxy_async();
+    } else if (with_o) {
+      F::product<0, kK / 16>(acc, cur.Q, sm.bS);
+    }
+    __syncthreads();  // bU complete
+    if (sm.wg == 1 && with_o) F::product<0, kChunk / 16>(acc, cur.A, sm.bU);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) S[e] *= e % 4 < 2 ? decay.x : decay.y;
+    F::product<1, kChunk / 16>(S, cur.Kd + sm.wg * F::kChunkBytes, sm.bU);
+    const unsigned char* mark = first_marked < L ? marks + st.j0 : nullptr;  // nullptr: the chunk is clean
+    const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
+    // O into shared memory over W and Qg (their products are done), out in whole rows after the
+    // chunk's last barrier.
+    O* sO = reinterpret_cast<O*>(cur.W);
+    constexpr int kLdO = kStateCols + 16 / sizeof(O);
+    static_assert(kChunk * kLdO * sizeof(O) <= 2 * F::kTermBytes, "O over W and Qg");
+    if (sm.wg == 1 && with_o) {
+#pragma unroll
+      for (int e = 0; e < 32; e += 2) {
+        const int t = sm.arow(e), col = F::acol(e, sm.q);
+        mma::store_pair(sO + t * kLdO + col, marked(scale * acc[e], t, col), marked(scale * acc[e + 1], t, col + 1));
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 32; ++e) S[e] = marked(S[e], L - 1, F::acol(e, sm.q));  // NaN where the last step is
+    __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
+    if (with_o) {  // (before the next chunk's first barrier)
+      constexpr int kPieces = kStateCols * sizeof(O) / 16;
+      for (int p = threadIdx.x; p < L * kPieces; p += F::kThreads) {
+        const int t = p / kPieces, c = p % kPieces * (16 / sizeof(O));
+        *reinterpret_cast<uint4*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + c) =
+            *reinterpret_cast<const uint4*>(sO + t * kLdO + c);
+      }
+    }
+  }
+  mma::cp_async_wait<0>();
+  if (ht != nullptr) {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) ht[st.matrix(z.HV) + (srow0 + sm.arow(e)) * V + st.j0 + F::acol(e, sm.q)] = S[e];
+  }
+}
+
 dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
 
 // A state pass on fp32 terms: its bf16-operand kernel in bf16-product mode where the head sizes
@@ -542,8 +737,14 @@ void run_state_bwd(const Problem& p, const Launch& l, const Intra<float>& intra,
 template <int kK, typename O>
 void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const Inputs& raw, O* o,
                         float* ht, __nv_bfloat16* starts) {
-  using F = Bf16State<kK, __nv_bfloat16>;
-  const auto kernel = state_fwd_bf16_kernel<kK, __nv_bfloat16, O>;
+  using F = std::conditional_t<kK == WgState::kK, WgState, Bf16State<kK, __nv_bfloat16>>;
+  const auto kernel = [] {
+    if constexpr (kK == WgState::kK) {
+      return state_fwd_wgmma_kernel<O>;
+    } else {
+      return state_fwd_bf16_kernel<kK, __nv_bfloat16, O>;
+    }
+  }();
   set_smem(kernel, F::bytes());
   kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
       l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, true}, static_cast<float>(p.scale), w,
