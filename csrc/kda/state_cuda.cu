@@ -529,11 +529,11 @@ struct WgState {
   };
   unsigned char* base;  // 1024-aligned
   unsigned char *bS, *bU;
-  int wg, g, q, r0;  // warpgroup; this thread's rows r0, r0 + 8 of its warpgroup's [64, *] tiles
+  int wg, q, r0;  // warpgroup; this thread's column pair q; its rows r0, r0 + 8 of the warpgroup's [64, *] tiles
 
   __device__ explicit WgState(unsigned char* smem)
       : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t{1023})),
-        bS(base + 2 * kSetBytes), bU(bS + kSBytes), wg(threadIdx.x / 128), g(threadIdx.x % 32 / 4), q(threadIdx.x % 4),
+        bS(base + 2 * kSetBytes), bU(bS + kSBytes), wg(threadIdx.x / 128), q(threadIdx.x % 4),
         r0(threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4) {}
   __device__ Tiles set(int s) const {
     unsigned char* b = base + s * kSetBytes;
