@@ -71,6 +71,15 @@ struct StateTile {
     L = static_cast<int>(len - i * kChunk < kChunk ? len - i * kChunk : kChunk);
     return sq.valid(slot, t0, L);
   }
+  // The forward's marks of a chunk (per value column, then its first non-finite step at [V]);
+  // nullptr without marks.
+  __device__ const unsigned char* marks(const Seqs& sq, const unsigned char* mark, int64_t slot) const {
+    return mark != nullptr ? mark + (hv * sq.slots + slot) * (V + 1) : nullptr;
+  }
+  // The chunk's first non-finite step, L without marks.
+  __device__ int first_marked(const Seqs& sq, const unsigned char* mark, int64_t slot, int L) const {
+    return mark != nullptr ? marks(sq, mark, slot)[V] : L;
+  }
   // Offset of this sequence's and head's [K, V] matrix in an [N, HV, K, V] tensor.
   __device__ int64_t matrix(int64_t HV) const { return (n * HV + hv) * K * V; }
   // tile = the tile's columns of the [K, V] matrix at src (zeros for nullptr), for the whole team.
@@ -354,7 +363,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
       const int64_t row = st.hv * sq_.tokens + t0;
       sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % 2));
       next_decay = sm.row_decay(in.gC + (st.hv * sq_.slots + slot) * kK);
-      next_marked = in.mark != nullptr ? in.mark[(st.hv * sq_.slots + slot) * (V + 1) + V] : L;
+      next_marked = st.first_marked(sq_, in.mark, slot, L);
     }
   };
   stage(0);
@@ -362,7 +371,7 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     int64_t slot, t0;
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
-    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (V + 1) : nullptr;
+    const unsigned char* marks = st.marks(sq_, in.mark, slot);
     const int first_marked = next_marked;
     const float2 decay = next_decay;
     Ws* start = starts != nullptr ? starts + (st.hv * sq_.slots + slot) * kK * V : nullptr;
@@ -619,7 +628,7 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
       sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % 2), with_o);
       const float* gc = in.gC + (st.hv * sq_.slots + slot) * kK + srow0;
       next_decay = make_float2(gc[sm.arow(0)], gc[sm.arow(2)]);
-      next_marked = in.mark != nullptr ? in.mark[(st.hv * sq_.slots + slot) * (V + 1) + V] : L;
+      next_marked = st.first_marked(sq_, in.mark, slot, L);
     }
   };
   stage(0);
@@ -627,7 +636,7 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
     int64_t slot, t0;
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
-    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (V + 1) : nullptr;
+    const unsigned char* marks = st.marks(sq_, in.mark, slot);
     const int first_marked = next_marked;
     const float2 decay = next_decay;
     mma::cp_async_wait<0>();
