@@ -339,6 +339,19 @@ struct Bf16State {
   }
 };
 
+// The forward's O goes through shared memory (over the chunk's spent W and Qg tiles) in rows of
+// kLdO<O>, then to o (rows t0.. of value head hv, columns j0..) in 16-byte pieces of whole rows.
+template <typename O>
+constexpr int kLdO = kStateCols + 16 / sizeof(O);
+template <int kThreads, typename O>
+__device__ void store_o_rows(O* o, const O* sO, int64_t t0, int L, int64_t HV, int64_t hv, int64_t V, int j0) {
+  constexpr int kPieces = kStateCols * sizeof(O) / 16;
+  for (int i = threadIdx.x; i < L * kPieces; i += kThreads) {
+    const int t = i / kPieces, c = i % kPieces * (16 / sizeof(O));
+    *reinterpret_cast<uint4*>(o + ((t0 + t) * HV + hv) * V + j0 + c) = *reinterpret_cast<const uint4*>(sO + t * kLdO<O> + c);
+  }
+}
+
 // Forward: U = Ut - W S, O = scale (Qg S + Aqk U), S <- diag(gC) S + Kd^T U; o (element type O),
 // ht, starts as for state_fwd_kernel.
 template <int kK, typename Ws, typename O>
@@ -413,15 +426,14 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
     // O into shared memory over W and Qg (spent since the barrier above), out in whole rows after
     // the chunk's last barrier.
     O* sO = reinterpret_cast<O*>(cur.W);
-    constexpr int kLdO = kStateCols + 16 / sizeof(O);
-    static_assert(kChunk * kLdO * sizeof(O) <= 2 * kChunk * F::kLdK * sizeof(__nv_bfloat16), "O over W and Qg");
+    static_assert(kChunk * kLdO<O> * sizeof(O) <= 2 * kChunk * F::kLdK * sizeof(__nv_bfloat16), "O over W and Qg");
     if (o != nullptr) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int t = sm.urow(2 * h), col = sm.ucol(j, 2 * h);
-          mma::store_pair(sO + t * kLdO + col, marked(scale * acc_o[j][2 * h], t, col),
+          mma::store_pair(sO + t * kLdO<O> + col, marked(scale * acc_o[j][2 * h], t, col),
                           marked(scale * acc_o[j][2 * h + 1], t, col + 1));
         }
       }
@@ -434,14 +446,8 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_fwd_bf16_ke
       for (int r = 0; r < 4; ++r) S[j][r] = marked(S[j][r], L - 1, sm.scol(j, r));  // NaN where the last step is
     }
     __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
-    if (o != nullptr) {  // (before the next chunk's first barrier)
-      constexpr int kPieces = kStateCols * sizeof(O) / 16;
-      for (int i = threadIdx.x; i < L * kPieces; i += F::kThreads) {
-        const int t = i / kPieces, c = i % kPieces * (16 / sizeof(O));
-        *reinterpret_cast<uint4*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + c) =
-            *reinterpret_cast<const uint4*>(sO + t * kLdO + c);
-      }
-    }
+    // O out before the next chunk's first barrier
+    if (o != nullptr) store_o_rows<F::kThreads>(o, sO, t0, L, z.HV, st.hv, V, st.j0);
   }
   mma::cp_async_wait<0>();
   sm.store_state(S, ht != nullptr ? ht + st.matrix(z.HV) : nullptr, V, st.j0);
@@ -676,26 +682,19 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
     // O into shared memory over W and Qg (their products are done), out in whole rows after the
     // chunk's last barrier.
     O* sO = reinterpret_cast<O*>(cur.W);
-    constexpr int kLdO = kStateCols + 16 / sizeof(O);
-    static_assert(kChunk * kLdO * sizeof(O) <= 2 * F::kTermBytes, "O over W and Qg");
+    static_assert(kChunk * kLdO<O> * sizeof(O) <= 2 * F::kTermBytes, "O over W and Qg");
     if (sm.wg == 1 && with_o) {
 #pragma unroll
       for (int e = 0; e < 32; e += 2) {
         const int t = sm.arow(e), col = F::acol(e, sm.q);
-        mma::store_pair(sO + t * kLdO + col, marked(scale * acc[e], t, col), marked(scale * acc[e + 1], t, col + 1));
+        mma::store_pair(sO + t * kLdO<O> + col, marked(scale * acc[e], t, col), marked(scale * acc[e + 1], t, col + 1));
       }
     }
 #pragma unroll
     for (int e = 0; e < 32; ++e) S[e] = marked(S[e], L - 1, F::acol(e, sm.q));  // NaN where the last step is
     __syncthreads();  // every read of this chunk's tiles is done before the next chunk rewrites them
-    if (with_o) {  // (before the next chunk's first barrier)
-      constexpr int kPieces = kStateCols * sizeof(O) / 16;
-      for (int p = threadIdx.x; p < L * kPieces; p += F::kThreads) {
-        const int t = p / kPieces, c = p % kPieces * (16 / sizeof(O));
-        *reinterpret_cast<uint4*>(o + ((t0 + t) * z.HV + st.hv) * V + st.j0 + c) =
-            *reinterpret_cast<const uint4*>(sO + t * kLdO + c);
-      }
-    }
+    // O out before the next chunk's first barrier
+    if (with_o) store_o_rows<F::kThreads>(o, sO, t0, L, z.HV, st.hv, V, st.j0);
   }
   mma::cp_async_wait<0>();
   if (ht != nullptr) {
