@@ -535,7 +535,8 @@ struct WgState {
   static constexpr int kLdX = kCols + 8;                      // Ut's plain bf16 rows
   static constexpr int kSetBytes = 3 * kTermBytes + kChunkBytes + kChunk * kLdX * 2;
   static constexpr int kSBytes = kK * 128, kUBytes = kChunk * 128;
-  static constexpr size_t bytes() { return 1024 + 2 * kSetBytes + kSBytes + kUBytes; }
+  static constexpr int kSets = 3;  // the chunk in use and two in flight (one chunk's compute does not cover a load)
+  static constexpr size_t bytes() { return 1024 + kSets * kSetBytes + kSBytes + kUBytes; }
   static_assert(kChunk == 64 && kCols == 64 && kSetBytes % 1024 == 0, "tile shapes");
 
   struct Tiles {
@@ -548,7 +549,7 @@ struct WgState {
 
   __device__ explicit WgState(unsigned char* smem)
       : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t{1023})),
-        bS(base + 2 * kSetBytes), bU(bS + kSBytes), wg(threadIdx.x / 128), q(threadIdx.x % 4),
+        bS(base + kSets * kSetBytes), bU(bS + kSBytes), wg(threadIdx.x / 128), q(threadIdx.x % 4),
         r0(threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4) {}
   __device__ Tiles set(int s) const {
     unsigned char* b = base + s * kSetBytes;
@@ -582,7 +583,6 @@ struct WgState {
       copy_sw<kChunk>(d.A, in.Aqk + row * kChunk, kChunk, L);
     }
     copy_rows_async<kThreads, kCols, kLdX>(d.X, x, ldx, L);
-    mma::cp_async_commit();
   }
   // An accumulator tile (times factor) as bf16 into the swizzled tile t at rows row0.. (M/N-major B).
   __device__ void put(unsigned char* t, int row0, const float (&a)[32], float factor = 1.f) const {
@@ -608,6 +608,7 @@ struct WgState {
     sm90::fence_accumulators(acc);
   }
 };
+static_assert(WgState::bytes() <= 227 * 1024, "an SM's shared memory, one block");
 
 template <typename O>
 __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
@@ -624,20 +625,32 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
   float S[32];
 #pragma unroll
   for (int e = 0; e < 32; ++e) S[e] = h0 != nullptr ? h0[st.matrix(z.HV) + (srow0 + sm.arow(e)) * V + st.j0 + F::acol(e, sm.q)] : 0.f;
-  float2 next_decay{};
-  int next_marked = 0;
+  // The tiles are staged two chunks ahead, one cp.async group a chunk (empty past the last, so
+  // that waiting for all but the newest group always covers the chunk in use); gC and the first
+  // non-finite step are read one chunk ahead.
   auto stage = [&](int64_t i) {
     int64_t slot, t0;
     int L;
     if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
       const int64_t row = st.hv * sq_.tokens + t0;
-      sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % 2), with_o);
+      sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % F::kSets), with_o);
+    }
+    mma::cp_async_commit();
+  };
+  float2 next_decay{};
+  int next_marked = 0;
+  auto peek = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
       const float* gc = in.gC + (st.hv * sq_.slots + slot) * kK + srow0;
       next_decay = make_float2(gc[sm.arow(0)], gc[sm.arow(2)]);
       next_marked = st.first_marked(sq_, in.mark, slot, L);
     }
   };
   stage(0);
+  stage(1);
+  peek(0);
   for (int64_t i = 0; i < st.chunks; ++i) {
     int64_t slot, t0;
     int L;
@@ -645,13 +658,13 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
     const unsigned char* marks = st.marks(sq_, in.mark, slot);
     const int first_marked = next_marked;
     const float2 decay = next_decay;
-    mma::cp_async_wait<0>();
+    mma::cp_async_wait<F::kSets - 2>();
     sm90::fence_proxy_async();  // the copies are read by wgmma
     __syncthreads();
-    const F::Tiles cur = sm.set(static_cast<int>(i % 2));
+    const F::Tiles cur = sm.set(static_cast<int>(i % F::kSets));
     sm.put(sm.bS, srow0, S);
     sm90::fence_proxy_async();
-    __syncthreads();  // bS complete; the other set is free
+    __syncthreads();  // bS complete; the previous chunk's set is free
     if (starts != nullptr) {  // the start state, bf16, in whole 16-byte rows
       __nv_bfloat16* m = starts + (st.hv * sq_.slots + slot) * kK * V + st.j0;
       for (int p = threadIdx.x; p < kK * 8; p += F::kThreads) {
@@ -659,7 +672,8 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
             *reinterpret_cast<const uint4*>(sm.bS + sm90::sw128_offset(p / 8, p % 8));
       }
     }
-    stage(i + 1);
+    stage(i + 2);
+    peek(i + 1);
     float acc[32];
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc[e] = 0.f;
