@@ -11,9 +11,9 @@
 //                                                  chunk_state_fwd / _bwd on the block team
 //   state_fwd_bf16_kernel, state_bwd_bf16_kernel   bf16 operands, the state in registers, the
 //                                                  next chunk staged while this one computes
-//   state_fwd_wgmma_kernel                         the forward (and start-state pass) at K 128 on
-//                                                  Hopper's wgmma: two warpgroups, the state in
-//                                                  their accumulators
+//   state_fwd_wgmma_kernel, state_bwd_wgmma_kernel the bf16 passes at K 128 on Hopper's wgmma:
+//                                                  two warpgroups, the state in their
+//                                                  accumulators
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/hopper.cuh"
@@ -519,23 +519,27 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
   sm.store_state(dS, dh0 + st.matrix(z.HV), V, st.j0);
 }
 
-// The forward state pass on bf16 workspaces at K 128 with Hopper's wgmma: two warpgroups, each
-// operand read from shared memory once per product (mma.sync reads the state tile once per warp).
-// The chunk's terms arrive by cp.async in 128-byte-swizzled [64, 64] chunks (the layout
-// sw128_descriptor reads: W, Qg, Aqk K-major, Kd as the M-major A of Kd^T U), two sets used in
-// turn; the state S [128, 64] lives in the warpgroups' accumulators (warpgroup w rows 64 w..) and
-// goes to shared memory as the bf16 B operand (M/N-major) once a chunk, U likewise.
-//   warpgroup 0: U = Ut - W S, into bU       warpgroup 1: O = scale (Qg S + Aqk U)
-//   both: S[64 w.., :] <- diag(gC) S + (Kd^T U)[64 w.., :]
+// The state passes on bf16 workspaces at K 128 with Hopper's wgmma: two warpgroups, each operand
+// read from shared memory once per product (mma.sync reads the state tile once per warp). The
+// chunk's terms arrive by cp.async in 128-byte-swizzled [64, 64] chunks (the layout
+// sw128_descriptor reads: K-major, or M-major for a transposed A), kSets sets used in turn; the
+// state S [128, 64] (or its gradient) lives in the warpgroups' accumulators (warpgroup w rows
+// 64 w..) and goes to shared memory as the bf16 B operand (M/N-major) once a chunk, U (or dU)
+// likewise.
+//   forward   warpgroup 0: U = Ut - W S, into bU     warpgroup 1: O = scale (Qg S + Aqk U)
+//             both: S[64 w.., :] <- diag(gC) S + (Kd^T U)[64 w.., :]
+//   backward  warpgroup 0: -dU = -(Aqk^T dO + Kd dS), into bU (dO pre-scaled, swizzled as a B operand)
+//             both: dS[64 w.., :] <- diag(gC) dS + (Qg^T dO - W^T dU)[64 w.., :]
+template <int kSetCount>
 struct WgState {
   using bf16 = __nv_bfloat16;
   static constexpr int kK = 128, kThreads = 256, kCols = kStateCols;
   static constexpr int kChunkBytes = kChunk * 128;           // one swizzled [64, 64] chunk
   static constexpr int kTermBytes = (kK / 64) * kChunkBytes;  // W, Qg, Kd
-  static constexpr int kLdX = kCols + 8;                      // Ut's plain bf16 rows
+  static constexpr int kLdX = kCols + 8;                      // Ut's plain bf16 rows (dO: a swizzled chunk)
   static constexpr int kSetBytes = 3 * kTermBytes + kChunkBytes + kChunk * kLdX * 2;
   static constexpr int kSBytes = kK * 128, kUBytes = kChunk * 128;
-  static constexpr int kSets = 3;  // the chunk in use and two in flight (one chunk's compute does not cover a load)
+  static constexpr int kSets = kSetCount;
   static constexpr size_t bytes() { return 1024 + kSets * kSetBytes + kSBytes + kUBytes; }
   static_assert(kChunk == 64 && kCols == 64 && kSetBytes % 1024 == 0, "tile shapes");
 
@@ -574,15 +578,42 @@ struct WgState {
 #pragma unroll
     for (int j = 0; j < kChunk / kRows; ++j) mma::cp_async_16_zfill(d + j * kRows * 128, s + j * kRows * ld, r + j * kRows < L);
   }
-  __device__ void stage(const Intra<bf16>& in, int64_t row, int L, const bf16* x, int64_t ldx, int s, bool with_o) const {
+  // The chunk at workspace row `row` into set s: W and Kd, Qg and Aqk when with_qa, and X (Ut or
+  // dO: rows at x + t * ldx) as plain rows or (kSwizzledX) a swizzled chunk.
+  template <bool kSwizzledX>
+  __device__ void stage(const Intra<bf16>& in, int64_t row, int L, const bf16* x, int64_t ldx, int s, bool with_qa) const {
     const Tiles d = set(s);
     copy_sw<kK>(d.W, in.W + row * kK, kK, L);
     copy_sw<kK>(d.Kd, in.Kd + row * kK, kK, L);
-    if (with_o) {
+    if (with_qa) {
       copy_sw<kK>(d.Q, in.Qg + row * kK, kK, L);
       copy_sw<kChunk>(d.A, in.Aqk + row * kChunk, kChunk, L);
     }
-    copy_rows_async<kThreads, kCols, kLdX>(d.X, x, ldx, L);
+    if constexpr (kSwizzledX) {
+      copy_sw<kCols>(reinterpret_cast<unsigned char*>(d.X), x, ldx, L);
+    } else {
+      copy_rows_async<kThreads, kCols, kLdX>(d.X, x, ldx, L);
+    }
+  }
+  // The state in bS (bf16) to the [kK, V] matrix at m, columns j0.., in whole 16-byte rows.
+  __device__ void save_state(bf16* m, int64_t V, int j0) const {
+    for (int p = threadIdx.x; p < kK * 8; p += kThreads) {
+      *reinterpret_cast<uint4*>(m + p / 8 * V + j0 + p % 8 * 8) = *reinterpret_cast<const uint4*>(bS + sm90::sw128_offset(p / 8, p % 8));
+    }
+  }
+  // The accumulator state from / to a [kK, V] fp32 matrix at m (columns j0..; nullptr: zeros / nothing).
+  __device__ void load_state(float (&S)[32], const float* m, int64_t V, int j0) const {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) S[e] = m != nullptr ? m[(64 * wg + arow(e)) * V + j0 + acol(e, q)] : 0.f;
+  }
+  __device__ void store_state(const float (&S)[32], float* m, int64_t V, int j0) const {
+    if (m == nullptr) return;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) m[(64 * wg + arow(e)) * V + j0 + acol(e, q)] = S[e];
+  }
+  __device__ void scale_state(float (&S)[32], float2 decay) const {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) S[e] *= e % 4 < 2 ? decay.x : decay.y;
   }
   // An accumulator tile (times factor) as bf16 into the swizzled tile t at rows row0.. (M/N-major B).
   __device__ void put(unsigned char* t, int row0, const float (&a)[32], float factor = 1.f) const {
@@ -608,13 +639,17 @@ struct WgState {
     sm90::fence_accumulators(acc);
   }
 };
-static_assert(WgState::bytes() <= 227 * 1024, "an SM's shared memory, one block");
+// The forward stages each chunk two ahead (one chunk's compute does not cover its load); the
+// backward's dO tile leaves room for two sets only.
+using WgFwd = WgState<3>;
+using WgBwd = WgState<2>;
+static_assert(WgFwd::bytes() <= 227 * 1024 && WgBwd::bytes() <= 227 * 1024, "an SM's shared memory, one block");
 
 template <typename O>
-__global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
+__global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
     Seqs sq_, Sizes<float> z, float scale, Intra<__nv_bfloat16> in, const float* __restrict__ h0, O* o, float* ht,
     __nv_bfloat16* starts) {
-  using F = WgState;
+  using F = WgFwd;
   constexpr int kK = F::kK;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const F sm(smem_raw);
@@ -623,8 +658,7 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
   const bool with_o = o != nullptr;  // else only the states (the backward's start-state pass)
   const int srow0 = 64 * sm.wg;      // this warpgroup's state rows
   float S[32];
-#pragma unroll
-  for (int e = 0; e < 32; ++e) S[e] = h0 != nullptr ? h0[st.matrix(z.HV) + (srow0 + sm.arow(e)) * V + st.j0 + F::acol(e, sm.q)] : 0.f;
+  sm.load_state(S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr, V, st.j0);
   // The tiles are staged two chunks ahead, one cp.async group a chunk (empty past the last, so
   // that waiting for all but the newest group always covers the chunk in use); gC and the first
   // non-finite step are read one chunk ahead.
@@ -633,7 +667,7 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
     int L;
     if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
       const int64_t row = st.hv * sq_.tokens + t0;
-      sm.stage(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % F::kSets), with_o);
+      sm.template stage<false>(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % F::kSets), with_o);
     }
     mma::cp_async_commit();
   };
@@ -665,13 +699,7 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
     sm.put(sm.bS, srow0, S);
     sm90::fence_proxy_async();
     __syncthreads();  // bS complete; the previous chunk's set is free
-    if (starts != nullptr) {  // the start state, bf16, in whole 16-byte rows
-      __nv_bfloat16* m = starts + (st.hv * sq_.slots + slot) * kK * V + st.j0;
-      for (int p = threadIdx.x; p < kK * 8; p += F::kThreads) {
-        *reinterpret_cast<uint4*>(m + p / 8 * V + p % 8 * 8) =
-            *reinterpret_cast<const uint4*>(sm.bS + sm90::sw128_offset(p / 8, p % 8));
-      }
-    }
+    if (starts != nullptr) sm.save_state(starts + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
     stage(i + 2);
     peek(i + 1);
     float acc[32];
@@ -688,8 +716,7 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
     }
     __syncthreads();  // bU complete
     if (sm.wg == 1 && with_o) F::product<0, kChunk / 16>(acc, cur.A, sm.bU);
-#pragma unroll
-    for (int e = 0; e < 32; ++e) S[e] *= e % 4 < 2 ? decay.x : decay.y;
+    sm.scale_state(S, decay);
     F::product<1, kChunk / 16>(S, cur.Kd + sm.wg * F::kChunkBytes, sm.bU);
     const unsigned char* mark = first_marked < L ? marks + st.j0 : nullptr;  // nullptr: the chunk is clean
     const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
@@ -711,10 +738,69 @@ __global__ void __launch_bounds__(WgState::kThreads) state_fwd_wgmma_kernel(
     if (with_o) store_o_rows<F::kThreads>(o, sO, t0, L, z.HV, st.hv, V, st.j0);
   }
   mma::cp_async_wait<0>();
-  if (ht != nullptr) {
+  sm.store_state(S, ht != nullptr ? ht + st.matrix(z.HV) : nullptr, V, st.j0);
+}
+
+// The backward state pass at K 128 on wgmma (chunks in reverse; WgState above).
+__global__ void __launch_bounds__(WgBwd::kThreads) state_bwd_wgmma_kernel(
+    Seqs sq_, Sizes<float> z, Intra<__nv_bfloat16> in, const __nv_bfloat16* __restrict__ dO,
+    const float* __restrict__ dht, __nv_bfloat16* dends, float* dh0) {
+  using F = WgBwd;
+  constexpr int kK = F::kK;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const F sm(smem_raw);
+  const StateTile<float> st(sq_, z);
+  const int64_t V = z.V;
+  float dS[32];
+  sm.load_state(dS, dht != nullptr ? dht + st.matrix(z.HV) : nullptr, V, st.j0);
+  float2 next_decay{};  // the staged chunk's gC (this thread's rows), read with its tiles
+  auto stage = [&](int64_t i) {
+    int64_t slot, t0;
+    int L;
+    if (i >= 0 && st.chunk(sq_, i, slot, t0, L)) {
+      sm.template stage<true>(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V,
+                              static_cast<int>(i % F::kSets), true);
+      const float* gc = in.gC + (st.hv * sq_.slots + slot) * kK + 64 * sm.wg;
+      next_decay = make_float2(gc[sm.arow(0)], gc[sm.arow(2)]);
+    }
+    mma::cp_async_commit();
+  };
+  stage(st.chunks - 1);
+  for (int64_t i = st.chunks - 1; i >= 0; --i) {
+    int64_t slot, t0;
+    int L;
+    if (!st.chunk(sq_, i, slot, t0, L)) {
+      __syncthreads();  // the chunk before may still be read
+      stage(i - 1);     // keep one staged chunk in flight, as the generic kernel skips this one
+      continue;
+    }
+    const float2 decay = next_decay;
+    mma::cp_async_wait<0>();
+    sm90::fence_proxy_async();  // the copies are read by wgmma
+    __syncthreads();            // (and every read of the chunk before is done)
+    const F::Tiles cur = sm.set(static_cast<int>(i % F::kSets));
+    const unsigned char* tdO = reinterpret_cast<const unsigned char*>(cur.X);
+    sm.put(sm.bS, 64 * sm.wg, dS);
+    sm90::fence_proxy_async();
+    __syncthreads();  // bS complete; the other set is free
+    if (dends != nullptr) sm.save_state(dends + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
+    stage(i - 1);
+    sm.scale_state(dS, decay);
+    if (sm.wg == 0) {
+      float du[32];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) ht[st.matrix(z.HV) + (srow0 + sm.arow(e)) * V + st.j0 + F::acol(e, sm.q)] = S[e];
+      for (int e = 0; e < 32; ++e) du[e] = 0.f;
+      F::product<1, kChunk / 16>(du, cur.A, tdO);  // Aqk^T dO ((Aqk^T)_ts is zero for s < t)
+      F::product<0, kK / 16>(du, cur.Kd, sm.bS);   // + Kd dS
+      sm.put(sm.bU, 0, du, -1.f);
+      sm90::fence_proxy_async();
+    }
+    F::product<1, kChunk / 16>(dS, cur.Q + sm.wg * F::kChunkBytes, tdO);  // + Qg^T dO
+    __syncthreads();  // bU complete
+    F::product<1, kChunk / 16>(dS, cur.W + sm.wg * F::kChunkBytes, sm.bU);  // - W^T dU
   }
+  mma::cp_async_wait<0>();
+  sm.store_state(dS, dh0 != nullptr ? dh0 + st.matrix(z.HV) : nullptr, V, st.j0);
 }
 
 dim3 state_grid(const Problem& p) { return dim3(static_cast<unsigned>(ceil_div(p.V, int64_t{kStateCols})), p.HV, p.N); }
@@ -759,9 +845,9 @@ void run_state_bwd(const Problem& p, const Launch& l, const Intra<float>& intra,
 template <int kK, typename O>
 void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const Inputs& raw, O* o,
                         float* ht, __nv_bfloat16* starts) {
-  using F = std::conditional_t<kK == WgState::kK, WgState, Bf16State<kK, __nv_bfloat16>>;
+  using F = std::conditional_t<kK == WgFwd::kK, WgFwd, Bf16State<kK, __nv_bfloat16>>;
   const auto kernel = [] {
-    if constexpr (kK == WgState::kK) {
+    if constexpr (kK == WgFwd::kK) {
       return state_fwd_wgmma_kernel<O>;
     } else {
       return state_fwd_bf16_kernel<kK, __nv_bfloat16, O>;
@@ -778,12 +864,18 @@ template <int kK>
 void run_state_bwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const at::Tensor& dOs,
                         const float* dht, __nv_bfloat16* dends, float* dh0) {
   using bf16 = __nv_bfloat16;
-  using F = Bf16State<kK, bf16>;
-  const auto kernel = state_bwd_bf16_kernel<kK, bf16>;
-  set_smem(kernel, F::bytes());
-  kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
-      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, true}, static_cast<float>(p.scale), w,
-      static_cast<const bf16*>(dOs.data_ptr()), dht, dends, dh0);
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, true};
+  const auto* dO = static_cast<const bf16*>(dOs.data_ptr());
+  if constexpr (kK == WgBwd::kK) {
+    set_smem(state_bwd_wgmma_kernel, WgBwd::bytes());
+    state_bwd_wgmma_kernel<<<state_grid(p), WgBwd::kThreads, WgBwd::bytes(), l.stream>>>(l.seqs, z, w, dO, dht, dends,
+                                                                                        dh0);
+  } else {
+    using F = Bf16State<kK, bf16>;
+    set_smem(state_bwd_bf16_kernel<kK, bf16>, F::bytes());
+    state_bwd_bf16_kernel<kK, bf16><<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
+        l.seqs, z, static_cast<float>(p.scale), w, dO, dht, dends, dh0);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
