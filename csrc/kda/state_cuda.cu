@@ -623,8 +623,10 @@ struct WgState {
     }
   }
   // acc += A B over kSteps k blocks of 16: A K-major in chunks of kChunkBytes (kTransA 0) or the
-  // M-major [k, 64] rows of one chunk (kTransA 1); B the M/N-major [k, 64] rows at b.
-  template <int kTransA, int kSteps>
+  // M-major [k, 64] rows of one chunk (kTransA 1); B the M/N-major [k, 64] rows at b. Returns with
+  // at most kPending of this warpgroup's products in flight (acc is not to be read before a later
+  // product's wait covers it).
+  template <int kTransA, int kSteps, int kPending = 0>
   __device__ static void product(float (&acc)[32], const unsigned char* a, const unsigned char* b) {
     sm90::fence_accumulators(acc);
     sm90::wgmma_fence();
@@ -635,7 +637,7 @@ struct WgState {
                                               sm90::sw128_descriptor(sm90::smem_addr(b) + kk * 2048, kChunkBytes));
     }
     sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
+    sm90::wgmma_wait<kPending>();
     sm90::fence_accumulators(acc);
   }
 };
@@ -715,9 +717,15 @@ __global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
       F::product<0, kK / 16>(acc, cur.Q, sm.bS);
     }
     __syncthreads();  // bU complete
-    if (sm.wg == 1 && with_o) F::product<0, kChunk / 16>(acc, cur.A, sm.bU);
     sm.scale_state(S, decay);
-    F::product<1, kChunk / 16>(S, cur.Kd + sm.wg * F::kChunkBytes, sm.bU);
+    const unsigned char* kd = cur.Kd + sm.wg * F::kChunkBytes;
+    if (sm.wg == 1 && with_o) {  // Aqk U in flight beside Kd^T U
+      F::product<0, kChunk / 16, 1>(acc, cur.A, sm.bU);
+      F::product<1, kChunk / 16>(S, kd, sm.bU);
+      sm90::fence_accumulators(acc);
+    } else {
+      F::product<1, kChunk / 16>(S, kd, sm.bU);
+    }
     const unsigned char* mark = first_marked < L ? marks + st.j0 : nullptr;  // nullptr: the chunk is clean
     const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
     // O into shared memory over W and Qg (their products are done), out in whole rows after the
