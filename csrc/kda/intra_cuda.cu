@@ -5,7 +5,7 @@
 //   Qg = q exp(G),  Kd = k exp(G_last - G),  gC = exp(G_last),
 // every chunk at once (grid: chunk slots x value heads), into head-major workspaces (row t of
 // value head hv at hv * tokens + t) that the state and backward stages read. The forward also
-// finds each chunk's first non-finite step (the marks, [HV, slots, V + 1]).
+// finds each chunk's first non-finite step (the marks, [HV, slots, mark_stride(V)]).
 //   intra_kernel       the generic family: kda_chunk.h's chunk_intra on the block team, the
 //                      chunk in shared memory, fp32 workspaces
 //   intra_bf16_kernel  the bf16 family: the tiling is described above the kernel
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kThreads) intra_kernel(Seqs sq_, Sizes<T> z, c
   const BlockTeam tm{z.bf16};
   const ChunkDims d{L, static_cast<int>(z.K), static_cast<int>(z.V)};
   load_chunk(tm, z, d, t0, hv, q, k, v, g, beta, sm, reinterpret_cast<int*>(sY),
-             out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * (z.V + 1) : nullptr);
+             out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * mark_stride(z.V) : nullptr);
   const int64_t row = hv * sq_.tokens + t0;
   chunk_intra(tm, d, sm.q, sm.k, sm.gates(), sm.v, sm.beta, out.A != nullptr ? out.A + row * kChunk : sA,
               out.Aqk + row * kChunk, out.Minv != nullptr ? out.Minv + row * kChunk : sMinv,
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   };
 
   const ChunkTiles16<kK, T> ct{sq, sk, sG, sbeta, srq, srk, spart, sfirst};
-  ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * (V + 1) : nullptr);
+  ct.load(in, H, HV, t0, L, hv, sv, V, out.mark != nullptr ? out.mark + (hv * sq_.slots + slot) * mark_stride(V) : nullptr);
 
   // The chunk's decay range D = max_c (G_0c - G_Lc) against kFactorRange: one factorisation of
   // every pair where it is mild, else the 16 x 16 blocks (the midpoints Gm and 2^Gm into spart).
@@ -482,9 +482,9 @@ __global__ void __launch_bounds__(IntraBf16<kK>::kThreads, 2)
   }
 }
 
-// The forward's workspace of chunk_mark_nonfinite's marks, [HV, slots, V + 1].
+// The forward's workspace of chunk_mark_nonfinite's marks, [HV, slots, mark_stride(V)].
 unsigned char* marks(const Problem& p, const Launch& l, const at::TensorOptions& opts, std::vector<at::Tensor>& keep) {
-  keep.push_back(at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * (p.V + 1))}, opts.dtype(at::kByte)));
+  keep.push_back(at::empty({std::max<int64_t>(1, p.HV * l.seqs.slots * mark_stride(p.V))}, opts.dtype(at::kByte)));
   return keep.back().data_ptr<unsigned char>();
 }
 

@@ -33,6 +33,11 @@ constexpr int kThreads = 512;      // threads of the generic kernels' blocks
 constexpr int kStateCols = 64;     // state columns per block of the state kernels
 constexpr int kRowWarps = 8;       // warps per block of the row kernels
 
+// Bytes between the rows of the forward's marks ([HV, slots, stride]: mark[j < V], then the first
+// of all at V; chunk_mark_nonfinite's): whole 16-byte pieces, which the wgmma state pass stages
+// with the chunk's tiles.
+__host__ __device__ constexpr int64_t mark_stride(int64_t V) { return (V + 16) / 16 * 16; }
+
 // team_gemm's contract on the tensor cores: each warp computes a 16 x 8NB strip of C, operands
 // read through the strided views (no layout requirement); the A fragment of a k-step is loaded
 // and converted once for the NB column tiles of the strip, and each element of C sees the same
@@ -198,7 +203,7 @@ struct Intra {
   float* A;  // A and Minv: nullptr in the forward, which keeps them in shared memory
   T *Minv, *Aqk, *W, *Ut, *Qg, *Kd;
   float* gC;
-  unsigned char* mark;  // [HV, slots, V + 1] chunk_mark_nonfinite's marks: the forward's, else nullptr
+  unsigned char* mark;  // [HV, slots, mark_stride(V)] chunk_mark_nonfinite's marks: the forward's, else nullptr
 };
 
 template <typename T>

@@ -74,7 +74,7 @@ struct StateTile {
   // The forward's marks of a chunk (per value column, then its first non-finite step at [V]);
   // nullptr without marks.
   __device__ const unsigned char* marks(const Seqs& sq, const unsigned char* mark, int64_t slot) const {
-    return mark != nullptr ? mark + (hv * sq.slots + slot) * (V + 1) : nullptr;
+    return mark != nullptr ? mark + (hv * sq.slots + slot) * mark_stride(V) : nullptr;
   }
   // The chunk's first non-finite step, L without marks.
   __device__ int first_marked(const Seqs& sq, const unsigned char* mark, int64_t slot, int L) const {
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) state_fwd_kernel(Seqs sq_, Sizes<T> 
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
     // this chunk's marks (the forward's), read early: nullptr unless it is not clean
-    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * (z.V + 1) : nullptr;
+    const unsigned char* marks = in.mark != nullptr ? in.mark + (st.hv * sq_.slots + slot) * mark_stride(z.V) : nullptr;
     const bool dirty = marks != nullptr && marks[z.V] < L;
     if (starts != nullptr) st.store(tm, S, starts + (st.hv * sq_.slots + slot) * st.K * z.V);
     const int64_t row = st.hv * sq_.tokens + t0;
@@ -537,28 +537,32 @@ struct WgState {
   static constexpr int kChunkBytes = kChunk * 128;           // one swizzled [64, 64] chunk
   static constexpr int kTermBytes = (kK / 64) * kChunkBytes;  // W, Qg, Kd
   static constexpr int kLdX = kCols + 8;                      // Ut's plain bf16 rows (dO: a swizzled chunk)
-  static constexpr int kSetBytes = 3 * kTermBytes + kChunkBytes + kChunk * kLdX * 2;
+  static constexpr int kMarkAt = 3 * kTermBytes + kChunkBytes + kChunk * kLdX * 2;  // the chunk's marks row
+  static constexpr int kSetBytes = (kMarkAt + static_cast<int>(mark_stride(kMaxHeadDim)) + 1023) / 1024 * 1024;
   static constexpr int kSBytes = kK * 128, kUBytes = kChunk * 128;
   static constexpr int kSets = kSetCount;
   static constexpr size_t bytes() { return 1024 + kSets * kSetBytes + kSBytes + kUBytes; }
-  static_assert(kChunk == 64 && kCols == 64 && kSetBytes % 1024 == 0, "tile shapes");
+  static_assert(kChunk == 64 && kCols == 64, "tile shapes");
 
   struct Tiles {
     unsigned char *W, *Q, *Kd, *A;
     bf16* X;
+    const unsigned char* M;
   };
-  unsigned char* base;  // 1024-aligned
+  // 1024-aligned, by pointer arithmetic on the shared array (through an integer the compiler would
+  // lose the address space and read shared memory with generic loads)
+  unsigned char* base;
   unsigned char *bS, *bU;
   int wg, q, r0;  // warpgroup; this thread's column pair q; its rows r0, r0 + 8 of the warpgroup's [64, *] tiles
 
   __device__ explicit WgState(unsigned char* smem)
-      : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t{1023})),
+      : base(smem + (1024 - sm90::smem_addr(smem) % 1024) % 1024),
         bS(base + kSets * kSetBytes), bU(bS + kSBytes), wg(threadIdx.x / 128), q(threadIdx.x % 4),
         r0(threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4) {}
   __device__ Tiles set(int s) const {
     unsigned char* b = base + s * kSetBytes;
     return Tiles{b, b + kTermBytes, b + 2 * kTermBytes, b + 3 * kTermBytes,
-                 reinterpret_cast<bf16*>(b + 3 * kTermBytes + kChunkBytes)};
+                 reinterpret_cast<bf16*>(b + 3 * kTermBytes + kChunkBytes), b + kMarkAt};
   }
   // Accumulator element e of a [64, 64] tile: row, column (the wgmma layout).
   __device__ int arow(int e) const { return r0 + 8 * (e % 4 / 2); }
@@ -578,11 +582,16 @@ struct WgState {
 #pragma unroll
     for (int j = 0; j < kChunk / kRows; ++j) mma::cp_async_16_zfill(d + j * kRows * 128, s + j * kRows * ld, r + j * kRows < L);
   }
-  // The chunk at workspace row `row` into set s: W and Kd, Qg and Aqk when with_qa, and X (Ut or
-  // dO: rows at x + t * ldx) as plain rows or (kSwizzledX) a swizzled chunk.
+  // The chunk at workspace row `row` into set s: W and Kd, Qg and Aqk when with_qa, X (Ut or dO:
+  // rows at x + t * ldx) as plain rows or (kSwizzledX) a swizzled chunk, and the marks row of
+  // mark_bytes at marks (nullptr: none).
   template <bool kSwizzledX>
-  __device__ void stage(const Intra<bf16>& in, int64_t row, int L, const bf16* x, int64_t ldx, int s, bool with_qa) const {
+  __device__ void stage(const Intra<bf16>& in, int64_t row, int L, const bf16* x, int64_t ldx, int s, bool with_qa,
+                        const unsigned char* marks = nullptr, int mark_bytes = 0) const {
     const Tiles d = set(s);
+    if (marks != nullptr && static_cast<int>(threadIdx.x) < mark_bytes / 16) {
+      mma::cp_async_16(const_cast<unsigned char*>(d.M) + 16 * threadIdx.x, marks + 16 * threadIdx.x);
+    }
     copy_sw<kK>(d.W, in.W + row * kK, kK, L);
     copy_sw<kK>(d.Kd, in.Kd + row * kK, kK, L);
     if (with_qa) {
@@ -661,48 +670,46 @@ __global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
   const int srow0 = 64 * sm.wg;      // this warpgroup's state rows
   float S[32];
   sm.load_state(S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr, V, st.j0);
-  // The tiles are staged two chunks ahead, one cp.async group a chunk (empty past the last, so
-  // that waiting for all but the newest group always covers the chunk in use); gC and the first
-  // non-finite step are read one chunk ahead.
+  // The tiles and the marks row are staged kSets - 1 chunks ahead, one cp.async group a chunk
+  // (empty past the last, so that waiting for all but the newest kSets - 2 groups covers the chunk
+  // in use; the marks read from global memory would stall each chunk for a load); gC is read one
+  // chunk ahead.
   auto stage = [&](int64_t i) {
     int64_t slot, t0;
     int L;
     if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
       const int64_t row = st.hv * sq_.tokens + t0;
-      sm.template stage<false>(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % F::kSets), with_o);
+      sm.template stage<false>(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % F::kSets), with_o,
+                               st.marks(sq_, in.mark, slot), static_cast<int>(mark_stride(V)));
     }
     mma::cp_async_commit();
   };
   float2 next_decay{};
-  int next_marked = 0;
   auto peek = [&](int64_t i) {
     int64_t slot, t0;
     int L;
     if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
       const float* gc = in.gC + (st.hv * sq_.slots + slot) * kK + srow0;
       next_decay = make_float2(gc[sm.arow(0)], gc[sm.arow(2)]);
-      next_marked = st.first_marked(sq_, in.mark, slot, L);
     }
   };
-  stage(0);
-  stage(1);
+  for (int i = 0; i < F::kSets - 1; ++i) stage(i);
   peek(0);
   for (int64_t i = 0; i < st.chunks; ++i) {
     int64_t slot, t0;
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
-    const unsigned char* marks = st.marks(sq_, in.mark, slot);
-    const int first_marked = next_marked;
     const float2 decay = next_decay;
     mma::cp_async_wait<F::kSets - 2>();
     sm90::fence_proxy_async();  // the copies are read by wgmma
     __syncthreads();
     const F::Tiles cur = sm.set(static_cast<int>(i % F::kSets));
+    const int first_marked = in.mark != nullptr ? cur.M[V] : L;
     sm.put(sm.bS, srow0, S);
     sm90::fence_proxy_async();
     __syncthreads();  // bS complete; the previous chunk's set is free
     if (starts != nullptr) sm.save_state(starts + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
-    stage(i + 2);
+    stage(i + F::kSets - 1);
     peek(i + 1);
     float acc[32];
 #pragma unroll
@@ -726,7 +733,7 @@ __global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
     } else {
       F::product<1, kChunk / 16>(S, kd, sm.bU);
     }
-    const unsigned char* mark = first_marked < L ? marks + st.j0 : nullptr;  // nullptr: the chunk is clean
+    const unsigned char* mark = first_marked < L ? cur.M + st.j0 : nullptr;  // nullptr: the chunk is clean
     const auto marked = [&](float x, int t, int col) { return mark != nullptr && t >= mark[col] ? NAN : x; };
     // O into shared memory over W and Qg (their products are done), out in whole rows after the
     // chunk's last barrier.
