@@ -650,8 +650,8 @@ struct WgState {
     sm90::fence_accumulators(acc);
   }
 };
-// The forward stages each chunk two ahead (one chunk's compute does not cover its load); the
-// backward's dO tile leaves room for two sets only.
+// The forward stages each chunk two ahead, the backward one (its dO tile leaves room for two sets
+// only).
 using WgFwd = WgState<3>;
 using WgBwd = WgState<2>;
 static_assert(WgFwd::bytes() <= 227 * 1024 && WgBwd::bytes() <= 227 * 1024, "an SM's shared memory, one block");
