@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/hopper.cuh"
+#include "common/tma.h"
 #include "kda/kda_cuda.cuh"
 #include "kda/tiles16.cuh"
 
@@ -521,8 +522,9 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
 
 // The state passes on bf16 workspaces at K 128 with Hopper's wgmma: two warpgroups, each operand
 // read from shared memory once per product (mma.sync reads the state tile once per warp). The
-// chunk's terms arrive by cp.async in 128-byte-swizzled [64, 64] chunks (the layout
-// sw128_descriptor reads: K-major, or M-major for a transposed A), kSets sets used in turn; the
+// chunk's terms arrive in 128-byte-swizzled [64, 64] chunks (the layout sw128_descriptor reads:
+// K-major, or M-major for a transposed A), by TMA from one thread in the forward, by cp.async in
+// the backward, kSets sets used in turn; the
 // state S [128, 64] (or its gradient) lives in the warpgroups' accumulators (warpgroup w rows
 // 64 w..) and goes to shared memory as the bf16 B operand (M/N-major) once a chunk, U (or dU)
 // likewise.
@@ -530,39 +532,46 @@ __global__ void __launch_bounds__(Bf16State<kK, Ws>::kThreads) state_bwd_bf16_ke
 //             both: S[64 w.., :] <- diag(gC) S + (Kd^T U)[64 w.., :]
 //   backward  warpgroup 0: -dU = -(Aqk^T dO + Kd dS), into bU (dO pre-scaled, swizzled as a B operand)
 //             both: dS[64 w.., :] <- diag(gC) dS + (Qg^T dO - W^T dU)[64 w.., :]
+
+// The forward wgmma pass's TMA maps over the bf16 workspaces (rows [HV tokens, width], [64, 64]
+// boxes, 128-byte swizzle): W, Qg, Kd, Aqk, Ut.
+struct WgMaps {
+  CUtensorMap W, Q, Kd, A, X;
+};
+
 template <int kSetCount>
 struct WgState {
   using bf16 = __nv_bfloat16;
   static constexpr int kK = 128, kThreads = 256, kCols = kStateCols;
   static constexpr int kChunkBytes = kChunk * 128;           // one swizzled [64, 64] chunk
   static constexpr int kTermBytes = (kK / 64) * kChunkBytes;  // W, Qg, Kd
-  static constexpr int kLdX = kCols + 8;                      // Ut's plain bf16 rows (dO: a swizzled chunk)
-  static constexpr int kMarkAt = 3 * kTermBytes + kChunkBytes + kChunk * kLdX * 2;  // the chunk's marks row
+  static constexpr int kMarkAt = 3 * kTermBytes + 2 * kChunkBytes;  // after W, Qg, Kd, Aqk, X: the marks row
   static constexpr int kSetBytes = (kMarkAt + static_cast<int>(mark_stride(kMaxHeadDim)) + 1023) / 1024 * 1024;
   static constexpr int kSBytes = kK * 128, kUBytes = kChunk * 128;
   static constexpr int kSets = kSetCount;
-  static constexpr size_t bytes() { return 1024 + kSets * kSetBytes + kSBytes + kUBytes; }
+  static constexpr size_t bytes() { return 1024 + kSets * kSetBytes + kSBytes + kUBytes + 8 * kSets; }
   static_assert(kChunk == 64 && kCols == 64, "tile shapes");
 
   struct Tiles {
-    unsigned char *W, *Q, *Kd, *A;
-    bf16* X;
+    unsigned char *W, *Q, *Kd, *A, *X;
     const unsigned char* M;
   };
   // 1024-aligned, by pointer arithmetic on the shared array (through an integer the compiler would
   // lose the address space and read shared memory with generic loads)
   unsigned char* base;
   unsigned char *bS, *bU;
+  uint64_t* bars;  // the forward's: set s's TMA copies land on bars[s]
   int wg, q, r0;  // warpgroup; this thread's column pair q; its rows r0, r0 + 8 of the warpgroup's [64, *] tiles
 
   __device__ explicit WgState(unsigned char* smem)
       : base(smem + (1024 - sm90::smem_addr(smem) % 1024) % 1024),
-        bS(base + kSets * kSetBytes), bU(bS + kSBytes), wg(threadIdx.x / 128), q(threadIdx.x % 4),
+        bS(base + kSets * kSetBytes), bU(bS + kSBytes), bars(reinterpret_cast<uint64_t*>(bU + kUBytes)),
+        wg(threadIdx.x / 128), q(threadIdx.x % 4),
         r0(threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4) {}
   __device__ Tiles set(int s) const {
     unsigned char* b = base + s * kSetBytes;
-    return Tiles{b, b + kTermBytes, b + 2 * kTermBytes, b + 3 * kTermBytes,
-                 reinterpret_cast<bf16*>(b + 3 * kTermBytes + kChunkBytes), b + kMarkAt};
+    return Tiles{b, b + kTermBytes, b + 2 * kTermBytes, b + 3 * kTermBytes, b + 3 * kTermBytes + kChunkBytes,
+                 b + kMarkAt};
   }
   // Accumulator element e of a [64, 64] tile: row, column (the wgmma layout).
   __device__ int arow(int e) const { return r0 + 8 * (e % 4 / 2); }
@@ -582,26 +591,39 @@ struct WgState {
 #pragma unroll
     for (int j = 0; j < kChunk / kRows; ++j) mma::cp_async_16_zfill(d + j * kRows * 128, s + j * kRows * ld, r + j * kRows < L);
   }
-  // The chunk at workspace row `row` into set s: W and Kd, Qg and Aqk when with_qa, X (Ut or dO:
-  // rows at x + t * ldx) as plain rows or (kSwizzledX) a swizzled chunk, and the marks row of
-  // mark_bytes at marks (nullptr: none).
-  template <bool kSwizzledX>
-  __device__ void stage(const Intra<bf16>& in, int64_t row, int L, const bf16* x, int64_t ldx, int s, bool with_qa,
-                        const unsigned char* marks = nullptr, int mark_bytes = 0) const {
+  // The backward's chunk at workspace row `row` into set s by cp.async: W, Kd, Qg, Aqk and dO (rows
+  // at x + t * ldx), zeros from row L on.
+  __device__ void stage(const Intra<bf16>& in, int64_t row, int L, const bf16* x, int64_t ldx, int s) const {
     const Tiles d = set(s);
-    if (marks != nullptr && static_cast<int>(threadIdx.x) < mark_bytes / 16) {
-      mma::cp_async_16(const_cast<unsigned char*>(d.M) + 16 * threadIdx.x, marks + 16 * threadIdx.x);
-    }
     copy_sw<kK>(d.W, in.W + row * kK, kK, L);
     copy_sw<kK>(d.Kd, in.Kd + row * kK, kK, L);
-    if (with_qa) {
-      copy_sw<kK>(d.Q, in.Qg + row * kK, kK, L);
-      copy_sw<kChunk>(d.A, in.Aqk + row * kChunk, kChunk, L);
+    copy_sw<kK>(d.Q, in.Qg + row * kK, kK, L);
+    copy_sw<kChunk>(d.A, in.Aqk + row * kChunk, kChunk, L);
+    copy_sw<kCols>(d.X, x, ldx, L);
+  }
+  // The forward's chunk at workspace row `row` into set s by TMA from one thread, onto bars[s]: W
+  // and Kd, Qg and Aqk when with_qa, Ut's columns j0.. and the marks row of mark_bytes at marks
+  // (nullptr: none). Rows past the chunk's end arrive too (the next sequence's, or zeros past the
+  // workspace): the kernel zeroes Kd's and U's.
+  __device__ void stage_tma(const WgMaps& m, int row, int j0, int s, bool with_qa, const unsigned char* marks,
+                            int mark_bytes) const {
+    const Tiles d = set(s);
+    uint64_t* bar = bars + s;
+    sm90::mbar_arrive_expect_tx(bar, (with_qa ? 8 : 5) * kChunkBytes + (marks != nullptr ? mark_bytes : 0));
+    for (int c = 0; c < kK / 64; ++c) {
+      sm90::tma_load_2d(d.W + c * kChunkBytes, &m.W, bar, 64 * c, row);
+      sm90::tma_load_2d(d.Kd + c * kChunkBytes, &m.Kd, bar, 64 * c, row);
+      if (with_qa) sm90::tma_load_2d(d.Q + c * kChunkBytes, &m.Q, bar, 64 * c, row);
     }
-    if constexpr (kSwizzledX) {
-      copy_sw<kCols>(reinterpret_cast<unsigned char*>(d.X), x, ldx, L);
-    } else {
-      copy_rows_async<kThreads, kCols, kLdX>(d.X, x, ldx, L);
+    if (with_qa) sm90::tma_load_2d(d.A, &m.A, bar, 0, row);
+    sm90::tma_load_2d(d.X, &m.X, bar, j0, row);
+    if (marks != nullptr) sm90::bulk_load(const_cast<unsigned char*>(d.M), marks, mark_bytes, bar);
+  }
+  // Zeros in the rows from L on of the [kChunk, kK] swizzled term at t (whole 128-byte rows).
+  __device__ static void zero_rows(unsigned char* t, int L) {
+    const int pieces = (kChunk - L) * 8;  // per [64, 64] chunk
+    for (int i = static_cast<int>(threadIdx.x); i < pieces * (kK / 64); i += kThreads) {
+      *reinterpret_cast<uint4*>(t + i / pieces * kChunkBytes + L * 128 + i % pieces * 16) = uint4{};
     }
   }
   // The state in bS (bf16) to the [kK, V] matrix at m, columns j0.., in whole 16-byte rows.
@@ -624,11 +646,13 @@ struct WgState {
 #pragma unroll
     for (int e = 0; e < 32; ++e) S[e] *= e % 4 < 2 ? decay.x : decay.y;
   }
-  // An accumulator tile (times factor) as bf16 into the swizzled tile t at rows row0.. (M/N-major B).
-  __device__ void put(unsigned char* t, int row0, const float (&a)[32], float factor = 1.f) const {
+  // An accumulator tile (times factor) as bf16 into the swizzled tile t at rows row0.. (M/N-major
+  // B), zeros in its rows from `rows` on.
+  __device__ void put(unsigned char* t, int row0, const float (&a)[32], float factor = 1.f, int rows = kChunk) const {
 #pragma unroll
     for (int e = 0; e < 32; e += 2) {
-      *reinterpret_cast<uint32_t*>(t + sw_byte(row0 + arow(e), acol(e, q))) = mma::pack2<bf16>(factor * a[e], factor * a[e + 1]);
+      *reinterpret_cast<uint32_t*>(t + sw_byte(row0 + arow(e), acol(e, q))) =
+          arow(e) < rows ? mma::pack2<bf16>(factor * a[e], factor * a[e + 1]) : 0u;
     }
   }
   // acc += A B over kSteps k blocks of 16: A K-major in chunks of kChunkBytes (kTransA 0) or the
@@ -659,7 +683,7 @@ static_assert(WgFwd::bytes() <= 227 * 1024 && WgBwd::bytes() <= 227 * 1024, "an 
 template <typename O>
 __global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
     Seqs sq_, Sizes<float> z, float scale, Intra<__nv_bfloat16> in, const float* __restrict__ h0, O* o, float* ht,
-    __nv_bfloat16* starts) {
+    __nv_bfloat16* starts, const __grid_constant__ WgMaps maps) {
   using F = WgFwd;
   constexpr int kK = F::kK;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -670,19 +694,21 @@ __global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
   const int srow0 = 64 * sm.wg;      // this warpgroup's state rows
   float S[32];
   sm.load_state(S, h0 != nullptr ? h0 + st.matrix(z.HV) : nullptr, V, st.j0);
-  // The tiles and the marks row are staged kSets - 1 chunks ahead, one cp.async group a chunk
-  // (empty past the last, so that waiting for all but the newest kSets - 2 groups covers the chunk
-  // in use; the marks read from global memory would stall each chunk for a load); gC is read one
-  // chunk ahead.
+  // The tiles and the marks row are staged kSets - 1 chunks ahead by TMA from thread 0, set s's
+  // k-th chunk completing phase k of bars[s] (the marks read from global memory would stall each
+  // chunk for a load); gC is read one chunk ahead.
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < F::kSets; ++s) sm90::mbar_init(sm.bars + s, 1);
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
   auto stage = [&](int64_t i) {
     int64_t slot, t0;
     int L;
-    if (i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
-      const int64_t row = st.hv * sq_.tokens + t0;
-      sm.template stage<false>(in, row, L, in.Ut + row * V + st.j0, V, static_cast<int>(i % F::kSets), with_o,
-                               st.marks(sq_, in.mark, slot), static_cast<int>(mark_stride(V)));
+    if (threadIdx.x == 0 && i < st.chunks && st.chunk(sq_, i, slot, t0, L)) {
+      sm.stage_tma(maps, static_cast<int>(st.hv * sq_.tokens + t0), st.j0, static_cast<int>(i % F::kSets), with_o,
+                   st.marks(sq_, in.mark, slot), static_cast<int>(mark_stride(V)));
     }
-    mma::cp_async_commit();
   };
   float2 next_decay{};
   auto peek = [&](int64_t i) {
@@ -700,13 +726,12 @@ __global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
     int L;
     if (!st.chunk(sq_, i, slot, t0, L)) break;
     const float2 decay = next_decay;
-    mma::cp_async_wait<F::kSets - 2>();
-    sm90::fence_proxy_async();  // the copies are read by wgmma
-    __syncthreads();
+    sm90::mbar_wait(sm.bars + i % F::kSets, static_cast<uint32_t>(i / F::kSets) & 1);
     const F::Tiles cur = sm.set(static_cast<int>(i % F::kSets));
     const int first_marked = in.mark != nullptr ? cur.M[V] : L;
+    if (L < kChunk) F::zero_rows(cur.Kd, L);  // past the chunk's end (U's rows there are zeros too)
     sm.put(sm.bS, srow0, S);
-    sm90::fence_proxy_async();
+    sm90::fence_proxy_async();  // bS and Kd are read by wgmma; O's writes over W precede the next copies there
     __syncthreads();  // bS complete; the previous chunk's set is free
     if (starts != nullptr) sm.save_state(starts + (st.hv * sq_.slots + slot) * kK * V, V, st.j0);
     stage(i + F::kSets - 1);
@@ -717,8 +742,10 @@ __global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
     if (sm.wg == 0) {
       F::product<0, kK / 16>(acc, cur.W, sm.bS);
 #pragma unroll
-      for (int e = 0; e < 32; ++e) acc[e] = to_float(cur.X[sm.arow(e) * F::kLdX + F::acol(e, sm.q)]) - acc[e];
-      sm.put(sm.bU, 0, acc);
+      for (int e = 0; e < 32; ++e) {
+        acc[e] = to_float(*reinterpret_cast<const __nv_bfloat16*>(cur.X + F::sw_byte(sm.arow(e), F::acol(e, sm.q)))) - acc[e];
+      }
+      sm.put(sm.bU, 0, acc, 1.f, L);
       sm90::fence_proxy_async();
     } else if (with_o) {
       F::product<0, kK / 16>(acc, cur.Q, sm.bS);
@@ -752,7 +779,6 @@ __global__ void __launch_bounds__(WgFwd::kThreads) state_fwd_wgmma_kernel(
     // O out before the next chunk's first barrier
     if (with_o) store_o_rows<F::kThreads>(o, sO, t0, L, z.HV, st.hv, V, st.j0);
   }
-  mma::cp_async_wait<0>();
   sm.store_state(S, ht != nullptr ? ht + st.matrix(z.HV) : nullptr, V, st.j0);
 }
 
@@ -773,8 +799,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads) state_bwd_wgmma_kernel(
     int64_t slot, t0;
     int L;
     if (i >= 0 && st.chunk(sq_, i, slot, t0, L)) {
-      sm.template stage<true>(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V,
-                              static_cast<int>(i % F::kSets), true);
+      sm.stage(in, st.hv * sq_.tokens + t0, L, dO + (t0 * z.HV + st.hv) * V + st.j0, z.HV * V,
+               static_cast<int>(i % F::kSets));
       const float* gc = in.gC + (st.hv * sq_.slots + slot) * kK + 64 * sm.wg;
       next_decay = make_float2(gc[sm.arow(0)], gc[sm.arow(2)]);
     }
@@ -869,9 +895,23 @@ void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bflo
     }
   }();
   set_smem(kernel, F::bytes());
-  kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
-      l.seqs, Sizes<float>{p.H, p.HV, p.K, p.V, true}, static_cast<float>(p.scale), w,
-      raw.initial_state.defined() ? raw.initial_state.data_ptr<float>() : nullptr, o, ht, starts);
+  const Sizes<float> z{p.H, p.HV, p.K, p.V, true};
+  const float* h0 = raw.initial_state.defined() ? raw.initial_state.data_ptr<float>() : nullptr;
+  if constexpr (kK == WgFwd::kK) {
+    const int64_t rows = std::max<int64_t>(1, p.HV * l.seqs.tokens);  // (the workspaces hold one row at least)
+    const auto map = [&](const __nv_bfloat16* ws, int64_t width, const char* name) {
+      const at::Tensor t = at::from_blob(const_cast<__nv_bfloat16*>(ws), {rows, width}, raw.q.options().dtype(at::kBFloat16));
+      return make_tensor_map_sw128<2>(t, {static_cast<uint64_t>(width), static_cast<uint64_t>(rows)},
+                                      {static_cast<uint64_t>(width)}, {64, 64}, name);
+    };
+    const WgMaps maps{map(w.W, kK, "W"), map(w.Qg, kK, "Qg"), map(w.Kd, kK, "Kd"), map(w.Aqk, kChunk, "Aqk"),
+                      map(w.Ut, p.V, "Ut")};
+    kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(l.seqs, z, static_cast<float>(p.scale), w, h0, o, ht,
+                                                                 starts, maps);
+  } else {
+    kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(l.seqs, z, static_cast<float>(p.scale), w, h0, o, ht,
+                                                                 starts);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
