@@ -95,6 +95,43 @@ def test_kpool_indexer_matches_reference(device, seed, lens, extra_keys, kpool, 
     assert torch.equal(got.cpu(), expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=60), extra_keys=st.lists(st.integers(0, 30), min_size=3,
+       max_size=3), kpool=st.sampled_from([1, 2, 4]), pools=st.sampled_from([1, 3, 8]))
+def test_kpool_indexer_scores_and_gradients_match_reference(device, seed, lens, extra_keys, kpool, pools):
+    """with_scores: the chosen pools' scores, in the indices' pool order, and their gradients w.r.t.
+    q, k, gate, ape and w (the indexer's backward kernel, then the pooling's autograd) against the
+    float64 reference; -inf where a query has fewer pools. CPU float64; CUDA bf16 with exact
+    scores (the same pools chosen), a normal gate and ape drawn after the choice is fixed."""
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else F64
+    klens = [n + e for n, e in zip(lens, extra_keys)]
+    T, Tk, Hi, Di = sum(lens), sum(klens), 3, 16
+    topk = pools * kpool
+    q, k, gate, ape, w = kpool_inputs(T, Tk, Hi, Di, kpool, dtype, exact=device == "cuda")
+    leaves = [t.to(device).requires_grad_() for t in (q, k, gate, ape, w)]
+    idx, sc = K.kpool_indexer(*leaves, cu_of(lens).to(device), topk, kpool, True, cu_of(klens).to(device),
+                              with_scores=True)
+    ref_leaves = [t.detach().cpu().to(F64).requires_grad_() for t in leaves]
+    ref_idx, ref_sc = R.kpool_indexer(*ref_leaves, cu_of(lens), topk, kpool, True, cu_of(klens), with_scores=True)
+    assert torch.equal(idx.cpu(), ref_idx)
+    assert sc.shape == (T, pools) and sc.dtype == (F64 if dtype == F64 else torch.float32)
+    finite = torch.isfinite(ref_sc)
+    assert torch.equal(torch.isfinite(sc).cpu(), finite)
+    assert_close(sc.cpu()[finite], ref_sc[finite], dtype if device == "cuda" else F64, "scores")
+    if not finite.any():
+        return
+    g = torch.randn(T, pools, dtype=F64).masked_fill(~finite, 0)
+    got = torch.autograd.grad(sc.masked_fill(~torch.isfinite(sc), 0), leaves, g.to(device, sc.dtype),
+                              allow_unused=True)
+    ref = torch.autograd.grad(ref_sc.masked_fill(~finite, 0), ref_leaves, g, allow_unused=True)
+    for name, a, b in zip(["dq", "dk", "dgate", "dape", "dw"], got, ref):
+        b = torch.zeros_like(ref_leaves[0] if name == "dq" else b) if b is None else b
+        a = torch.zeros_like(b) if a is None else a
+        assert a.dtype == dtype
+        assert_close(a.cpu(), b, dtype, name)
+
+
 @given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=30), topk=st.sampled_from([1, 4, 32]),
        dtype=st.sampled_from(DTYPES))
 def test_lightning_indexer_bwd_matches_reference(seed, lens, topk, dtype):

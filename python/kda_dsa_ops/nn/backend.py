@@ -27,11 +27,11 @@ def _lightning_indexer(q, k, w, cu_seqlens_q, cu_seqlens_k, topk):
     return (R.lightning_indexer if refused else ops.lightning_indexer)(q, k, w, cu_seqlens_q, cu_seqlens_k, topk)
 
 
-def _kpool_indexer(q, k, gate, ape, w, cu_seqlens, topk, kpool, tail=True, cu_seqlens_k=None):
+def _kpool_indexer(q, k, gate, ape, w, cu_seqlens, topk, kpool, tail=True, cu_seqlens_k=None, with_scores=False):
     refused = q.dim() == 3 and indexer_kernel_refuses(q.device.type, q.dtype, max(topk // kpool, 1), q.shape[1],
                                                       q.shape[2])
     return (R.kpool_indexer if refused or q.is_meta else ops.kpool_indexer)(q, k, gate, ape, w, cu_seqlens, topk,
-                                                                            kpool, tail, cu_seqlens_k)
+                                                                            kpool, tail, cu_seqlens_k, with_scores)
 
 
 def _sparse_attention(q, kv, indices, scale=None, dv=None, gate=None, return_p=False, deterministic=False):

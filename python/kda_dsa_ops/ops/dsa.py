@@ -12,6 +12,8 @@ an index outside [0, Tk) counts as -1 and keys outside [0, Tk) are never read.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -37,7 +39,8 @@ def lightning_indexer(q: Tensor, k: Tensor, w: Tensor, cu_seqlens_q: Tensor, cu_
 
 
 def kpool_indexer(q: Tensor, k: Tensor, gate: Tensor, ape: Tensor, w: Tensor, cu_seqlens: Tensor, topk: int,
-                  kpool: int, tail: bool = True, cu_seqlens_k: Tensor | None = None) -> Tensor:
+                  kpool: int, tail: bool = True, cu_seqlens_k: Tensor | None = None,
+                  with_scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """GLM-5.3's k-pooled indexer (reference.kpool_indexer's contract: the keys of the topk //
     kpool best complete pools visible to each query, then with tail the latest incomplete pool's)
     on the lightning-indexer kernel.
@@ -51,10 +54,14 @@ def kpool_indexer(q: Tensor, k: Tensor, gate: Tensor, ape: Tensor, w: Tensor, cu
     the pooled keys each (as many rows as there are keys), and the kernel scores each query against
     its visible pools only. Pooling (softmax-weighted averages), the phases' layout and the tail
     are torch, without a loop over sequences; indices [T, topk + (kpool - 1 if tail else 0)] int32,
-    -1 padded, not differentiable.
+    -1 padded. with_scores also returns the chosen pools' scores [T, topk // kpool] (fp32; float64
+    for float64 inputs; -inf where no pool), the indexer kernel's scores put back in query order:
+    differentiable w.r.t. q, k, gate, ape and w, through the indexer's backward kernel and the
+    pooling's autograd.
     """
     T, dev = q.shape[0], q.device
     indices = torch.full((T, topk + (kpool - 1 if tail else 0)), -1, dtype=torch.int32, device=dev)
+    scores = torch.full((T, topk // kpool), -math.inf, dtype=accumulation_dtype(q), device=dev)
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     lens, klens = cu_seqlens.diff().long(), cu_k.diff().long()
     N = lens.numel()
@@ -87,8 +94,10 @@ def kpool_indexer(q: Tensor, k: Tensor, gate: Tensor, ape: Tensor, w: Tensor, cu
         if K_rows > 0:
             row_seg = torch.repeat_interleave(torch.arange(S, device=dev), seen, output_size=K_rows)
             key_rows = first_pool[row_seg // kpool] + torch.arange(K_rows, device=dev) - cu_seen[row_seg]
-            best, _ = lightning_indexer(q[order], pooled[key_rows], w[order], cu_q.to(torch.int32),
-                                        cu_seen.to(torch.int32), n_best)
+            best, best_scores = lightning_indexer(q[order], pooled[key_rows], w[order], cu_q.to(torch.int32),
+                                                  cu_seen.to(torch.int32), n_best)
+            if with_scores:
+                scores = scores.index_put((order,), best_scores)
             pool = best.long() - cu_seen[segment[order]][:, None]             # pool index in its sequence
             tokens = (pool[..., None] * kpool + torch.arange(kpool, device=dev)).flatten(1) + kstart[order, None]
             chosen = (best >= 0).repeat_interleave(kpool, dim=1)
@@ -98,7 +107,7 @@ def kpool_indexer(q: Tensor, k: Tensor, gate: Tensor, ape: Tensor, w: Tensor, cu
         offset = torch.arange(kpool - 1, device=dev)
         tail_rows = (t + 1 - count)[:, None] + offset[None, :] + kstart[:, None]
         indices[:, topk:] = torch.where(offset[None, :] < count[:, None], tail_rows, -1).to(torch.int32)
-    return indices
+    return (indices, scores) if with_scores else indices
 
 
 def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None = None, dv: int | None = None,

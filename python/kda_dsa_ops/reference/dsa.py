@@ -58,7 +58,8 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seql
 
 def kpool_indexer(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, w: torch.Tensor,
                   cu_seqlens: torch.Tensor, topk: int, kpool: int, tail: bool = True,
-                  cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_seqlens_k: torch.Tensor | None = None,
+                  with_scores: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """GLM-5.3's k-pooled indexer: the keys of the best pools, and the latest incomplete pool.
 
     Per sequence, keys form consecutive pools of kpool from its start; pool j's key is the
@@ -70,15 +71,17 @@ def kpool_indexer(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: tor
     cu_seqlens packs the queries and, unless cu_seqlens_k does, the keys; with more keys than
     queries in a sequence the queries are its last ones (bottom-right: query i of Lq sits at
     position i + Lk - Lq). Returns indices [T, topk + (kpool - 1 if tail else 0)] int32, absolute
-    rows of k, -1 padded.
+    rows of k, -1 padded; with_scores also the chosen pools' scores [T, topk // kpool] (in the
+    indices' pool order, -inf where no pool), differentiable w.r.t. q, k, gate, ape and w.
     """
     T = q.shape[0]
     acc = accumulation_dtype(q)
     width = topk + (kpool - 1 if tail else 0)
     indices = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
     pools_per_query = topk // kpool
+    scores = torch.full((T, pools_per_query), -math.inf, dtype=acc, device=q.device)
     if q.is_meta:  # shapes only (memory planning)
-        return indices
+        return (indices, scores) if with_scores else indices
     key_segments = _segments(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k)
     for (start, end), (kstart, kend) in zip(_segments(cu_seqlens), key_segments):
         L, Lk = end - start, kend - kstart
@@ -98,13 +101,15 @@ def kpool_indexer(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: tor
             rows = (best[..., None] * kpool + torch.arange(kpool, device=q.device)).view(L, n * kpool) + kstart
             rows = torch.where(chosen.repeat_interleave(kpool, dim=1), rows, -1)
             indices[start:end, : n * kpool] = rows.to(torch.int32)
+            if with_scores:
+                scores[start:end, :n] = s.gather(-1, best)
         if tail and kpool > 1:
             count = (t + 1) % kpool                                              # keys past the last full pool
             offset = torch.arange(kpool - 1, device=q.device)
             rows = (t + 1 - count)[:, None] + offset[None, :] + kstart
             rows = torch.where(offset[None, :] < count[:, None], rows, -1)
             indices[start:end, topk:] = rows.to(torch.int32)
-    return indices
+    return (indices, scores) if with_scores else indices
 
 
 def lightning_indexer_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor,
