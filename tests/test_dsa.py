@@ -102,7 +102,8 @@ def test_kpool_indexer_scores_and_gradients_match_reference(device, seed, lens, 
     """with_scores: the chosen pools' scores, in the indices' pool order, and their gradients w.r.t.
     q, k, gate, ape and w (the indexer's backward kernel, then the pooling's autograd) against the
     float64 reference; -inf where a query has fewer pools. CPU float64; CUDA bf16 with exact
-    scores (the same pools chosen), a normal gate and ape drawn after the choice is fixed."""
+    scores (integer q, k, w and a zero gate and ape: the same pools chosen; the gate's and ape's
+    gradients are not zero there)."""
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device == "cuda" else F64
     klens = [n + e for n, e in zip(lens, extra_keys)]
