@@ -674,8 +674,8 @@ struct WgState {
     sm90::fence_accumulators(acc);
   }
 };
-// The forward stages each chunk two ahead, the backward one (its dO tile leaves room for two sets
-// only).
+// The forward stages each chunk two ahead, the backward one (three sets of the same size would fit
+// there too; not measured).
 using WgFwd = WgState<3>;
 using WgBwd = WgState<2>;
 static_assert(WgFwd::bytes() <= 227 * 1024 && WgBwd::bytes() <= 227 * 1024, "an SM's shared memory, one block");
@@ -820,7 +820,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads) state_bwd_wgmma_kernel(
     sm90::fence_proxy_async();  // the copies are read by wgmma
     __syncthreads();            // (and every read of the chunk before is done)
     const F::Tiles cur = sm.set(static_cast<int>(i % F::kSets));
-    const unsigned char* tdO = reinterpret_cast<const unsigned char*>(cur.X);
+    const unsigned char* tdO = cur.X;
     sm.put(sm.bS, 64 * sm.wg, dS);
     sm90::fence_proxy_async();
     __syncthreads();  // bS complete; the other set is free
@@ -886,15 +886,6 @@ void run_state_bwd(const Problem& p, const Launch& l, const Intra<float>& intra,
 template <int kK, typename O>
 void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bfloat16>& w, const Inputs& raw, O* o,
                         float* ht, __nv_bfloat16* starts) {
-  using F = std::conditional_t<kK == WgFwd::kK, WgFwd, Bf16State<kK, __nv_bfloat16>>;
-  const auto kernel = [] {
-    if constexpr (kK == WgFwd::kK) {
-      return state_fwd_wgmma_kernel<O>;
-    } else {
-      return state_fwd_bf16_kernel<kK, __nv_bfloat16, O>;
-    }
-  }();
-  set_smem(kernel, F::bytes());
   const Sizes<float> z{p.H, p.HV, p.K, p.V, true};
   const float* h0 = raw.initial_state.defined() ? raw.initial_state.data_ptr<float>() : nullptr;
   if constexpr (kK == WgFwd::kK) {
@@ -906,11 +897,14 @@ void run_state_fwd_bf16(const Problem& p, const Launch& l, const Intra<__nv_bflo
     };
     const WgMaps maps{map(w.W, kK, "W"), map(w.Qg, kK, "Qg"), map(w.Kd, kK, "Kd"), map(w.Aqk, kChunk, "Aqk"),
                       map(w.Ut, p.V, "Ut")};
-    kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(l.seqs, z, static_cast<float>(p.scale), w, h0, o, ht,
-                                                                 starts, maps);
+    set_smem(state_fwd_wgmma_kernel<O>, WgFwd::bytes());
+    state_fwd_wgmma_kernel<O><<<state_grid(p), WgFwd::kThreads, WgFwd::bytes(), l.stream>>>(
+        l.seqs, z, static_cast<float>(p.scale), w, h0, o, ht, starts, maps);
   } else {
-    kernel<<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(l.seqs, z, static_cast<float>(p.scale), w, h0, o, ht,
-                                                                 starts);
+    using F = Bf16State<kK, __nv_bfloat16>;
+    set_smem(state_fwd_bf16_kernel<kK, __nv_bfloat16, O>, F::bytes());
+    state_fwd_bf16_kernel<kK, __nv_bfloat16, O><<<state_grid(p), F::kThreads, F::bytes(), l.stream>>>(
+        l.seqs, z, static_cast<float>(p.scale), w, h0, o, ht, starts);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
