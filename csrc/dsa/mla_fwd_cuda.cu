@@ -87,12 +87,12 @@ __device__ __forceinline__ void mla_logits(float (&sc)[16], MlaFwdShared& sh, co
   fence_accumulators(sc);
   sh.ring.wait_full(i, 0);
   wgmma_fence();
+  const uint64_t q_desc = sw128_descriptor(th.q_base, 16), k_desc = sw128_descriptor(k_base + th.group * 32 * 128, 16);
 #pragma unroll
   for (int kk = 0; kk < M::kDqk / 16; ++kk) {
     if (kk == 4 * M::kSplit) sh.ring.wait_full(i, 1);
     const uint32_t off = (kk / 4) * M::kChunkBytes + (kk % 4) * 32;
-    wgmma_m64n32k16<T, 0, 0>(sc, sw128_descriptor(th.q_base + off, 16),
-                             sw128_descriptor(k_base + off + th.group * 32 * 128, 16));
+    wgmma_m64n32k16<T, 0, 0>(sc, desc_advance(q_desc, off), desc_advance(k_desc, off));
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -171,10 +171,11 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, uint8_t* sK, uint8_
     named_barrier_sync(1, 256);  // P complete
     fence_accumulators(o);
     wgmma_fence();
+    const uint64_t p_desc = sw128_descriptor(th.p_base, 16),
+                   v_desc = sw128_descriptor(k_base + 4 * group * M::kChunkBytes, M::kChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < M::kKeys / 16; ++kk) {  // O += P V over this group's 256 value columns
-      wgmma_m64n256k16<T, 0, 1>(o, sw128_descriptor(th.p_base + kk * 32, 16),
-                                sw128_descriptor(k_base + 4 * group * M::kChunkBytes + kk * 2048, M::kChunkBytes));
+      wgmma_m64n256k16<T, 0, 1>(o, desc_advance(p_desc, kk * 32), desc_advance(v_desc, kk * 2048));
     }
     wgmma_commit();
   }
