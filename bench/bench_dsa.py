@@ -5,8 +5,10 @@ LI       T = Tk = 8192, Hi = 64, Di = 128, topk = 2048, causal: fused scoring + 
          einsum + ReLU + weighted sum + masked topk; the backward vs autograd of the same.
 SFA      T = 4096, Tk = 8192, H = 64 and 128, Dqk = 576, dv = 512 (MLA), topk = 2048, gated: forward
          and backward (SFAG, atomic and deterministic dkv) vs gather + einsum + softmax in chunks.
+heads    the same shape at H = 8, 16, 32, 64, 128 (MLA 576/512) and GLM-5.3's NoPE 512/512 at H = 16
+         and 64: SFA forward and SFAG TFLOP/s, random index sets (the small head counts' share of H 64).
 
-    python bench/bench_dsa.py [--quick] [--parts li sfa] [--out DIR]
+    python bench/bench_dsa.py [--quick] [--parts li sfa heads] [--out DIR]
 """
 
 from __future__ import annotations
@@ -125,17 +127,55 @@ def bench_attention(quick: bool) -> list[Result]:
     return results
 
 
+HEAD_CASES = [(8, 576), (16, 576), (32, 576), (64, 576), (128, 576), (16, 512), (64, 512)]  # (H, Dqk); dv 512
+
+
+def bench_heads() -> list[Result]:
+    """SFA forward and SFAG (atomic dkv) at every head count of HEAD_CASES, T 4096, Tk 8192, topk 2048,
+    gated, random distinct index sets; each case's TFLOP/s printed beside its layout's H 64."""
+    T, Tk, dv, topk = 4096, 8192, 512, 2048
+    ops = torch.ops.kda_dsa_ops
+    results, at64 = [], {}
+    for H, Dqk in HEAD_CASES:
+        torch.manual_seed(0)
+        q = torch.randn(T, H, Dqk, device="cuda", dtype=BF16)
+        kv = torch.randn(Tk, 1, Dqk, device="cuda", dtype=BF16)
+        gate = torch.randn(T, H, dv, device="cuda", dtype=BF16)
+        idx = torch.rand(T, Tk, device="cuda").topk(topk, dim=-1).indices.int()[:, None]
+        scale = Dqk ** -0.5
+        o, lse, _ = K.sparse_attention(q, kv, idx, scale, dv, gate)
+        do = torch.randn_like(o)
+        shape = dict(T=T, Tk=Tk, H=H, Dqk=Dqk, dv=dv, topk=topk)
+        fwd = bench_ms(lambda: ops.sparse_attn_fwd(q, kv, idx, scale, dv, gate, False))
+        bwd = bench_ms(lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, False))
+        for name, ms, flops in ((f"SFA fwd H{H} {Dqk}/{dv}", fwd, 2 * T * topk * H * (Dqk + dv)),
+                                (f"SFAG H{H} {Dqk}/{dv}", bwd, 2 * T * topk * H * (2 * dv + 3 * Dqk))):
+            r = Result("dsa", name, shape, ms, flops)
+            results.append(r)
+            kind = name.split(" H")[0]
+            if H == 64:
+                at64[(kind, Dqk)] = r.tflops()
+        del q, kv, gate, idx, o, lse, do
+        torch.cuda.empty_cache()
+    for r in results:
+        kind, Dqk = r.name.split(" H")[0], r.shape["Dqk"]
+        share = f", {r.tflops() / at64[(kind, Dqk)]:.0%} of H 64" if (kind, Dqk) in at64 else ""
+        print(f"{r.name}: {r.ms:.3f} ms, {r.tflops():.0f} TFLOP/s{share}", flush=True)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half the sequence lengths, H = 64 only")
-    parser.add_argument("--parts", nargs="+", choices=["li", "sfa"], default=["li", "sfa"],
-                        help="which ops to time (default both)")
+    parser.add_argument("--parts", nargs="+", choices=["li", "sfa", "heads"], default=["li", "sfa"],
+                        help="which ops to time (default li and sfa)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
     results = ((bench_indexer(args.quick) if "li" in args.parts else []) +
-               (bench_attention(args.quick) if "sfa" in args.parts else []))
+               (bench_attention(args.quick) if "sfa" in args.parts else []) +
+               (bench_heads() if "heads" in args.parts else []))
     print(write_results("dsa", results, ceilings, args.out))
 
 
