@@ -130,9 +130,19 @@ def bench_attention(quick: bool) -> list[Result]:
 HEAD_CASES = [(8, 576), (16, 576), (32, 576), (64, 576), (128, 576), (16, 512), (64, 512)]  # (H, Dqk); dv 512
 
 
+def union_share(idx: torch.Tensor, group: int) -> float:
+    """The mean size of the union of `group` consecutive queries' index sets (distinct keys), over
+    `group` x topk: the share of a packed block's slots that are not a repeat of another query's."""
+    T, topk = idx.shape[0] // group * group, idx.shape[-1]
+    rows = idx[:T].reshape(T // group, group * topk).sort(1).values
+    return float(((rows[:, 1:] != rows[:, :-1]).sum(1) + 1).float().mean()) / (group * topk)
+
+
 def bench_heads() -> list[Result]:
     """SFA forward and SFAG (atomic dkv) at every head count of HEAD_CASES, T 4096, Tk 8192, topk 2048,
-    gated, random distinct index sets; each case's TFLOP/s printed beside its layout's H 64."""
+    gated, random distinct index sets; each case's TFLOP/s printed beside its layout's H 64. Below 64
+    heads the MLA kernels pack 64 / H queries a block: the share of the block's slots that its union
+    keeps (1/group: every query chose the same keys; 1: no key shared) is printed with it."""
     T, Tk, dv, topk = 4096, 8192, 512, 2048
     ops = torch.ops.kda_dsa_ops
     results, at64 = [], {}
@@ -150,7 +160,7 @@ def bench_heads() -> list[Result]:
         bwd = bench_ms(lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, False))
         for name, ms, flops in ((f"SFA fwd H{H} {Dqk}/{dv}", fwd, 2 * T * topk * H * (Dqk + dv)),
                                 (f"SFAG H{H} {Dqk}/{dv}", bwd, 2 * T * topk * H * (2 * dv + 3 * Dqk))):
-            r = Result("dsa", name, shape, ms, flops)
+            r = Result("dsa", name, shape, ms, flops, extra={"union": round(union_share(idx, 64 // H), 3)} if H < 64 else {})
             results.append(r)
             kind = name.split(" H")[0]
             if H == 64:
@@ -160,7 +170,8 @@ def bench_heads() -> list[Result]:
     for r in results:
         kind, Dqk = r.name.split(" H")[0], r.shape["Dqk"]
         share = f", {r.tflops() / at64[(kind, Dqk)]:.0%} of H 64" if (kind, Dqk) in at64 else ""
-        print(f"{r.name}: {r.ms:.3f} ms, {r.tflops():.0f} TFLOP/s{share}", flush=True)
+        union = f", union {r.extra['union']:.2f}" if r.extra else ""
+        print(f"{r.name}: {r.ms:.3f} ms, {r.tflops():.0f} TFLOP/s{share}{union}", flush=True)
     return results
 
 

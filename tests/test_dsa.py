@@ -466,16 +466,8 @@ MLA = (1, 576, 512)
 NOPE = (1, 512, 512)  # GLM-5.3's MLA without rope dims
 
 
-@pytest.mark.cuda
-@given(seed=SEEDS, T=st.integers(1, 20), Tk=st.integers(1, 300),
-       layout=st.sampled_from([MLA, NOPE, (2, 128, 128), (4, 64, 48), (1, 32, 32)]),
-       G=st.sampled_from([1, 5, 16, 64, 128]), topk=st.sampled_from([1, 37, 64, 2048, 2063, 4096]), gated=st.booleans(),
-       return_p=st.booleans(), portable=st.booleans(), dtype=st.sampled_from(HALF))
-def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, gated, return_p, portable,
-                                                 dtype):
-    """On sm_90 the MLA layouts (576 / 512, NoPE 512 / 512) take the Hopper forward kernel (p from
-    its second pass) unless set_portable_sfa(True) keeps it on the portable one, which other GPUs
-    take; 2063 keys: GLM-5.3's pooled selection with its tail, past the indexer's 2048."""
+def check_cuda_attention(seed, T, Tk, layout, G, topk, gated, return_p, portable, dtype):
+    """The CUDA op's o, lse, p and gradients against the float64 reference on the same inputs."""
     torch.manual_seed(seed)
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated)
@@ -505,14 +497,40 @@ def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, g
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layout", [MLA, NOPE, (2, 128, 128)])
-def test_sparse_attention_cuda_deterministic_dkv(layout):
+@given(seed=SEEDS, T=st.integers(1, 20), Tk=st.integers(1, 300),
+       layout=st.sampled_from([MLA, NOPE, (2, 128, 128), (4, 64, 48), (1, 32, 32)]),
+       G=st.sampled_from([1, 5, 8, 16, 32, 64, 128]), topk=st.sampled_from([1, 37, 64, 2048, 2063, 4096]),
+       gated=st.booleans(), return_p=st.booleans(), portable=st.booleans(), dtype=st.sampled_from(HALF))
+def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, gated, return_p, portable,
+                                                 dtype):
+    """On sm_90 the MLA layouts (576 / 512, NoPE 512 / 512) take the Hopper forward kernel (p from
+    its second pass) unless set_portable_sfa(True) keeps it on the portable one, which other GPUs
+    take; 2063 keys: GLM-5.3's pooled selection with its tail, past the indexer's 2048."""
+    check_cuda_attention(seed, T, Tk, layout, G, topk, gated, return_p, portable, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", [MLA, NOPE])
+@pytest.mark.parametrize("G", [8, 16, 32])
+@pytest.mark.parametrize("T, Tk, topk", [(13, 30, 64), (9, 2000, 100), (17, 5000, 2063)])
+def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, topk):
+    """With 8, 16 or 32 heads the Hopper MLA kernels take 64 / G queries a block: the union of their
+    selections, each row masked to its own query's keys, as many copies of a key as its query has.
+    Keys shared by most of a block's queries and repeated (Tk 30), by few (Tk 2000, 5000); T not a
+    multiple of the block (a short last block); a query without keys; gated, with p."""
+    check_cuda_attention(T + G, T, Tk, layout, G, topk, True, True, False, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout, G", [(MLA, 64), (NOPE, 64), ((2, 128, 128), 64), (MLA, 8)])
+def test_sparse_attention_cuda_deterministic_dkv(layout, G):
     """deterministic=True: dkv bitwise equal over repeated runs, and equal to the atomic path
-    within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters."""
+    within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters;
+    with 8 heads (MLA) the queries are packed 8 to a block."""
     Hkv, D, dv = layout
-    q, kv, idx, gate = attn_case(64, 40, Hkv * 64, Hkv, D, dv, 256, torch.bfloat16, True)
+    q, kv, idx, gate = attn_case(64, 40, Hkv * G, Hkv, D, dv, 256, torch.bfloat16, True)
     q, kv, idx, gate = q.cuda().requires_grad_(), kv.cuda().requires_grad_(), idx.cuda(), gate.cuda()
-    do = torch.randn(64, Hkv * 64, dv, device="cuda").to(torch.bfloat16)
+    do = torch.randn(64, Hkv * G, dv, device="cuda").to(torch.bfloat16)
 
     def dkv(deterministic):
         o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, deterministic=deterministic)

@@ -26,15 +26,16 @@ def main():
         idx, sc = K.lightning_indexer(q, k, w, cu_q, cu_k, topk)
         torch.autograd.grad(sc.masked_fill(idx < 0, 0).sum(), (q, k, w))
     # sparse attention: MLA with two head blocks, GLM-5.3's NoPE MLA with more keys than the
-    # indexer's 2048 (its pooled selection's tail), GQA with padded head dims; -1 entries, repeats
+    # indexer's 2048 (its pooled selection's tail), MLA with 8 heads (8 queries packed in a block,
+    # the last block short), GQA with padded head dims; -1 entries, repeats
     for T, Tk, H, Hkv, D, dv, topk in ((3, 70, 128, 1, 576, 512, 100), (2, 90, 40, 1, 512, 512, 2063),
-                                       (5, 9, 6, 2, 40, 24, 33)):
+                                       (11, 50, 8, 1, 576, 512, 70), (5, 9, 6, 2, 40, 24, 33)):
         q = torch.randn(T, H, D, device=dev, dtype=bf16, requires_grad=True)
         kv = torch.randn(Tk, Hkv, D, device=dev, dtype=bf16, requires_grad=True)
         gate = torch.randn(T, H, dv, device=dev, dtype=bf16, requires_grad=True)
         idx = torch.randint(-1, Tk, (T, Hkv, topk), device=dev, dtype=torch.int32)
         # MLA: the Hopper forward (with and without p) and backward (atomic and deterministic
-        # dkv; 40 and 128 heads), and the portable ones
+        # dkv; 8, 40 and 128 heads), and the portable ones
         for det, want_p, portable in ((False, True, False), (True, False, False), (False, True, True)):
             K.set_portable_sfa(portable)
             o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, return_p=want_p, deterministic=det)

@@ -214,9 +214,10 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
 
 }  // namespace
 
-void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
-                   const at::Tensor& indices, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate,
-                   bool deterministic, at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate) {
+void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
+                   const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate, bool deterministic,
+                   at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate) {
+  const AttnProblem& p = pk.problem;
   const c10::cuda::CUDAGuard guard(q.device());
   const bool hopper = mla_bwd_takes(p, q);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_bwd", [&] {
@@ -231,7 +232,7 @@ void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Ten
           launch(attn_bwd_kernel<scalar_t, kDqk, kDv, kRows>, dim3(n, p.Hkv, a.head_blocks), S::kThreads, S::kSmem, a);
         }
       };
-      AttnBwdArgs a{attn_args(p, q, kv, indices, gate, kRows),
+      AttnBwdArgs a{attn_args(pk, q, kv, gate, kRows),
                     grad_o.data_ptr(),
                     o.data_ptr(),
                     lse.data_ptr<float>(),
@@ -250,6 +251,7 @@ void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Ten
       const int64_t per_query = p.Hkv * a.head_blocks * p.topk * p.Dqk;
       const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 27) / std::max<int64_t>(per_query, 1));
       at::Tensor contrib = at::empty({std::min(chunk, p.T) * per_query}, q.options().dtype(at::kFloat));
+      const at::Tensor& indices = pk.indices;
       const at::Tensor rows_of = at::where(indices.ge(0).logical_and(indices.lt(p.Tk)), indices * p.Hkv + at::arange(p.Hkv, indices.options()).view({1, -1, 1}),
                                            at::full({}, p.Tk * p.Hkv, indices.options()))
                                      .to(at::kLong);

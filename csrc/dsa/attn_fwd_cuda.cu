@@ -204,10 +204,11 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 
 }  // namespace
 
-void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
-                   const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
+void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
+                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
+  const AttnProblem& p = pk.problem;
   if (mla_fwd_takes(p, q)) {
-    mla_fwd_cuda(p, q, kv, indices, gate, o, lse, probs);
+    mla_fwd_cuda(pk, q, kv, gate, o, lse, probs);
     return;
   }
   const c10::cuda::CUDAGuard guard(q.device());
@@ -215,7 +216,7 @@ void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& 
     with_attn_instance(p, [&](auto dqk, auto dv, auto rows) {
       constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
       using S = FwdShape<kDqk, kDv, kRows>;
-      const AttnFwdArgs a{attn_args(p, q, kv, indices, gate, kRows), o.data_ptr(), lse.data_ptr<float>(),
+      const AttnFwdArgs a{attn_args(pk, q, kv, gate, kRows), o.data_ptr(), lse.data_ptr<float>(),
                           probs.defined() ? probs.data_ptr<float>() : nullptr};
       launch(attn_fwd_kernel<scalar_t, kDqk, kDv, kRows>, dim3(p.T, p.Hkv, a.head_blocks), S::kThreads, S::kSmem, a);
     });

@@ -5,6 +5,8 @@
 #include "common/checks.h"
 #include "dsa/dsa_cuda.cuh"
 
+#include <limits>
+
 namespace kda_dsa_ops::dsa {
 
 namespace {
@@ -37,7 +39,63 @@ void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) 
               "got Dqk = ", p.Dqk, ", dv = ", p.dv);
 }
 
+// The (query, slot) probabilities of a packed forward ([blocks, group, group x topk], by union
+// slot) in the call's slots: [T, 1, topk], 0 where a slot has no key.
+at::Tensor unpack_probs(const QueryPack& pk, const at::Tensor& packed) {
+  const int64_t T = pk.slot_of.size(0);
+  const at::Tensor rows = packed.view({-1, packed.size(2)}).narrow(0, 0, T);
+  return rows.gather(1, pk.slot_of.clamp_min(0)).masked_fill_(pk.slot_of.lt(0), 0.).unsqueeze(1);
+}
+
 }  // namespace
+
+QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots) {
+  QueryPack pk;
+  pk.problem = p;
+  pk.rows_total = p.T * p.H;
+  pk.indices = indices;
+  if (!mla_fwd_takes(p, q) || (p.H != 8 && p.H != 16 && p.H != 32) || p.T < 2 || p.topk == 0) return pk;
+  const int64_t G = 64 / p.H, K = p.topk, L = G * K, blocks = ceil_div(p.T, G);
+  // Each entry as (key, query in the block), sorted per block: a key's entries are consecutive, and
+  // one query's copies of a key too. Entries without a key sort last (kNone).
+  const bool narrow = (p.Tk + 1) * G < std::numeric_limits<int32_t>::max();
+  const at::ScalarType type = narrow ? at::kInt : at::kLong;
+  const int64_t kNone = narrow ? std::numeric_limits<int32_t>::max() : std::numeric_limits<int64_t>::max();
+  const at::TensorOptions opt = indices.options().dtype(type);
+  at::Tensor idx = at::full({blocks * G, K}, -1, opt);
+  idx.narrow(0, 0, p.T).copy_(indices.view({p.T, K}));
+  const at::Tensor entry = idx.view({blocks, G, K}) * G + at::arange(G, opt).view({1, G, 1});
+  const auto [sorted, order] =
+      at::where(idx.ge(0).logical_and_(idx.lt(p.Tk)).view({blocks, G, K}), entry, kNone).view({blocks, L}).sort(1);
+  const at::Tensor pos = at::arange(L, opt.dtype(at::kLong)).expand({blocks, L});
+  const auto starts = [&](const at::Tensor& x) {  // where a run of equal values starts
+    return at::cat({at::ones({blocks, 1}, x.options().dtype(at::kBool)), x.narrow(1, 1, L - 1).ne(x.narrow(1, 0, L - 1))}, 1);
+  };
+  const at::Tensor valid = sorted.ne(kNone);
+  const at::Tensor key = sorted.div(G, "floor"), query = sorted.remainder(G);
+  // copy: which of its query's copies of the key an entry is (0, 1, ..); a key takes as many union
+  // slots as the most copies any query has of it, in key order: slot = the key's first + copy.
+  const at::Tensor copy = pos - std::get<0>(at::where(starts(sorted), pos, 0).cummax(1));
+  const at::Tensor run = starts(key).cumsum(1) - 1;  // the key's place among the block's keys
+  const at::Tensor copies = at::zeros({blocks, L}, copy.options()).scatter_reduce_(1, run, copy + 1, "amax");
+  const at::Tensor slot = (copies.cumsum(1) - copies).gather(1, run) + copy;  // entries without a key: past the union
+  pk.indices = at::full({blocks, L}, -1, indices.options()).scatter_(1, slot, at::where(valid, key, -1).to(at::kInt));
+  pk.member = at::zeros({blocks, L}, query.options())
+                  .scatter_add_(1, slot, at::where(valid, at::ones_like(query).bitwise_left_shift(query), 0))
+                  .to(at::kByte);  // (one bit per query: a sum is an or)
+  pk.lengths = at::where(valid, slot + 1, 0).amax(1).to(at::kInt);
+  pk.indices = pk.indices.view({blocks, 1, L});
+  if (slots) {
+    pk.slot_of = at::empty({blocks, L}, slot.options()).scatter_(1, order, at::where(valid, slot, -1));
+    pk.slot_of = pk.slot_of.view({blocks * G, K}).narrow(0, 0, p.T);
+  }
+  pk.group = G;
+  pk.query_rows = static_cast<int>(p.H);
+  pk.problem.T = blocks;
+  pk.problem.H = 64;
+  pk.problem.topk = L;
+  return pk;
+}
 
 std::tuple<at::Tensor, at::Tensor> lightning_indexer_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                                               const at::Tensor& w, const at::Tensor& cu_seqlens_q,
@@ -73,10 +131,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd_cuda(const at::Te
   check_attn_cuda(p, q, "sparse_attn_fwd");
   at::Tensor o = at::empty({p.T, p.H, dv}, q.options());
   at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(at::kFloat));
-  at::Tensor probs = return_p ? at::zeros({p.T, p.Hkv, p.topk}, q.options().dtype(at::kFloat)) : at::Tensor();
-  attn_fwd_cuda(p, rows16(q), rows16(kv), indices.contiguous(),
-                gate.has_value() ? gate->to(q.scalar_type()).contiguous() : at::Tensor(), o, lse, probs);
-  return {o, lse, return_p ? probs : at::empty({0}, q.options().dtype(at::kFloat))};
+  const QueryPack pk = pack_queries(p, q, indices.contiguous(), return_p);
+  const AttnProblem& kp = pk.problem;
+  // packed: every (block, query, slot up to the block's length) is written
+  at::Tensor probs = !return_p ? at::Tensor()
+                     : pk.group > 1 ? at::empty({kp.T, pk.group, kp.topk}, q.options().dtype(at::kFloat))
+                                    : at::zeros({p.T, p.Hkv, p.topk}, q.options().dtype(at::kFloat));
+  attn_fwd_cuda(pk, rows16(q), rows16(kv), gate.has_value() ? gate->to(q.scalar_type()).contiguous() : at::Tensor(),
+                o, lse, probs);
+  if (!return_p) return {o, lse, at::empty({0}, q.options().dtype(at::kFloat))};
+  return {o, lse, pk.group > 1 ? unpack_probs(pk, probs) : probs};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd_cuda(const at::Tensor& grad_o, const at::Tensor& q,
@@ -91,9 +155,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd_cuda(const at::Te
   at::Tensor dq = at::empty({p.T, p.H, p.Dqk}, q.options());
   at::Tensor dkv = at::zeros({p.Tk * p.Hkv + 1, p.Dqk}, q.options().dtype(at::kFloat));
   at::Tensor dgate = gate.has_value() ? at::empty({p.T, p.H, dv}, q.options()) : at::Tensor();
-  attn_bwd_cuda(p, rows16(grad_o.to(half)), rows16(q), rows16(kv), indices.contiguous(), rows16(o.to(half)),
-                lse.to(at::kFloat).contiguous(), gate.has_value() ? rows16(gate->to(half)) : at::Tensor(),
-                deterministic, dq, dkv, dgate);
+  attn_bwd_cuda(pack_queries(p, q, indices.contiguous(), false), rows16(grad_o.to(half)), rows16(q), rows16(kv),
+                rows16(o.to(half)), lse.to(at::kFloat).contiguous(),
+                gate.has_value() ? rows16(gate->to(half)) : at::Tensor(), deterministic, dq, dkv, dgate);
   return {dq, dkv.narrow(0, 0, p.Tk * p.Hkv).view({p.Tk, p.Hkv, p.Dqk}).to(kv.scalar_type()),
           gate.has_value() ? dgate.to(gate->scalar_type()) : at::empty({0}, q.options())};
 }

@@ -162,6 +162,14 @@ struct AttnArgs {
   int Dqk, dv, topk, G, head_blocks;
   float scale;
   int64_t t0;
+  // The Hopper MLA kernels' packed queries (QueryPack): bit g of member[t, slot] says that the
+  // block's query g (rows query_rows g ..) chose the slot; nullptr: every row has the slot's key
+  // (query_rows 64). Rows from rows_total on (of q's T x H) are a packed block's padding.
+  // lengths[t]: block t's union length (its slots from there on are -1; nullptr: topk).
+  const uint8_t* member;
+  const int32_t* lengths;
+  int query_rows;
+  int64_t rows_total;
 };
 struct AttnFwdArgs : AttnArgs {
   void* o;
@@ -252,13 +260,37 @@ void with_attn_instance(const AttnProblem& p, F&& f) {
   }
 }
 
+// Queries packed into the Hopper MLA kernels' 64-row blocks. With 8, 16 or 32 query heads on one kv
+// head a block of one query would leave most of the wgmma tiles' rows empty and add its dkv terms
+// one query at a time; packed, group = 64 / H consecutive queries share a block. The block's
+// selection is the union of its queries' (a key that several of them chose once, a key one query
+// chose n times n times), member[block, slot] has bit g set where query g chose the slot, and each
+// query's rows attend over its own slots only. The kernels see problem: ceil(T / group) queries of
+// 64 heads (q, o, lse, gate and dq are the same memory: query t's rows are block t / group's rows
+// (t % group) H ..) over selections of group x topk slots, of which block t uses lengths[t] (no
+// host sync sizes them). Unpacked (group 1), problem is the call's and indices its own.
+struct QueryPack {
+  AttnProblem problem;
+  int64_t group = 1;  // queries per block
+  int query_rows = 64;
+  int64_t rows_total = 0;  // T x H of the call
+  at::Tensor indices;  // [problem.T, 1, group x topk] int32, -1 padded
+  at::Tensor member;   // [problem.T, group x topk] uint8 (undefined unpacked)
+  at::Tensor lengths;  // [problem.T] int32 (undefined unpacked)
+  at::Tensor slot_of;  // [T, topk] int64: each (query, slot)'s place in its block's union, -1 without a key
+                       // (asked for with the probabilities: they come back in the call's slots)
+};
+// The pack for a call (dsa_cuda.cu): packed on the Hopper MLA path with H in {8, 16, 32} and T > 1.
+QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots);
+
 // The shared fields of the attention kernels' arguments, for blocks of `rows` heads.
-inline AttnArgs attn_args(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
-                   const at::Tensor& gate, int rows) {
+inline AttnArgs attn_args(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
+                          int rows) {
+  const AttnProblem& p = pk.problem;
   AttnArgs a{};
   a.q = q.data_ptr();
   a.kv = kv.data_ptr();
-  a.indices = indices.data_ptr<int32_t>();
+  a.indices = pk.indices.data_ptr<int32_t>();
   a.gate = gate.defined() ? gate.data_ptr() : nullptr;
   a.T = p.T;
   a.H = p.H;
@@ -270,6 +302,10 @@ inline AttnArgs attn_args(const AttnProblem& p, const at::Tensor& q, const at::T
   a.G = static_cast<int>(p.H / p.Hkv);
   a.head_blocks = static_cast<int>(ceil_div(a.G, rows));
   a.scale = static_cast<float>(p.scale);
+  a.member = pk.member.defined() ? pk.member.data_ptr<uint8_t>() : nullptr;
+  a.lengths = pk.lengths.defined() ? pk.lengths.data_ptr<int32_t>() : nullptr;
+  a.query_rows = pk.query_rows;
+  a.rows_total = pk.rows_total;
   return a;
 }
 
@@ -277,10 +313,12 @@ inline AttnArgs attn_args(const AttnProblem& p, const at::Tensor& q, const at::T
 // then the producer one). load_rows64: rows [0, rows) of kWidth columns from src (zeros for the
 // rest of the 64) into 128B-swizzled chunks of 64 rows, by cp.async from the consumer threads,
 // committed. produce_key_tile: a producer thread's share of use i of the ring, the gathered keys
-// k0.. of the selection sel in 128B-swizzled chunks of kKeys rows: eight threads copy a row's
+// k0.. of block t's selection in 128B-swizzled chunks of kKeys rows: eight threads copy a row's
 // 128-byte pieces (rows g, g + 16, .. for the threads 8g .. 8g + 7), so that each request covers
 // whole cache lines, zeros for a slot without a key; the first kSplit chunks arrive on part 0 of
-// the use's barriers, the rest on part 1; `mark` sets the valid slots' bits in `valid`.
+// the use's barriers, the rest on part 1. Before them, the tile's slots' rows into `rows` (the
+// stage's kKeys bytes): bit g where the block's query g has the slot's key (AttnArgs::member; 1
+// unpacked; 0 without a key).
 template <typename T, int kWidth>
 __device__ __forceinline__ void load_rows64(uint8_t* dst, const T* src, int rows) {
   constexpr int kPieces = kWidth / 8;  // 16-byte pieces per row
@@ -292,13 +330,26 @@ __device__ __forceinline__ void load_rows64(uint8_t* dst, const T* src, int rows
   cp_async_commit();
 }
 
+// The block's tiles of kKeys slots.
+template <int kKeys>
+__device__ __forceinline__ int mla_block_tiles(const AttnArgs& a, int64_t t) {
+  return static_cast<int>(ceil_div(a.lengths != nullptr ? a.lengths[t] : a.topk, kKeys));
+}
+
+// The rows of block t's head block from head0 that hold a query head: up to 64, fewer past the kv
+// head's G heads or, packed, past q's rows.
+__device__ __forceinline__ int mla_block_rows(const AttnArgs& a, int64_t t, int head0) {
+  return static_cast<int>(min(int64_t{min(64, a.G - head0)}, a.rows_total - (t * a.H + head0)));
+}
+
 template <typename T, int kKeys, int kDqk, int kSplit, typename Ring>
 __device__ __forceinline__ void produce_key_tile(Ring& ring, int i, uint8_t* tile, const AttnArgs& a,
-                                                 const int32_t* sel, int64_t k0, uint32_t* valid, bool mark) {
+                                                 int64_t t, int64_t k0, uint8_t* rows) {
   using namespace sm90;
   constexpr int kPer = kKeys / 16, kChunks = kDqk / 64, kChunkBytes = kKeys * 128;
   const T* kv = static_cast<const T*>(a.kv);
   const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
+  const int32_t* sel = a.indices + t * a.topk;
   ring.wait_empty(i);
   const T* src[kPer];  // the rows of this thread's keys (kv's first for a slot without one: zeros)
   bool has[kPer];
@@ -308,7 +359,7 @@ __device__ __forceinline__ void produce_key_tile(Ring& ring, int i, uint8_t* til
     const int key = j < a.topk ? sel[j] : -1;
     has[m] = key >= 0 && key < a.Tk;
     src[m] = kv + (has[m] ? int64_t{key} * kDqk : 0) + piece * 8;
-    if (piece == 0 && mark && has[m]) atomicOr(valid + j / 32, 1u << (j % 32));
+    if (piece == 0) rows[g + 16 * m] = !has[m] ? 0 : a.member != nullptr ? a.member[t * a.topk + j] : 1;
   }
   const auto copy_chunk = [&](int ch) {  // the 64-column chunk ch of the thread's rows, without a branch
 #pragma unroll
@@ -336,19 +387,19 @@ void indexer_fwd_cuda(const IndexerProblem& p, const at::Tensor& q, const at::Te
                       at::Tensor& indices, at::Tensor& scores);
 void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, const at::Tensor& indices,
                       const at::Tensor& grad_scores, at::Tensor& dq, at::Tensor& dk, at::Tensor& dw);
-void attn_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
-                   const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
+void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
+                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
 // The MLA layout (Dqk 576, dv 512, one kv head) on sm_90a, unless the portable_sfa switch is on.
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
-void mla_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
-                  const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
+void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
+                  at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
 // The MLA layouts with more than 16 heads per kv head on sm_90a (unless portable_sfa is on); the
 // launch over `queries` queries from a.t0.
 bool mla_bwd_takes(const AttnProblem& p, const at::Tensor& q);
 template <typename T>
 void mla_bwd_launch(const AttnBwdArgs& a, int64_t queries);
-void attn_bwd_cuda(const AttnProblem& p, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
-                   const at::Tensor& indices, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate,
-                   bool deterministic, at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate);
+void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
+                   const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate, bool deterministic,
+                   at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate);
 
 }  // namespace kda_dsa_ops::dsa

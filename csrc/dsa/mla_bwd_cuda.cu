@@ -43,7 +43,7 @@ struct MlaBwd : sm90::WarpSpecialized<2, 40, 232> {
 
 struct MlaBwdShared {
   MlaBwd<576>::Ring ring;  // (the same ring for both widths)
-  uint32_t valid[kMaxKeys / 32];  // bit k of word i: slot 32 i + k has a key (tile i)
+  uint8_t rows[MlaBwd<576>::kStages][32];  // per stage and slot: the rows with its key (produce_key_tile)
   float delta[64];                // rowsum(dO * o)
   float lse2[64];                 // lse in log2 units; +inf for a row without a key or past `rows`
 };
@@ -61,22 +61,21 @@ struct MlaBwdTiles {
 };
 
 // One consumer thread's place: its warpgroup's thread tid, warp and lane, fragment row g and
-// column pair c, accumulator rows r0 and r0 + 8; the block's query t, heads head0.. (rows of them),
-// its tile count.
+// column pair c, accumulator rows r0 and r0 + 8 and their queries' bits in a slot's row byte (bit[h]
+// for row r0 + 8 h); the block's query t, heads head0.. (rows of them), its tile count.
 struct MlaBwdThread {
   int64_t t;
-  int head0, rows, tiles, tid, warp, lane, g, c, r0;
+  int head0, rows, tiles, tid, warp, lane, g, c, r0, bit[2];
   bool deterministic;  // contributions stored per (query, slot), not added
 };
 
-// Producer warpgroup: the tiles in order (produce_key_tile), the valid slots marked.
+// Producer warpgroup: the tiles in order (produce_key_tile).
 template <typename T, typename M>
 __device__ __forceinline__ void mla_bwd_produce(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sK, int64_t t,
                                                 int tiles) {
-  const int32_t* sel = a.indices + t * a.topk;
   for (int i = 0; i < tiles; ++i) {
-    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit>(sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, sel,
-                                                      int64_t{i} * M::kKeys, sh.valid, true);
+    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit>(sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, t,
+                                                      int64_t{i} * M::kKeys, sh.rows[M::Ring::stage(i)]);
   }
 }
 
@@ -236,7 +235,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     wgmma_commit();
     wgmma_wait<0>();
     fence_accumulators(x);
-    const uint32_t valid = sh.valid[i];
+    const uint8_t* slot_rows = sh.rows[M::Ring::stage(i)];
     float* exchange = reinterpret_cast<float*>(sDS) + th.tid * 16;  // overlays dS, dS^T, P^T
     named_barrier_sync(1, 256);  // both groups are done with the previous tile's dS and P
     if constexpr (kGroup == 1) {
@@ -262,7 +261,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = 8 * j + 2 * c + (e & 1), r = r0 + 8 * (e / 2);
-          p[e] = (valid >> col) & 1 ? exp2f(x[4 * j + e] * sl2 - sh.lse2[r]) : 0.f;
+          p[e] = (slot_rows[col] >> th.bit[e / 2]) & 1 ? exp2f(x[4 * j + e] * sl2 - sh.lse2[r]) : 0.f;
           ds[e] = p[e] * dpd[4 * j + e] * a.scale;
         }
         const int col = 8 * j + 2 * c;
@@ -296,8 +295,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int slot = 8 * (th.g % 4) + 2 * c + e;
-      const bool has = (valid >> slot) & 1;
-      dst[e] = !has ? nullptr
+      dst[e] = slot_rows[slot] == 0 ? nullptr
                : a.dkv != nullptr
                    ? a.dkv + int64_t{key[e]} * M::kDqk
                    : a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk};
@@ -353,14 +351,13 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   MlaBwdShared& sh = *reinterpret_cast<MlaBwdShared*>(sPT + M::kTBytes);
 
   const int64_t t = a.t0 + blockIdx.x;
-  const int head0 = blockIdx.z * M::kRows, rows = min(M::kRows, a.G - head0);
+  const int head0 = blockIdx.z * M::kRows, rows = mla_block_rows(a, t, head0);
   const T* q = static_cast<const T*>(a.q);
   // the consumers bring Q (cp.async) while the producer starts
   if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
-  for (int w = threadIdx.x; w < kMaxKeys / 32; w += blockDim.x) sh.valid[w] = 0;
   if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
   __syncthreads();
-  const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
+  const int tiles = mla_block_tiles<M::kKeys>(a, t);
 
   if (M::is_producer()) {
     M::producer_registers();
@@ -372,9 +369,19 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   cp_async_wait<0>();
   fence_proxy_async();  // Q and dA are read by wgmma
   named_barrier_sync(1, 256);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
-  const MlaBwdThread th{t, head0, rows, tiles, static_cast<int>(threadIdx.x % 128), warp, lane, lane / 4, lane % 4,
-                        16 * warp + lane / 4, a.dkv == nullptr};
+  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, r0 = 16 * warp + lane / 4;
+  const MlaBwdThread th{t,
+                        head0,
+                        rows,
+                        tiles,
+                        static_cast<int>(threadIdx.x % 128),
+                        warp,
+                        lane,
+                        lane / 4,
+                        lane % 4,
+                        r0,
+                        {r0 / a.query_rows, (r0 + 8) / a.query_rows},
+                        a.dkv == nullptr};
   const MlaBwdTiles s{smem_addr(sQ), smem_addr(sA), smem_addr(sK), smem_addr(sDS), smem_addr(sDST), smem_addr(sPT)};
   if (threadIdx.x < 128) {
     mla_bwd_consume<T, M, 0>(a, sh, sK, sDS, sDST, sPT, s, th);

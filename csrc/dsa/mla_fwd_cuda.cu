@@ -37,9 +37,7 @@ struct MlaFwd : sm90::WarpSpecialized<2, 56, 224> {
 
 struct MlaFwdShared {
   MlaFwd<576>::Ring ring;  // (the same ring for both widths)
-  // Bit k of word w: slot 32 w + k of the selection has a key. Written once, in the first pass,
-  // before the tile's first barrier arrival: the second pass reads it again, nothing rewrites it.
-  uint32_t valid[kMaxKeys / 32];
+  uint8_t rows[MlaFwd<576>::kStages][64];  // per stage and slot: the rows with its key (produce_key_tile)
   float row_max[2][64];  // per consumer group, this tile
   float row_sum[2][64];  // per consumer group, at the end
 };
@@ -50,26 +48,26 @@ constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + (1 + MlaFwd<Dqk>::kStages) 
 static_assert(kMlaFwdSmem<576> <= kMaxSmem);
 
 // One consumer thread's place: its warpgroup (group), warp and lane in it, fragment row g and
-// column pair c, accumulator rows r0 and r0 + 8; the block's query t, heads head0.. (rows of
-// them), tile count, the scale in log2 units and the shared addresses of Q and P.
+// column pair c, accumulator rows r0 and r0 + 8 and their queries' bits in a slot's row byte
+// (bit[h] for row r0 + 8 h); the block's query t, heads head0.. (rows of them), tile count, the
+// scale in log2 units and the shared addresses of Q and P.
 struct MlaThread {
   int64_t t;
-  int head0, rows, tiles, group, warp, lane, g, c, r0;
+  int head0, rows, tiles, group, warp, lane, g, c, r0, bit[2];
   float sl2;
   uint32_t q_base, p_base;
 };
 
 // Producer warpgroup: the tiles in order (produce_key_tile), round twice with probabilities asked
-// for; the selection's valid slots marked in sh.valid on the first round.
+// for.
 template <typename T, typename M>
 __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK, int64_t t,
                                             int head0, int rows, int tiles) {
   using namespace sm90;
-  const int32_t* sel = a.indices + t * a.topk;
   const int loads = a.probs != nullptr ? 2 * tiles : tiles;  // the second pass reads the tiles again
   for (int i = 0; i < loads; ++i) {
-    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit>(sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, sel,
-                                                      int64_t{i % tiles} * M::kKeys, sh.valid, i < tiles);
+    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit>(sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, t,
+                                                      int64_t{i % tiles} * M::kKeys, sh.rows[M::Ring::stage(i)]);
     if (i == tiles - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
       bulk_prefetch_l2(static_cast<const T*>(a.gate) + (t * a.H + head0) * M::kDv, rows * M::kDv * sizeof(T));
     }
@@ -117,15 +115,16 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, uint8_t* sK, uint8_
       if (th.lane == 0) sh.ring.release(i - 1);
     }
     mla_logits<T, M>(sc, sh, sK, th, i);
-    const uint32_t valid_bits = sh.valid[i % th.tiles * 2 + group];  // this group's 32 slots
+    const uint8_t* slot_rows = sh.rows[s] + 32 * group;  // this group's 32 slots
 
-    // Logits in log2 units (no key: -inf); thread columns 32 group + 8 j + 2c (+1), rows r0, r0 + 8.
+    // Logits in log2 units (no key for the row: -inf); thread columns 32 group + 8 j + 2c (+1),
+    // rows r0, r0 + 8.
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const bool valid = (valid_bits >> (8 * j + 2 * c + (e & 1))) & 1;
+        const bool valid = (slot_rows[8 * j + 2 * c + (e & 1)] >> th.bit[e / 2]) & 1;
         sc[4 * j + e] = valid ? sc[4 * j + e] * th.sl2 : -INFINITY;
         mx[e / 2] = fmaxf(mx[e / 2], sc[4 * j + e]);
       }
@@ -227,9 +226,10 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
   }
 }
 
-// Second pass (probabilities asked for): exp(S - lse) summed over the block's heads, per key
-// (rows without a key, and the padding rows past `rows`, add nothing); P's shared memory holds
-// the per-warp column sums.
+// Second pass (probabilities asked for): exp(S - lse) summed over each query's heads, per key
+// (rows without the key, and the padding rows past `rows`, add nothing). The sums go by 8-row
+// units (a warp's rows r0 and r0 + 8 are two units) through P's shared memory, then a query's units
+// are added: probs [t, query, slot] for the block's 64 / query_rows queries.
 template <typename T, typename M>
 __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdShared& sh, const uint8_t* sK,
                                                   uint8_t* sP, const MlaThread& th, const float (&m_run)[2]) {
@@ -242,23 +242,25 @@ __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdSh
     const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
     lse2[h] = r < th.rows && l != 0.f ? m_run[h] + log2f(l) : INFINITY;
   }
-  float* colsum = reinterpret_cast<float*>(sP);  // [group][warp][32 keys]; P is done with
+  float* colsum = reinterpret_cast<float*>(sP);  // [group][unit 2 warp + h][32 keys]; P is done with
+  const int units = a.query_rows / 8, queries = M::kRows / a.query_rows;
   float sc[16];
   for (int i = tiles; i < 2 * tiles; ++i) {
     mla_logits<T, M>(sc, sh, sK, th, i);
-    const uint32_t valid_bits = sh.valid[i % tiles * 2 + group];  // this group's 32 slots
+    const uint8_t* slot_rows = sh.rows[M::Ring::stage(i)] + 32 * group;  // this group's 32 slots
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = 8 * j + 2 * c + e;
-        float v = (valid_bits >> col) & 1
-                      ? exp2f(sc[4 * j + e] * th.sl2 - lse2[0]) + exp2f(sc[4 * j + 2 + e] * th.sl2 - lse2[1])
-                      : 0.f;
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (th.g == 0) colsum[(4 * group + warp) * 32 + col] = v;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v = (slot_rows[col] >> th.bit[h]) & 1 ? exp2f(sc[4 * j + 2 * h + e] * th.sl2 - lse2[h]) : 0.f;
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (th.g == 0) colsum[(8 * group + 2 * warp + h) * 32 + col] = v;
+        }
       }
     }
     __syncwarp();
@@ -266,13 +268,15 @@ __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdSh
     named_barrier_sync(2 + group, 128);
     if (warp == 0) {
       const int64_t k = int64_t{i - tiles} * M::kKeys + 32 * group + lane;
-      const float* cs = colsum + 4 * group * 32 + lane;
-      const float v = cs[0] + cs[32] + cs[64] + cs[96];
-      if (k < a.topk) {
+      const float* cs = colsum + 8 * group * 32 + lane;
+      for (int q = 0; q < queries && k < a.topk; ++q) {
+        float v = 0.f;
+        for (int u = q * units; u < (q + 1) * units; ++u) v += cs[32 * u];
+        float* dst = a.probs + (th.t * queries + q) * a.topk + k;
         if (a.head_blocks == 1) {
-          a.probs[th.t * a.topk + k] = v;
+          *dst = v;
         } else {
-          atomicAdd(a.probs + th.t * a.topk + k, v);
+          atomicAdd(dst, v);
         }
       }
     }
@@ -292,14 +296,13 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
   MlaFwdShared& sh = *reinterpret_cast<MlaFwdShared*>(sP + M::kPBytes);
 
   const int64_t t = blockIdx.x;
-  const int head0 = blockIdx.z * M::kRows, rows = min(M::kRows, a.G - head0);
+  const int head0 = blockIdx.z * M::kRows, rows = mla_block_rows(a, t, head0);
   const T* q = static_cast<const T*>(a.q);
   // the consumers bring Q (cp.async, all in flight at once) while the producer starts
   if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
-  for (int w = threadIdx.x; w < kMaxKeys / 32; w += blockDim.x) sh.valid[w] = 0;
   if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
   __syncthreads();
-  const int tiles = static_cast<int>(ceil_div(a.topk, M::kKeys));
+  const int tiles = mla_block_tiles<M::kKeys>(a, t);
 
   if (M::is_producer()) {
     M::producer_registers();
@@ -307,9 +310,21 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
     return;
   }
   M::consumer_registers();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
-  const MlaThread th{t,    head0,    rows, tiles, static_cast<int>(threadIdx.x / 128), warp, lane, lane / 4, lane % 4,
-                     16 * warp + lane / 4, a.scale * kLog2e, smem_addr(sQ), smem_addr(sP)};
+  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, r0 = 16 * warp + lane / 4;
+  const MlaThread th{t,
+                     head0,
+                     rows,
+                     tiles,
+                     static_cast<int>(threadIdx.x / 128),
+                     warp,
+                     lane,
+                     lane / 4,
+                     lane % 4,
+                     r0,
+                     {r0 / a.query_rows, (r0 + 8) / a.query_rows},
+                     a.scale * kLog2e,
+                     smem_addr(sQ),
+                     smem_addr(sP)};
   float o[128];
 #pragma unroll
   for (int x = 0; x < 128; ++x) o[x] = 0.f;
@@ -331,15 +346,16 @@ bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q) {
          !switch_on(Switch::kPortableSfa);
 }
 
-void mla_fwd_cuda(const AttnProblem& p, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
-                  const at::Tensor& gate, at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
+void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
+                  at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
+  const AttnProblem& p = pk.problem;
   const c10::cuda::CUDAGuard guard(q.device());
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
     const auto launch = [&](auto width) {
       using M = MlaFwd<decltype(width)::value>;
       constexpr size_t smem = kMlaFwdSmem<M::kDqk>;
       // probs: zeros (atomics over head blocks)
-      const AttnFwdArgs a{attn_args(p, q, kv, indices, gate, M::kRows), o.data_ptr(), lse.data_ptr<float>(),
+      const AttnFwdArgs a{attn_args(pk, q, kv, gate, M::kRows), o.data_ptr(), lse.data_ptr<float>(),
                           probs.defined() ? probs.data_ptr<float>() : nullptr};
       const auto kernel = mla_fwd_kernel<scalar_t, M>;
       set_smem(kernel, smem);
