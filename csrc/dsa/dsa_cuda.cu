@@ -5,8 +5,6 @@
 #include "common/checks.h"
 #include "dsa/dsa_cuda.cuh"
 
-#include <limits>
-
 namespace kda_dsa_ops::dsa {
 
 namespace {
@@ -48,54 +46,6 @@ at::Tensor unpack_probs(const QueryPack& pk, const at::Tensor& packed) {
 }
 
 }  // namespace
-
-QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots) {
-  QueryPack pk;
-  pk.problem = p;
-  pk.rows_total = p.T * p.H;
-  pk.indices = indices;
-  if (!mla_fwd_takes(p, q) || (p.H != 8 && p.H != 16 && p.H != 32) || p.T < 2 || p.topk == 0) return pk;
-  const int64_t G = 64 / p.H, K = p.topk, L = G * K, blocks = ceil_div(p.T, G);
-  // Each entry as (key, query in the block), sorted per block: a key's entries are consecutive, and
-  // one query's copies of a key too. Entries without a key sort last (kNone).
-  const bool narrow = (p.Tk + 1) * G < std::numeric_limits<int32_t>::max();
-  const at::ScalarType type = narrow ? at::kInt : at::kLong;
-  const int64_t kNone = narrow ? std::numeric_limits<int32_t>::max() : std::numeric_limits<int64_t>::max();
-  const at::TensorOptions opt = indices.options().dtype(type);
-  at::Tensor idx = at::full({blocks * G, K}, -1, opt);
-  idx.narrow(0, 0, p.T).copy_(indices.view({p.T, K}));
-  const at::Tensor entry = idx.view({blocks, G, K}) * G + at::arange(G, opt).view({1, G, 1});
-  const auto [sorted, order] =
-      at::where(idx.ge(0).logical_and_(idx.lt(p.Tk)).view({blocks, G, K}), entry, kNone).view({blocks, L}).sort(1);
-  const at::Tensor pos = at::arange(L, opt.dtype(at::kLong)).expand({blocks, L});
-  const auto starts = [&](const at::Tensor& x) {  // where a run of equal values starts
-    return at::cat({at::ones({blocks, 1}, x.options().dtype(at::kBool)), x.narrow(1, 1, L - 1).ne(x.narrow(1, 0, L - 1))}, 1);
-  };
-  const at::Tensor valid = sorted.ne(kNone);
-  const at::Tensor key = sorted.div(G, "floor"), query = sorted.remainder(G);
-  // copy: which of its query's copies of the key an entry is (0, 1, ..); a key takes as many union
-  // slots as the most copies any query has of it, in key order: slot = the key's first + copy.
-  const at::Tensor copy = pos - std::get<0>(at::where(starts(sorted), pos, 0).cummax(1));
-  const at::Tensor run = starts(key).cumsum(1) - 1;  // the key's place among the block's keys
-  const at::Tensor copies = at::zeros({blocks, L}, copy.options()).scatter_reduce_(1, run, copy + 1, "amax");
-  const at::Tensor slot = (copies.cumsum(1) - copies).gather(1, run) + copy;  // entries without a key: past the union
-  pk.indices = at::full({blocks, L}, -1, indices.options()).scatter_(1, slot, at::where(valid, key, -1).to(at::kInt));
-  pk.member = at::zeros({blocks, L}, query.options())
-                  .scatter_add_(1, slot, at::where(valid, at::ones_like(query).bitwise_left_shift(query), 0))
-                  .to(at::kByte);  // (one bit per query: a sum is an or)
-  pk.lengths = at::where(valid, slot + 1, 0).amax(1).to(at::kInt);
-  pk.indices = pk.indices.view({blocks, 1, L});
-  if (slots) {
-    pk.slot_of = at::empty({blocks, L}, slot.options()).scatter_(1, order, at::where(valid, slot, -1));
-    pk.slot_of = pk.slot_of.view({blocks * G, K}).narrow(0, 0, p.T);
-  }
-  pk.group = G;
-  pk.query_rows = static_cast<int>(p.H);
-  pk.problem.T = blocks;
-  pk.problem.H = 64;
-  pk.problem.topk = L;
-  return pk;
-}
 
 std::tuple<at::Tensor, at::Tensor> lightning_indexer_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                                               const at::Tensor& w, const at::Tensor& cu_seqlens_q,

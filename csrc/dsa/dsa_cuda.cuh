@@ -317,8 +317,9 @@ inline AttnArgs attn_args(const QueryPack& pk, const at::Tensor& q, const at::Te
 // 128-byte pieces (rows g, g + 16, .. for the threads 8g .. 8g + 7), so that each request covers
 // whole cache lines, zeros for a slot without a key; the first kSplit chunks arrive on part 0 of
 // the use's barriers, the rest on part 1. Before them, the tile's slots' rows into `rows` (the
-// stage's kKeys bytes): bit g where the block's query g has the slot's key (AttnArgs::member; 1
-// unpacked; 0 without a key).
+// stage's kKeys words): bit g where the block's query g has the slot's key (AttnArgs::member; 1
+// unpacked; 0 without a key). They are stored by atomics: compute-sanitizer's racecheck does not
+// see the ring's barriers order a plain store before the consumers' loads.
 template <typename T, int kWidth>
 __device__ __forceinline__ void load_rows64(uint8_t* dst, const T* src, int rows) {
   constexpr int kPieces = kWidth / 8;  // 16-byte pieces per row
@@ -344,7 +345,7 @@ __device__ __forceinline__ int mla_block_rows(const AttnArgs& a, int64_t t, int 
 
 template <typename T, int kKeys, int kDqk, int kSplit, typename Ring>
 __device__ __forceinline__ void produce_key_tile(Ring& ring, int i, uint8_t* tile, const AttnArgs& a,
-                                                 int64_t t, int64_t k0, uint8_t* rows) {
+                                                 int64_t t, int64_t k0, uint32_t* rows) {
   using namespace sm90;
   constexpr int kPer = kKeys / 16, kChunks = kDqk / 64, kChunkBytes = kKeys * 128;
   const T* kv = static_cast<const T*>(a.kv);
@@ -359,7 +360,7 @@ __device__ __forceinline__ void produce_key_tile(Ring& ring, int i, uint8_t* til
     const int key = j < a.topk ? sel[j] : -1;
     has[m] = key >= 0 && key < a.Tk;
     src[m] = kv + (has[m] ? int64_t{key} * kDqk : 0) + piece * 8;
-    if (piece == 0) rows[g + 16 * m] = !has[m] ? 0 : a.member != nullptr ? a.member[t * a.topk + j] : 1;
+    if (piece == 0) atomicExch(rows + g + 16 * m, !has[m] ? 0u : a.member != nullptr ? a.member[t * a.topk + j] : 1u);
   }
   const auto copy_chunk = [&](int ch) {  // the 64-column chunk ch of the thread's rows, without a branch
 #pragma unroll

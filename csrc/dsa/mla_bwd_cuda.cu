@@ -43,7 +43,7 @@ struct MlaBwd : sm90::WarpSpecialized<2, 40, 232> {
 
 struct MlaBwdShared {
   MlaBwd<576>::Ring ring;  // (the same ring for both widths)
-  uint8_t rows[MlaBwd<576>::kStages][32];  // per stage and slot: the rows with its key (produce_key_tile)
+  uint32_t rows[MlaBwd<576>::kStages][32];  // per stage and slot: the rows with its key (produce_key_tile)
   float delta[64];                // rowsum(dO * o)
   float lse2[64];                 // lse in log2 units; +inf for a row without a key or past `rows`
 };
@@ -235,7 +235,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     wgmma_commit();
     wgmma_wait<0>();
     fence_accumulators(x);
-    const uint8_t* slot_rows = sh.rows[M::Ring::stage(i)];
+    const uint32_t* slot_rows = sh.rows[M::Ring::stage(i)];
     float* exchange = reinterpret_cast<float*>(sDS) + th.tid * 16;  // overlays dS, dS^T, P^T
     named_barrier_sync(1, 256);  // both groups are done with the previous tile's dS and P
     if constexpr (kGroup == 1) {

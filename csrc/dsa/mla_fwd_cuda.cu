@@ -37,7 +37,7 @@ struct MlaFwd : sm90::WarpSpecialized<2, 56, 224> {
 
 struct MlaFwdShared {
   MlaFwd<576>::Ring ring;  // (the same ring for both widths)
-  uint8_t rows[MlaFwd<576>::kStages][64];  // per stage and slot: the rows with its key (produce_key_tile)
+  uint32_t rows[MlaFwd<576>::kStages][64];  // per stage and slot: the rows with its key (produce_key_tile)
   float row_max[2][64];  // per consumer group, this tile
   float row_sum[2][64];  // per consumer group, at the end
 };
@@ -115,7 +115,7 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, uint8_t* sK, uint8_
       if (th.lane == 0) sh.ring.release(i - 1);
     }
     mla_logits<T, M>(sc, sh, sK, th, i);
-    const uint8_t* slot_rows = sh.rows[s] + 32 * group;  // this group's 32 slots
+    const uint32_t* slot_rows = sh.rows[s] + 32 * group;  // this group's 32 slots
 
     // Logits in log2 units (no key for the row: -inf); thread columns 32 group + 8 j + 2c (+1),
     // rows r0, r0 + 8.
@@ -229,7 +229,8 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
 // Second pass (probabilities asked for): exp(S - lse) summed over each query's heads, per key
 // (rows without the key, and the padding rows past `rows`, add nothing). The sums go by 8-row
 // units (a warp's rows r0 and r0 + 8 are two units) through P's shared memory, then a query's units
-// are added: probs [t, query, slot] for the block's 64 / query_rows queries.
+// are added: probs [t, query, slot] for a packed block's queries (AttnArgs::member), else [t, slot]
+// (added over head blocks).
 template <typename T, typename M>
 __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdShared& sh, const uint8_t* sK,
                                                   uint8_t* sP, const MlaThread& th, const float (&m_run)[2]) {
@@ -243,11 +244,11 @@ __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdSh
     lse2[h] = r < th.rows && l != 0.f ? m_run[h] + log2f(l) : INFINITY;
   }
   float* colsum = reinterpret_cast<float*>(sP);  // [group][unit 2 warp + h][32 keys]; P is done with
-  const int units = a.query_rows / 8, queries = M::kRows / a.query_rows;
+  const int units = a.query_rows / 8, queries = a.member != nullptr ? a.G / a.query_rows : 1;
   float sc[16];
   for (int i = tiles; i < 2 * tiles; ++i) {
     mla_logits<T, M>(sc, sh, sK, th, i);
-    const uint8_t* slot_rows = sh.rows[M::Ring::stage(i)] + 32 * group;  // this group's 32 slots
+    const uint32_t* slot_rows = sh.rows[M::Ring::stage(i)] + 32 * group;  // this group's 32 slots
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll

@@ -1,0 +1,175 @@
+// Queries packed into the Hopper MLA kernels' blocks (QueryPack, dsa_cuda.cuh): one CTA per block of
+// `group` queries sorts their group x topk entries (key, query) in shared memory and lays out the
+// union of their selections, with each slot's queries and each entry's slot.
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cub/block/block_discontinuity.cuh>
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cuda/functional>
+#include <cuda/std/functional>
+
+#include "dsa/dsa_cuda.cuh"
+
+namespace kda_dsa_ops::dsa {
+
+namespace {
+
+constexpr int kPackThreads = 512, kPackItems = 32;
+constexpr int64_t kPackEntries = kPackThreads * kPackItems;  // group x topk of one block, at most
+
+struct PackArgs {
+  const int32_t* indices;  // [T, topk]
+  int64_t T, Tk;
+  int topk, group, bits;  // bits: of the largest sort key, group x Tk (an entry without a key)
+  int32_t* union_idx;     // [blocks, group x topk]
+  uint8_t* member;        // [blocks, group x topk]
+  int32_t* lengths;       // [blocks]
+  int64_t* slot_of;       // [blocks x group, topk], nullptr: not asked for
+};
+
+// Each entry as key x group + query (group x Tk: no key), sorted: a key's entries are consecutive,
+// and among them one query's copies of it. Per entry, in the sorted order: copy, which of its
+// query's copies of the key it is (0, 1, ..); the key takes as many union slots as the most copies a
+// query has of it, in key order, so the entry's slot is the key's first slot + copy. An entry whose
+// copy exceeds every earlier copy of the key in the sorted order opens the slot (writes the key).
+// Each thread holds kPackItems consecutive entries; after the sort, an entry's word carries its
+// place (query g, slot s as g topk + s: bits 0-13), copy (bits 14-27), whether it opens its slot
+// (bit 28) and has a key (bit 29), so that few arrays stay in registers.
+union PackShared {
+  cub::BlockRadixSort<uint32_t, kPackThreads, kPackItems, uint32_t>::TempStorage sort;
+  cub::BlockDiscontinuity<uint32_t, kPackThreads>::TempStorage heads;
+  cub::BlockScan<int, kPackThreads>::TempStorage scan;
+  uint32_t member[kPackEntries];  // per slot, bit g: query g has the slot
+};
+
+__global__ void __launch_bounds__(kPackThreads, 1) pack_kernel(const PackArgs a) {
+  using Heads = cub::BlockDiscontinuity<uint32_t, kPackThreads>;
+  using Scan = cub::BlockScan<int, kPackThreads>;
+  extern __shared__ uint8_t smem_raw[];
+  PackShared& sh = *reinterpret_cast<PackShared*>(smem_raw);
+  constexpr uint32_t kPlace = (1u << 14) - 1, kOpens = 1u << 28, kHasKey = 1u << 29;
+  const int64_t b = blockIdx.x;
+  const int n = a.group * a.topk, pos0 = threadIdx.x * kPackItems;
+  const uint32_t none = static_cast<uint32_t>(a.group * a.Tk);
+  const auto key_of = [&](uint32_t place) {  // the entry's key, -1 without one
+    const int64_t t = b * a.group + place / a.topk;
+    const int32_t k = place < static_cast<uint32_t>(n) && t < a.T ? a.indices[t * a.topk + place % a.topk] : -1;
+    return k >= 0 && k < a.Tk ? k : -1;
+  };
+  uint32_t key[kPackItems], word[kPackItems];
+#pragma unroll
+  for (int i = 0; i < kPackItems; ++i) {
+    const int32_t k = key_of(pos0 + i);
+    key[i] = k >= 0 ? static_cast<uint32_t>(k) * a.group + (pos0 + i) / a.topk : none;
+    word[i] = pos0 + i;
+  }
+  cub::BlockRadixSort<uint32_t, kPackThreads, kPackItems, uint32_t>(sh.sort).Sort(key, word, 0, a.bits);
+  __syncthreads();
+  int x[kPackItems], y[kPackItems];
+  bool head[kPackItems];
+  // copy = position - the start of the entry's (key, query) run
+  Heads(sh.heads).FlagHeads(head, key, cuda::std::not_equal_to<>{});
+#pragma unroll
+  for (int i = 0; i < kPackItems; ++i) x[i] = head[i] ? pos0 + i : 0;
+  __syncthreads();
+  Scan(sh.scan).InclusiveScan(x, x, cuda::maximum<>{});
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPackItems; ++i) {
+    word[i] |= uint32_t(pos0 + i - x[i]) << 14 | (key[i] != none ? kHasKey : 0u);
+    key[i] /= a.group;
+  }
+  Heads(sh.heads).FlagHeads(head, key, cuda::std::not_equal_to<>{});
+  uint32_t key_head = 0;  // bit i: entry i starts a key's run
+#pragma unroll
+  for (int i = 0; i < kPackItems; ++i) {
+    key_head |= uint32_t{head[i]} << i;
+    y[i] = head[i];
+  }
+  __syncthreads();
+  Scan(sh.scan).InclusiveSum(y, y);  // the key's run, 1..
+  __syncthreads();
+  // the most copies of the key before the entry (its copy + 1 maxima): a max scan of (run, copy + 1)
+#pragma unroll
+  for (int i = 0; i < kPackItems; ++i) x[i] = y[i] << 15 | int((word[i] >> 14) & kPlace) + 1;
+  Scan(sh.scan).ExclusiveScan(x, x, 0, cuda::maximum<>{});
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPackItems; ++i) {
+    const int most = (x[i] >> 15) == y[i] ? x[i] & 0x7fff : 0;
+    const bool opens = (word[i] & kHasKey) && int((word[i] >> 14) & kPlace) + 1 > most;
+    word[i] |= opens ? kOpens : 0u;
+    y[i] = opens;
+  }
+  int length;
+  Scan(sh.scan).ExclusiveSum(y, x, length);  // x: the slots opened before the entry
+  __syncthreads();
+  // the key's first slot: the slots opened before its run (non-decreasing, so a max scan)
+#pragma unroll
+  for (int i = 0; i < kPackItems; ++i) x[i] = (key_head >> i) & 1 ? x[i] : 0;
+  Scan(sh.scan).InclusiveScan(x, x, cuda::maximum<>{});
+  __syncthreads();
+  for (int s = threadIdx.x; s < n; s += kPackThreads) sh.member[s] = 0;
+  __syncthreads();
+  const int64_t row = b * n;
+#pragma unroll
+  for (int i = 0; i < kPackItems; ++i) {
+    const uint32_t place = word[i] & kPlace;
+    const bool has = word[i] & kHasKey;
+    const int slot = x[i] + static_cast<int>((word[i] >> 14) & kPlace);
+    if (has) {
+      atomicOr(sh.member + slot, 1u << (place / a.topk));
+      if (word[i] & kOpens) a.union_idx[row + slot] = key_of(place);
+    }
+    if (a.slot_of != nullptr && place < static_cast<uint32_t>(n)) a.slot_of[row + place] = has ? slot : -1;
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < n; s += kPackThreads) {
+    a.member[row + s] = static_cast<uint8_t>(sh.member[s]);
+    if (s >= length) a.union_idx[row + s] = -1;
+  }
+  if (threadIdx.x == 0) a.lengths[b] = length;
+}
+
+}  // namespace
+
+QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots) {
+  QueryPack pk;
+  pk.problem = p;
+  pk.rows_total = p.T * p.H;
+  pk.indices = indices;
+  const int64_t group = p.topk > 0 ? std::min<int64_t>(64 / std::max<int64_t>(p.H, 1), kPackEntries / p.topk) : 0;
+  if (!mla_fwd_takes(p, q) || (p.H != 8 && p.H != 16 && p.H != 32) || p.T < 2 || group < 2 ||
+      (p.Tk + 1) * group > std::numeric_limits<uint32_t>::max()) {
+    return pk;
+  }
+  const int64_t n = group * p.topk, blocks = ceil_div(p.T, group);
+  const at::TensorOptions opt = indices.options();
+  pk.indices = at::empty({blocks, 1, n}, opt);
+  pk.member = at::empty({blocks, n}, opt.dtype(at::kByte));
+  pk.lengths = at::empty({blocks}, opt);
+  if (slots) pk.slot_of = at::empty({blocks * group, p.topk}, opt.dtype(at::kLong));
+  PackArgs a{indices.data_ptr<int32_t>(),
+             p.T,
+             p.Tk,
+             static_cast<int>(p.topk),
+             static_cast<int>(group),
+             0,
+             pk.indices.data_ptr<int32_t>(),
+             pk.member.data_ptr<uint8_t>(),
+             pk.lengths.data_ptr<int32_t>(),
+             slots ? pk.slot_of.data_ptr<int64_t>() : nullptr};
+  while ((uint64_t{1} << a.bits) <= static_cast<uint64_t>(group * p.Tk)) ++a.bits;
+  const c10::cuda::CUDAGuard guard(q.device());
+  launch(pack_kernel, dim3(blocks), kPackThreads, sizeof(PackShared), a);
+  if (slots) pk.slot_of = pk.slot_of.narrow(0, 0, p.T);
+  pk.group = group;
+  pk.query_rows = static_cast<int>(p.H);
+  pk.problem.T = blocks;
+  pk.problem.H = group * p.H;
+  pk.problem.topk = n;
+  return pk;
+}
+
+}  // namespace kda_dsa_ops::dsa
