@@ -127,7 +127,10 @@ def bench_attention(quick: bool) -> list[Result]:
     return results
 
 
-HEAD_CASES = [(8, 576), (16, 576), (32, 576), (64, 576), (128, 576), (16, 512), (64, 512)]  # (H, Dqk); dv 512
+# (H, Dqk, window); dv 512. window: each query's keys drawn from the `window` keys up to its own
+# position (a query t of the T at the end of the context sits at key Tk - T + t); None: from all Tk.
+HEAD_CASES = [(8, 576, None), (16, 576, None), (32, 576, None), (64, 576, None), (128, 576, None), (16, 512, None),
+              (64, 512, None), (8, 576, 4096), (16, 576, 4096), (32, 576, 4096)]
 
 
 def union_share(idx: torch.Tensor, group: int) -> float:
@@ -140,26 +143,33 @@ def union_share(idx: torch.Tensor, group: int) -> float:
 
 def bench_heads() -> list[Result]:
     """SFA forward and SFAG (atomic dkv) at every head count of HEAD_CASES, T 4096, Tk 8192, topk 2048,
-    gated, random distinct index sets; each case's TFLOP/s printed beside its layout's H 64. Below 64
-    heads the MLA kernels pack 64 / H queries a block: the share of the block's slots that its union
-    keeps (1/group: every query chose the same keys; 1: no key shared) is printed with it."""
+    gated, distinct keys per query drawn at random (from all keys, or from a window before the
+    query: neighbouring queries then share more keys); each case's TFLOP/s printed beside its
+    layout's H 64 on random sets. Below 64 heads the MLA kernels pack 64 / H queries a block: the
+    share of the block's slots that its union keeps (1/group: every query chose the same keys; 1:
+    no key shared) is printed with it."""
     T, Tk, dv, topk = 4096, 8192, 512, 2048
     ops = torch.ops.kda_dsa_ops
     results, at64 = [], {}
-    for H, Dqk in HEAD_CASES:
+    for H, Dqk, window in HEAD_CASES:
         torch.manual_seed(0)
         q = torch.randn(T, H, Dqk, device="cuda", dtype=BF16)
         kv = torch.randn(Tk, 1, Dqk, device="cuda", dtype=BF16)
         gate = torch.randn(T, H, dv, device="cuda", dtype=BF16)
-        idx = torch.rand(T, Tk, device="cuda").topk(topk, dim=-1).indices.int()[:, None]
+        if window is None:
+            idx = torch.rand(T, Tk, device="cuda").topk(topk, dim=-1).indices.int()[:, None]
+        else:
+            first = Tk - T + torch.arange(T, device="cuda")[:, None] - window + 1
+            idx = (torch.rand(T, window, device="cuda").topk(topk, dim=-1).indices + first).int()[:, None]
         scale = Dqk ** -0.5
         o, lse, _ = K.sparse_attention(q, kv, idx, scale, dv, gate)
         do = torch.randn_like(o)
-        shape = dict(T=T, Tk=Tk, H=H, Dqk=Dqk, dv=dv, topk=topk)
+        shape = dict(T=T, Tk=Tk, H=H, Dqk=Dqk, dv=dv, topk=topk, window=window)
         fwd = bench_ms(lambda: ops.sparse_attn_fwd(q, kv, idx, scale, dv, gate, False))
         bwd = bench_ms(lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, False))
-        for name, ms, flops in ((f"SFA fwd H{H} {Dqk}/{dv}", fwd, 2 * T * topk * H * (Dqk + dv)),
-                                (f"SFAG H{H} {Dqk}/{dv}", bwd, 2 * T * topk * H * (2 * dv + 3 * Dqk))):
+        sets = "" if window is None else f" window {window}"
+        for name, ms, flops in ((f"SFA fwd H{H} {Dqk}/{dv}{sets}", fwd, 2 * T * topk * H * (Dqk + dv)),
+                                (f"SFAG H{H} {Dqk}/{dv}{sets}", bwd, 2 * T * topk * H * (2 * dv + 3 * Dqk))):
             r = Result("dsa", name, shape, ms, flops, extra={"union": round(union_share(idx, 64 // H), 3)} if H < 64 else {})
             results.append(r)
             kind = name.split(" H")[0]

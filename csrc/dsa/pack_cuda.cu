@@ -15,8 +15,10 @@ namespace kda_dsa_ops::dsa {
 
 namespace {
 
-constexpr int kPackThreads = 512, kPackItems = 32;
-constexpr int64_t kPackEntries = kPackThreads * kPackItems;  // group x topk of one block, at most
+// A CTA's threads, and the entries (group x topk) of a block at most: 512 threads x 32 (instances
+// for 8 and 16 entries a thread take the smaller blocks).
+constexpr int kPackThreads = 512;
+constexpr int64_t kPackEntries = kPackThreads * 32;
 
 struct PackArgs {
   const int32_t* indices;  // [T, topk]
@@ -33,57 +35,59 @@ struct PackArgs {
 // query's copies of the key it is (0, 1, ..); the key takes as many union slots as the most copies a
 // query has of it, in key order, so the entry's slot is the key's first slot + copy. An entry whose
 // copy exceeds every earlier copy of the key in the sorted order opens the slot (writes the key).
-// Each thread holds kPackItems consecutive entries; after the sort, an entry's word carries its
+// Each thread holds kItems consecutive entries; after the sort, an entry's word carries its
 // place (query g, slot s as g topk + s: bits 0-13), copy (bits 14-27), whether it opens its slot
 // (bit 28) and has a key (bit 29), so that few arrays stay in registers.
+template <int kItems>
 union PackShared {
-  cub::BlockRadixSort<uint32_t, kPackThreads, kPackItems, uint32_t>::TempStorage sort;
-  cub::BlockDiscontinuity<uint32_t, kPackThreads>::TempStorage heads;
-  cub::BlockScan<int, kPackThreads>::TempStorage scan;
-  uint32_t member[kPackEntries];  // per slot, bit g: query g has the slot
+  typename cub::BlockRadixSort<uint32_t, kPackThreads, kItems, uint32_t>::TempStorage sort;
+  typename cub::BlockDiscontinuity<uint32_t, kPackThreads>::TempStorage heads;
+  typename cub::BlockScan<int, kPackThreads>::TempStorage scan;
+  uint32_t member[kPackThreads * kItems];  // per slot, bit g: query g has the slot
 };
 
+template <int kItems>
 __global__ void __launch_bounds__(kPackThreads, 1) pack_kernel(const PackArgs a) {
   using Heads = cub::BlockDiscontinuity<uint32_t, kPackThreads>;
   using Scan = cub::BlockScan<int, kPackThreads>;
   extern __shared__ uint8_t smem_raw[];
-  PackShared& sh = *reinterpret_cast<PackShared*>(smem_raw);
+  PackShared<kItems>& sh = *reinterpret_cast<PackShared<kItems>*>(smem_raw);
   constexpr uint32_t kPlace = (1u << 14) - 1, kOpens = 1u << 28, kHasKey = 1u << 29;
   const int64_t b = blockIdx.x;
-  const int n = a.group * a.topk, pos0 = threadIdx.x * kPackItems;
+  const int n = a.group * a.topk, pos0 = threadIdx.x * kItems;
   const uint32_t none = static_cast<uint32_t>(a.group * a.Tk);
   const auto key_of = [&](uint32_t place) {  // the entry's key, -1 without one
     const int64_t t = b * a.group + place / a.topk;
     const int32_t k = place < static_cast<uint32_t>(n) && t < a.T ? a.indices[t * a.topk + place % a.topk] : -1;
     return k >= 0 && k < a.Tk ? k : -1;
   };
-  uint32_t key[kPackItems], word[kPackItems];
+  uint32_t key[kItems], word[kItems];
 #pragma unroll
-  for (int i = 0; i < kPackItems; ++i) {
+  for (int i = 0; i < kItems; ++i) {
     const int32_t k = key_of(pos0 + i);
     key[i] = k >= 0 ? static_cast<uint32_t>(k) * a.group + (pos0 + i) / a.topk : none;
     word[i] = pos0 + i;
   }
-  cub::BlockRadixSort<uint32_t, kPackThreads, kPackItems, uint32_t>(sh.sort).Sort(key, word, 0, a.bits);
+  cub::BlockRadixSort<uint32_t, kPackThreads, kItems, uint32_t>(sh.sort).Sort(key, word, 0, a.bits);
   __syncthreads();
-  int x[kPackItems], y[kPackItems];
-  bool head[kPackItems];
+  int x[kItems], y[kItems];
+  bool head[kItems];
   // copy = position - the start of the entry's (key, query) run
   Heads(sh.heads).FlagHeads(head, key, cuda::std::not_equal_to<>{});
 #pragma unroll
-  for (int i = 0; i < kPackItems; ++i) x[i] = head[i] ? pos0 + i : 0;
+  for (int i = 0; i < kItems; ++i) x[i] = head[i] ? pos0 + i : 0;
   __syncthreads();
   Scan(sh.scan).InclusiveScan(x, x, cuda::maximum<>{});
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kPackItems; ++i) {
+  for (int i = 0; i < kItems; ++i) {
     word[i] |= uint32_t(pos0 + i - x[i]) << 14 | (key[i] != none ? kHasKey : 0u);
     key[i] /= a.group;
   }
   Heads(sh.heads).FlagHeads(head, key, cuda::std::not_equal_to<>{});
   uint32_t key_head = 0;  // bit i: entry i starts a key's run
 #pragma unroll
-  for (int i = 0; i < kPackItems; ++i) {
+  for (int i = 0; i < kItems; ++i) {
     key_head |= uint32_t{head[i]} << i;
     y[i] = head[i];
   }
@@ -92,11 +96,11 @@ __global__ void __launch_bounds__(kPackThreads, 1) pack_kernel(const PackArgs a)
   __syncthreads();
   // the most copies of the key before the entry (its copy + 1 maxima): a max scan of (run, copy + 1)
 #pragma unroll
-  for (int i = 0; i < kPackItems; ++i) x[i] = y[i] << 15 | int((word[i] >> 14) & kPlace) + 1;
+  for (int i = 0; i < kItems; ++i) x[i] = y[i] << 15 | int((word[i] >> 14) & kPlace) + 1;
   Scan(sh.scan).ExclusiveScan(x, x, 0, cuda::maximum<>{});
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kPackItems; ++i) {
+  for (int i = 0; i < kItems; ++i) {
     const int most = (x[i] >> 15) == y[i] ? x[i] & 0x7fff : 0;
     const bool opens = (word[i] & kHasKey) && int((word[i] >> 14) & kPlace) + 1 > most;
     word[i] |= opens ? kOpens : 0u;
@@ -107,14 +111,14 @@ __global__ void __launch_bounds__(kPackThreads, 1) pack_kernel(const PackArgs a)
   __syncthreads();
   // the key's first slot: the slots opened before its run (non-decreasing, so a max scan)
 #pragma unroll
-  for (int i = 0; i < kPackItems; ++i) x[i] = (key_head >> i) & 1 ? x[i] : 0;
+  for (int i = 0; i < kItems; ++i) x[i] = (key_head >> i) & 1 ? x[i] : 0;
   Scan(sh.scan).InclusiveScan(x, x, cuda::maximum<>{});
   __syncthreads();
   for (int s = threadIdx.x; s < n; s += kPackThreads) sh.member[s] = 0;
   __syncthreads();
   const int64_t row = b * n;
 #pragma unroll
-  for (int i = 0; i < kPackItems; ++i) {
+  for (int i = 0; i < kItems; ++i) {
     const uint32_t place = word[i] & kPlace;
     const bool has = word[i] & kHasKey;
     const int slot = x[i] + static_cast<int>((word[i] >> 14) & kPlace);
@@ -162,7 +166,17 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
              slots ? pk.slot_of.data_ptr<int64_t>() : nullptr};
   while ((uint64_t{1} << a.bits) <= static_cast<uint64_t>(group * p.Tk)) ++a.bits;
   const c10::cuda::CUDAGuard guard(q.device());
-  launch(pack_kernel, dim3(blocks), kPackThreads, sizeof(PackShared), a);
+  const auto run = [&](auto items) {
+    constexpr int kItems = decltype(items)::value;
+    launch(pack_kernel<kItems>, dim3(blocks), kPackThreads, sizeof(PackShared<kItems>), a);
+  };
+  if (n <= kPackThreads * 8) {
+    run(std::integral_constant<int, 8>{});
+  } else if (n <= kPackThreads * 16) {
+    run(std::integral_constant<int, 16>{});
+  } else {
+    run(std::integral_constant<int, 32>{});
+  }
   if (slots) pk.slot_of = pk.slot_of.narrow(0, 0, p.T);
   pk.group = group;
   pk.query_rows = static_cast<int>(p.H);
