@@ -18,6 +18,8 @@
 //                         buffer (atomically, or stored per (query, slot) and summed in index order)
 //   mla_bwd_cuda.cu       SFA backward for the MLA layout on sm_90a: a gathering producer warpgroup
 //                         and two wgmma consumer warpgroups, dkv by 16-byte atomics per 64 columns
+//   pack_cuda.cu          the MLA kernels' packed queries at 8, 16 or 32 heads (QueryPack): a block's
+//                         selections' union, sorted in shared memory
 // The mma.sync kernels' warps are 16-row groups x 2 halves of the columns (keys or values).
 #pragma once
 
@@ -394,8 +396,8 @@ void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& k
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
 void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
-// The MLA layouts with more than 16 heads per kv head on sm_90a (unless portable_sfa is on); the
-// launch over `queries` queries from a.t0.
+// The MLA layouts with more than 16 heads per kv head (packed queries included) on sm_90a (unless
+// portable_sfa is on); the launch over `queries` queries from a.t0.
 bool mla_bwd_takes(const AttnProblem& p, const at::Tensor& q);
 template <typename T>
 void mla_bwd_launch(const AttnBwdArgs& a, int64_t queries);

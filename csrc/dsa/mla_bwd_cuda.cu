@@ -9,7 +9,8 @@ namespace kda_dsa_ops::dsa {
 
 namespace {
 
-// One block per (query, block of up to 64 heads). A producer warpgroup gathers the selected rows,
+// One block per (query, block of up to 64 heads), or per block of packed queries (QueryPack: each
+// row's P and dS are 0 off its query's slots). A producer warpgroup gathers the selected rows,
 // 32 keys a tile, into a 2-stage ring of 128B-swizzled tiles (as the forward's). Per tile, the two
 // consumer warpgroups share the work evenly:
 //   group 0: S = Q K^T (wgmma m64n32k16 over the Dqk columns), P and dS = scale P (dP - delta);

@@ -12,7 +12,8 @@ namespace kda_dsa_ops::dsa {
 
 namespace {
 
-// One block per (query, block of up to 64 heads) of an MLA layout (Hkv 1, Dqk 576 or 512, dv 512). A
+// One block per (query, block of up to 64 heads) of an MLA layout (Hkv 1, Dqk 576 or 512, dv 512), or
+// per block of packed queries (QueryPack: each row attends over its query's slots of the union). A
 // producer warpgroup gathers the selected rows, 64 keys a tile, into a 2-stage ring of
 // 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer warpgroups each take
 // 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the Dqk columns) and half of the value

@@ -127,7 +127,10 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, scale: float | None
     0); rows no query selects reach nothing. deterministic: bitwise-reproducible dkv (the CPU
     kernel always is; the CUDA kernel otherwise adds dkv with atomics, and with it stores each
     (query, key) term and sums them in index order: slower, more memory traffic). On an sm_90 GPU the MLA layout's forward takes
-    a Hopper kernel (wgmma); return_p adds a second pass over the selected keys.
+    a Hopper kernel (wgmma), return_p adding a second pass over the selected keys, and so does its
+    backward with more than 16 heads; with 8, 16 or 32 heads both run 64 / H consecutive queries in
+    one block, over the union of their selections, each query's rows masked to its own keys (the
+    fewer keys neighbouring queries share, the longer the union).
     kda_dsa_ops.set_portable_sfa(True) (or KDA_DSA_OPS_PORTABLE_SFA=1 in the environment) keeps
     it on the portable kernel that other GPUs take (for comparison and testing).
     """
