@@ -339,6 +339,20 @@ __device__ __forceinline__ int mla_block_tiles(const AttnArgs& a, int64_t t) {
   return static_cast<int>(ceil_div(a.lengths != nullptr ? a.lengths[t] : a.topk, kKeys));
 }
 
+// A Hopper MLA consumer thread's place: the block's query t (or packed queries), heads head0.. (rows
+// of them), its tile count; the thread's warp and lane in its warpgroup, fragment row g and column
+// pair c, accumulator rows r0 and r0 + 8 and their queries' bits in a slot's row word (bit[h] for
+// row r0 + 8 h).
+struct MlaPlace {
+  int64_t t;
+  int head0, rows, tiles, warp, lane, g, c, r0, bit[2];
+};
+
+__device__ __forceinline__ MlaPlace mla_place(const AttnArgs& a, int64_t t, int head0, int rows, int tiles) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, r0 = 16 * warp + lane / 4;
+  return {t, head0, rows, tiles, warp, lane, lane / 4, lane % 4, r0, {r0 / a.query_rows, (r0 + 8) / a.query_rows}};
+}
+
 // The rows of block t's head block from head0 that hold a query head: up to 64, fewer past the kv
 // head's G heads or, packed, past q's rows.
 __device__ __forceinline__ int mla_block_rows(const AttnArgs& a, int64_t t, int head0) {

@@ -61,12 +61,9 @@ struct MlaBwdTiles {
   uint32_t q, da, keys, ds, ds_t, p_t;
 };
 
-// One consumer thread's place: its warpgroup's thread tid, warp and lane, fragment row g and
-// column pair c, accumulator rows r0 and r0 + 8 and their queries' bits in a slot's row byte (bit[h]
-// for row r0 + 8 h); the block's query t, heads head0.. (rows of them), its tile count.
-struct MlaBwdThread {
-  int64_t t;
-  int head0, rows, tiles, tid, warp, lane, g, c, r0, bit[2];
+// One consumer thread's place (MlaPlace) and its thread in its warpgroup.
+struct MlaBwdThread : MlaPlace {
+  int tid;
   bool deterministic;  // contributions stored per (query, slot), not added
 };
 
@@ -370,19 +367,7 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   cp_async_wait<0>();
   fence_proxy_async();  // Q and dA are read by wgmma
   named_barrier_sync(1, 256);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, r0 = 16 * warp + lane / 4;
-  const MlaBwdThread th{t,
-                        head0,
-                        rows,
-                        tiles,
-                        static_cast<int>(threadIdx.x % 128),
-                        warp,
-                        lane,
-                        lane / 4,
-                        lane % 4,
-                        r0,
-                        {r0 / a.query_rows, (r0 + 8) / a.query_rows},
-                        a.dkv == nullptr};
+  const MlaBwdThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x % 128), a.dkv == nullptr};
   const MlaBwdTiles s{smem_addr(sQ), smem_addr(sA), smem_addr(sK), smem_addr(sDS), smem_addr(sDST), smem_addr(sPT)};
   if (threadIdx.x < 128) {
     mla_bwd_consume<T, M, 0>(a, sh, sK, sDS, sDST, sPT, s, th);

@@ -48,13 +48,10 @@ constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + (1 + MlaFwd<Dqk>::kStages) 
                                MlaFwd<Dqk>::kPBytes + sizeof(MlaFwdShared);
 static_assert(kMlaFwdSmem<576> <= kMaxSmem);
 
-// One consumer thread's place: its warpgroup (group), warp and lane in it, fragment row g and
-// column pair c, accumulator rows r0 and r0 + 8 and their queries' bits in a slot's row byte
-// (bit[h] for row r0 + 8 h); the block's query t, heads head0.. (rows of them), tile count, the
-// scale in log2 units and the shared addresses of Q and P.
-struct MlaThread {
-  int64_t t;
-  int head0, rows, tiles, group, warp, lane, g, c, r0, bit[2];
+// One consumer thread's place (MlaPlace), its warpgroup (group), the scale in log2 units and the
+// shared addresses of Q and P.
+struct MlaThread : MlaPlace {
+  int group;
   float sl2;
   uint32_t q_base, p_base;
 };
@@ -312,21 +309,8 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
     return;
   }
   M::consumer_registers();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, r0 = 16 * warp + lane / 4;
-  const MlaThread th{t,
-                     head0,
-                     rows,
-                     tiles,
-                     static_cast<int>(threadIdx.x / 128),
-                     warp,
-                     lane,
-                     lane / 4,
-                     lane % 4,
-                     r0,
-                     {r0 / a.query_rows, (r0 + 8) / a.query_rows},
-                     a.scale * kLog2e,
-                     smem_addr(sQ),
-                     smem_addr(sP)};
+  const MlaThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x / 128), a.scale * kLog2e,
+                     smem_addr(sQ), smem_addr(sP)};
   float o[128];
 #pragma unroll
   for (int x = 0; x < 128; ++x) o[x] = 0.f;
