@@ -264,13 +264,14 @@ void with_attn_instance(const AttnProblem& p, F&& f) {
 
 // Queries packed into the Hopper MLA kernels' 64-row blocks. With 8, 16 or 32 query heads on one kv
 // head a block of one query would leave most of the wgmma tiles' rows empty and add its dkv terms
-// one query at a time; packed, group = 64 / H consecutive queries share a block. The block's
-// selection is the union of its queries' (a key that several of them chose once, a key one query
-// chose n times n times), member[block, slot] has bit g set where query g chose the slot, and each
-// query's rows attend over its own slots only. The kernels see problem: ceil(T / group) queries of
-// 64 heads (q, o, lse, gate and dq are the same memory: query t's rows are block t / group's rows
-// (t % group) H ..) over selections of group x topk slots, of which block t uses lengths[t] (no
-// host sync sizes them). Unpacked (group 1), problem is the call's and indices its own.
+// one query at a time; packed, group = 64 / H consecutive queries share a block (fewer where
+// group x topk would pass 16,384 entries). The block's selection is the union of its queries' (a
+// key that several of them chose once, a key one query chose n times n times), member[block, slot]
+// has bit g set where query g chose the slot, and each query's rows attend over its own slots
+// only. The kernels see problem: ceil(T / group) queries of group x H heads (q, o, lse, gate and
+// dq are the same memory: query t's rows are block t / group's rows (t % group) H ..) over
+// selections of group x topk slots, of which block t uses lengths[t] (no host sync sizes them).
+// Unpacked (group 1), problem is the call's and indices its own.
 struct QueryPack {
   AttnProblem problem;
   int64_t group = 1;  // queries per block
@@ -282,7 +283,7 @@ struct QueryPack {
   at::Tensor slot_of;  // [T, topk] int64: each (query, slot)'s place in its block's union, -1 without a key
                        // (asked for with the probabilities: they come back in the call's slots)
 };
-// The pack for a call (dsa_cuda.cu): packed on the Hopper MLA path with H in {8, 16, 32} and T > 1.
+// The pack for a call (pack_cuda.cu): packed on the Hopper MLA path with H in {8, 16, 32} and T > 1.
 QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots);
 
 // The shared fields of the attention kernels' arguments, for blocks of `rows` heads.
