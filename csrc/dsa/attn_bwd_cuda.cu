@@ -212,6 +212,49 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   }
 }
 
+// The deterministic dkv, one chunk of queries: each (query, kv head, head block, slot)'s
+// contribution (a row of contrib) added to its dkv row in index order. The entries come sorted by
+// dkv row, stably (in query order within a row); each block takes kSumEntries of them and, for
+// each row whose run starts there, sums the run's contributions in order and adds the sum to the
+// row, its only writer in the chunk (skip: the row of the slots without a key). A thread per four
+// columns.
+constexpr int kSumEntries = 32;
+
+struct SumArgs {
+  const int32_t* rows;   // [n] sorted
+  const int64_t* order;  // [n]: the entry's row of contrib
+  int64_t n;
+  const float* contrib;  // [.., D]
+  int D;
+  int32_t skip;
+  float* dkv;  // [.., D]
+};
+
+__global__ void ordered_sum_kernel(const SumArgs a) {
+  const auto [rows, order, n, contrib, D, skip, dkv] = a;
+  const int64_t e0 = blockIdx.x * int64_t{kSumEntries}, e1 = min(n, e0 + kSumEntries);
+  for (int64_t e = e0; e < e1; ++e) {
+    const int32_t row = rows[e];
+    if (row == skip || (e > 0 && rows[e - 1] == row)) continue;
+    int64_t end = e + 1;
+    while (end < n && rows[end] == row) ++end;
+    for (int c = threadIdx.x; c < D / 4; c += blockDim.x) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int64_t r = e; r < end; ++r) {
+        const float4 v = reinterpret_cast<const float4*>(contrib + order[r] * D)[c];
+        acc.x += v.x;
+        acc.y += v.y;
+        acc.z += v.z;
+        acc.w += v.w;
+      }
+      float4* dst = reinterpret_cast<float4*>(dkv + int64_t{row} * D) + c;
+      const float4 old = *dst;
+      *dst = make_float4(old.x + acc.x, old.y + acc.y, old.z + acc.z, old.w + acc.w);
+    }
+  }
+}
+
 }  // namespace
 
 void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
@@ -246,24 +289,32 @@ void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tens
         return;
       }
       // Deterministic: each (query, slot) contribution is stored, then summed into dkv in index
-      // order by a sort-based accumulate, a chunk of queries at a time. dkv has one extra row that
-      // takes the slots without a key.
+      // order (ordered_sum_kernel), a chunk of queries at a time. dkv has one extra row for the
+      // slots without a key.
       const int64_t per_query = p.Hkv * a.head_blocks * p.topk * p.Dqk;
       const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 27) / std::max<int64_t>(per_query, 1));
       at::Tensor contrib = at::empty({std::min(chunk, p.T) * per_query}, q.options().dtype(at::kFloat));
       const at::Tensor& indices = pk.indices;
       const at::Tensor rows_of = at::where(indices.ge(0).logical_and(indices.lt(p.Tk)), indices * p.Hkv + at::arange(p.Hkv, indices.options()).view({1, -1, 1}),
                                            at::full({}, p.Tk * p.Hkv, indices.options()))
-                                     .to(at::kLong);
+                                     .to(at::kInt);
       at::Tensor dkv_rows = dkv.view({-1, p.Dqk});
       for (int64_t t0 = 0; t0 < p.T; t0 += chunk) {
         const int64_t n = std::min(chunk, p.T - t0);
         a.t0 = t0;
         a.contrib = contrib.data_ptr<float>();
         run(a, n);
-        const at::Tensor keys =
-            rows_of.narrow(0, t0, n).unsqueeze(2).expand({n, p.Hkv, a.head_blocks, p.topk}).reshape({-1});
-        dkv_rows.index_put_({keys}, contrib.narrow(0, 0, n * per_query).view({-1, p.Dqk}), /*accumulate=*/true);
+        const auto [rows, order] = rows_of.narrow(0, t0, n)
+                                       .unsqueeze(2)
+                                       .expand({n, p.Hkv, a.head_blocks, p.topk})
+                                       .reshape({-1})
+                                       .sort(/*stable=*/true, 0);
+        const int64_t entries = rows.numel();
+        const SumArgs sum{rows.data_ptr<int32_t>(), order.data_ptr<int64_t>(), entries,
+                          contrib.data_ptr<float>(),  static_cast<int>(p.Dqk),   static_cast<int32_t>(p.Tk * p.Hkv),
+                          dkv_rows.data_ptr<float>()};
+        launch(ordered_sum_kernel, dim3(ceil_div(entries, kSumEntries)), static_cast<int>(ceil_div(p.Dqk / 4, 32) * 32),
+               0, sum);
       }
     });
   });
