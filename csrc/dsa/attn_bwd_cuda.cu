@@ -308,7 +308,7 @@ void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tens
                                        .unsqueeze(2)
                                        .expand({n, p.Hkv, a.head_blocks, p.topk})
                                        .reshape({-1})
-                                       .sort(/*stable=*/true, 0);
+                                       .sort(std::optional<bool>(true), 0, false);  // stable
         const int64_t entries = rows.numel();
         const SumArgs sum{rows.data_ptr<int32_t>(), order.data_ptr<int64_t>(), entries,
                           contrib.data_ptr<float>(),  static_cast<int>(p.Dqk),   static_cast<int32_t>(p.Tk * p.Hkv),
