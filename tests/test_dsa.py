@@ -133,6 +133,17 @@ def test_kpool_indexer_scores_and_gradients_match_reference(device, seed, lens, 
         assert_close(a.cpu(), b, dtype, name)
 
 
+def off_the_kink(q, k, idx, g):
+    """g with zeros for the selected keys where some head's q . k is within rounding of the ReLU's
+    kink: there the float32 sums of the kernels and the float64 reference may fall on either side,
+    and the derivative (0 or w k) follows the rounding, not the inputs."""
+    sel = k.detach().cpu().to(F64)[idx.cpu().clamp(min=0).long()]  # [T, topk, Di]
+    qd = q.detach().cpu().to(F64)
+    d = torch.einsum("thd,tsd->ths", qd, sel)
+    bound = 1e-5 * torch.einsum("thd,tsd->ths", qd.abs(), sel.abs())
+    return g.masked_fill((d.abs() <= bound).any(1).to(g.device), 0)
+
+
 @given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=30), topk=st.sampled_from([1, 4, 32]),
        dtype=st.sampled_from(DTYPES))
 def test_lightning_indexer_bwd_matches_reference(seed, lens, topk, dtype):
@@ -142,7 +153,7 @@ def test_lightning_indexer_bwd_matches_reference(seed, lens, topk, dtype):
     k = torch.randn(T, Di).to(dtype).requires_grad_()
     w = torch.randn(T, Hi).to(dtype).requires_grad_()
     idx, sc = K.lightning_indexer(q, k, w, cu_of(lens), cu_of(lens), topk)
-    g = torch.randn(sc.shape, dtype=sc.dtype).masked_fill(idx < 0, 0)
+    g = off_the_kink(q, k, idx, torch.randn(sc.shape, dtype=sc.dtype).masked_fill(idx < 0, 0))
     grads = torch.autograd.grad(sc.masked_fill(idx < 0, 0), (q, k, w), g)
     ref = R.lightning_indexer_bwd(q.detach().to(F64), k.detach().to(F64), w.detach().to(F64), idx, g.to(F64))
     for name, a, b in zip(["dq", "dk", "dw"], grads, ref):
@@ -451,7 +462,7 @@ def test_lightning_indexer_bwd_cuda_matches_reference(seed, lens, topk, Hi, Di, 
     ins = [t.cuda().requires_grad_() for t in (q, k, w)]
     poison("cuda")
     idx, sc = K.lightning_indexer(*ins, cu_of(lens).cuda(), cu_of(lens).cuda(), topk)
-    g = torch.randn(sc.shape, dtype=sc.dtype, device="cuda").masked_fill(idx < 0, 0)
+    g = off_the_kink(q, k, idx, torch.randn(sc.shape, dtype=sc.dtype, device="cuda").masked_fill(idx < 0, 0))
     grads = torch.autograd.grad(sc.masked_fill(idx < 0, 0), ins, g)
     ref = R.lightning_indexer_bwd(q.to(F64), k.to(F64), w.to(F64), idx.cpu(), g.cpu().to(F64))
     # dk sums terms of both signs over many queries: measured against the size of those terms.
