@@ -104,6 +104,29 @@ def test_model_native_matches_reference_float64():
         assert_close(grads[name], grads_ref[name], F64, name, table=MODEL_REL_RMS)
 
 
+def test_shared_indexer_layer_runs_no_indexer_and_asks_for_no_probabilities():
+    """pattern KDD, index_pattern FFS (read at D layers): the second sparse layer reuses the first one's indices; the
+    indexer runs once and only the first layer's attention returns probabilities (for its loss)."""
+    torch.manual_seed(0)
+    cfg = get_config("tiny", dsa_topk=16, pattern="KDD", index_pattern="FFS", layers=3)
+    model = HybridModel(cfg).double()
+    base = get_backend("native")
+    calls = []
+
+    def attention(*args, **kwargs):
+        calls.append(("attention", kwargs.get("return_p", False)))
+        return base.sparse_attention(*args, **kwargs)
+
+    def indexer(*args, **kwargs):
+        calls.append(("indexer", None))
+        return base.lightning_indexer(*args, **kwargs)
+
+    model.backend = type(base)(**{**vars(base), "sparse_attention": attention, "lightning_indexer": indexer})
+    tokens, cu, labels = packed_batch(cfg, [40, 25])
+    model(tokens, cu, labels)["loss"].backward()
+    assert calls == [("indexer", None), ("attention", True), ("attention", False)]
+
+
 @pytest.mark.parametrize("recompute, offload", [("attention", False), ("block", False), ("none", True),
                                                ("block", True)])
 def test_recompute_and_offload_change_no_number(recompute, offload):
