@@ -7,8 +7,10 @@ SFA      T = 4096, Tk = 8192, H = 64 and 128, Dqk = 576, dv = 512 (MLA), topk = 
          and backward (SFAG, atomic and deterministic dkv) vs gather + einsum + softmax in chunks.
 heads    the same shape at H = 8, 16, 32, 64, 128 (MLA 576/512) and GLM-5.3's NoPE 512/512 at H = 16
          and 64: SFA forward and SFAG TFLOP/s, random index sets (the small head counts' share of H 64).
+shared   GLM-5.3-Flash's sparse attention layer (its layer group's config), 8192 tokens, forward +
+         backward: with its own indexer and as a shared-indexer layer (the indices of an earlier one).
 
-    python bench/bench_dsa.py [--quick] [--parts li sfa heads] [--out DIR]
+    python bench/bench_dsa.py [--quick] [--parts li sfa heads shared] [--out DIR]
 """
 
 from __future__ import annotations
@@ -185,10 +187,53 @@ def bench_heads() -> list[Result]:
     return results
 
 
+def bench_shared() -> list[Result]:
+    """GLM-5.3-Flash's sparse attention layer as bench_train's layer group configures it (64 heads,
+    NoPE latent 512, k-pooled indexer, LoRA rank 16), one 8192-token sequence, bf16, forward +
+    backward of the layer's output: a layer with its own indexer, and a shared-indexer layer given the
+    first one's indices. The shared layer skips the indexer and asks the attention for no
+    probabilities (their second pass over the keys, timed alone beside it)."""
+    from bench_train import config_of
+    from kda_dsa_ops.models.hybrid import HybridBlock
+    from kda_dsa_ops.nn.backend import get_backend
+    from kda_dsa_ops.nn import positions_in_sequence
+
+    cfg, T = config_of("glm-5.3-flash"), 8192
+    backend = get_backend("native")
+    torch.manual_seed(0)
+    own, shared = (HybridBlock(cfg, "D", "F" if cfg.dense_ffn else "M", 16, 16, own_indexer=o).cuda().to(BF16)
+                   for o in (True, False))
+    x = torch.randn(T, cfg.hidden, device="cuda", dtype=BF16, requires_grad=True)
+    cu = torch.tensor([0, T], device="cuda", dtype=torch.int32)
+    pos = positions_in_sequence(cu, T)
+    with torch.no_grad():
+        indices = own.attention(x, cu, pos, backend)[2]
+    dy = torch.randn(T, cfg.hidden, device="cuda", dtype=BF16)
+
+    def step(block, shared_indices=None):
+        y = block.attention(x, cu, pos, backend, shared_indices)[0]
+        torch.autograd.backward(y, dy, inputs=[x])
+
+    shape = dict(T=T, H=cfg.dsa_heads, Dqk=cfg.dsa_kv_rank + cfg.dsa_rope_dim, topk=cfg.dsa_topk,
+                 kpool=cfg.index_kpool)
+    q = torch.randn(T, cfg.dsa_heads, shape["Dqk"], device="cuda", dtype=BF16)
+    kv = torch.randn(T, 1, shape["Dqk"], device="cuda", dtype=BF16)
+    ops = torch.ops.kda_dsa_ops
+    fwd = [bench_ms(lambda: ops.sparse_attn_fwd(q, kv, indices[:, None], shape["Dqk"] ** -0.5, cfg.dsa_kv_rank, None, p, False))
+           for p in (False, True)]
+    results = [Result("dsa", "GLM-5.3 sparse layer, own indexer, fwd+bwd", shape, bench_ms(lambda: step(own))),
+               Result("dsa", "GLM-5.3 sparse layer, shared indexer, fwd+bwd", shape,
+                      bench_ms(lambda: step(shared, indices))),
+               Result("dsa", "SFA fwd at that shape, p's pass", shape, fwd[1] - fwd[0])]
+    for r in results:
+        print(f"{r.name}: {r.ms:.3f} ms", flush=True)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half the sequence lengths, H = 64 only")
-    parser.add_argument("--parts", nargs="+", choices=["li", "sfa", "heads"], default=["li", "sfa"],
+    parser.add_argument("--parts", nargs="+", choices=["li", "sfa", "heads", "shared"], default=["li", "sfa"],
                         help="which ops to time (default li and sfa)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
@@ -196,7 +241,8 @@ def main():
     print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
     results = ((bench_indexer(args.quick) if "li" in args.parts else []) +
                (bench_attention(args.quick) if "sfa" in args.parts else []) +
-               (bench_heads() if "heads" in args.parts else []))
+               (bench_heads() if "heads" in args.parts else []) +
+               (bench_shared() if "shared" in args.parts else []))
     print(write_results("dsa", results, ceilings, args.out))
 
 
