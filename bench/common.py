@@ -95,9 +95,10 @@ def table(results: list[Result], c: Ceilings) -> str:
     for r in results:
         floor = r.floor_ms(c)
         bound = "compute" if r.flops / (c.matmul_tflops * 1e9) >= r.bytes / (c.copy_gbps * 1e6) else "memory"
-        lines.append(
-            f"| {r.family} | {r.name} | {r.ms:.3f} | {r.tflops():.0f} | {r.gbps():.0f} | {floor:.3f} | {bound} | "
-            f"{r.ms / floor:.2f}x | {r.baseline or '-'} | {f'{r.speedup():.2f}x' if r.baseline_ms else '-'} |")
+        rates = (f"{r.tflops():.0f} | {r.gbps():.0f} | {floor:.3f} | {bound} | {r.ms / floor:.2f}x" if floor
+                 else "- | - | - | - | -")  # a time alone (no FLOP or byte count)
+        lines.append(f"| {r.family} | {r.name} | {r.ms:.3f} | {rates} | {r.baseline or '-'} | "
+                     f"{f'{r.speedup():.2f}x' if r.baseline_ms else '-'} |")
     return "\n".join(lines)
 
 
@@ -141,8 +142,10 @@ def plot_rows(rows: list[dict], path: str, title: str) -> None:
     except ImportError:
         return
     panels = [("TFLOP/s", [r for r in rows if r["flops"]], "flops", 1e9),
-              ("GB/s", [r for r in rows if not r["flops"]], "bytes", 1e6)]
+              ("GB/s", [r for r in rows if not r["flops"] and r["bytes"]], "bytes", 1e6)]
     panels = [p for p in panels if p[1]]
+    if not panels:  # times alone
+        return
     fig, axes = plt.subplots(len(panels), 1, figsize=(14, 4.5 * len(panels)), squeeze=False)
     for ax, (unit, sel, key, scale) in zip(axes[:, 0], panels):
         xs = range(len(sel))

@@ -72,10 +72,11 @@ __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& 
   }
 }
 
-// sc = S = Q K^T over this group's 32 keys of the tile loaded i-th, once its chunks arrive.
+// sc = S = Q K^T over this group's 32 keys of the tile loaded i-th, once its chunks arrive: issued
+// and committed (mla_logits_issue), or also waited for (mla_logits).
 template <typename T, typename M>
-__device__ __forceinline__ void mla_logits(float (&sc)[16], MlaFwdShared& sh, const uint8_t* sK, const MlaThread& th,
-                                           int i) {
+__device__ __forceinline__ void mla_logits_issue(float (&sc)[16], MlaFwdShared& sh, const uint8_t* sK,
+                                                 const MlaThread& th, int i) {
   using namespace sm90;
   const uint32_t k_base = smem_addr(sK + M::Ring::stage(i) * M::kTileBytes);
 #pragma unroll
@@ -91,8 +92,14 @@ __device__ __forceinline__ void mla_logits(float (&sc)[16], MlaFwdShared& sh, co
     wgmma_m64n32k16<T, 0, 0>(sc, desc_advance(q_desc, off), desc_advance(k_desc, off));
   }
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_accumulators(sc);
+}
+
+template <typename T, typename M>
+__device__ __forceinline__ void mla_logits(float (&sc)[16], MlaFwdShared& sh, const uint8_t* sK, const MlaThread& th,
+                                           int i) {
+  mla_logits_issue<T, M>(sc, sh, sK, th, i);
+  sm90::wgmma_wait<0>();
+  sm90::fence_accumulators(sc);
 }
 
 // The consumers' main loop over the tiles: S, the online softmax (the row maxima cross between
@@ -225,61 +232,102 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
 }
 
 // Second pass (probabilities asked for): exp(S - lse) summed over each query's heads, per key
-// (rows without the key, and the padding rows past `rows`, add nothing). The sums go by 8-row
-// units (a warp's rows r0 and r0 + 8 are two units) through P's shared memory, then a query's units
-// are added: probs [t, query, slot] for a packed block's queries (AttnArgs::member), else [t, slot]
-// (added over head blocks).
+// (rows without the key, and the padding rows past `rows`, add nothing). A tile's S is issued
+// before the previous one's sums are formed (two accumulators in turn), and its stage released as
+// soon as S is read. Each warp sums its 8-row units (rows r0 and r0 + 8 are two) over the lanes 4
+// apart by halving exchanges (lane g ends with column 8 (g / 2) + 2c + g % 2), through P's shared
+// memory (two buffers in turn: one barrier a tile); then a query's units are added: probs [t,
+// query, slot] for a packed block's queries (AttnArgs::member), else [t, slot] (added over head
+// blocks).
+template <typename M>
+__device__ __forceinline__ void mla_probability_sums(const AttnFwdArgs& a, const MlaThread& th, const float (&sc)[16],
+                                                     uint32_t valid, const float (&lse2)[2], float* colsum, int i) {
+  const int group = th.group, warp = th.warp, g = th.g;
+  float v[2][8];  // [h][column 2 j + e]
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool on = (valid >> (4 * j + 2 * h + e)) & 1;
+        v[h][2 * j + e] = on ? exp2f(sc[4 * j + 2 * h + e] * th.sl2 - lse2[h]) : 0.f;
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 2; b >= 0; --b) {  // lanes 4 << b apart: keep the half of the columns whose bit b is g's
+    const bool upper = (g >> b) & 1;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int k = 0; k < (1 << b); ++k) {
+        const float send = upper ? v[h][k] : v[h][k + (1 << b)];
+        const float keep = upper ? v[h][k + (1 << b)] : v[h][k];
+        v[h][k] = keep + __shfl_xor_sync(0xffffffffu, send, 4 << b);
+      }
+    }
+  }
+  float* buf = colsum + (i % 2) * 512;  // [group][unit 2 warp + h][32 keys]
+  const int col = 8 * (g / 2) + 2 * th.c + g % 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) buf[(8 * group + 2 * warp + h) * 32 + col] = v[h][0];
+  sm90::named_barrier_sync(2 + group, 128);
+  if (warp == 0) {
+    const int units = a.query_rows / 8, queries = a.member != nullptr ? a.G / a.query_rows : 1;
+    const int64_t k = int64_t{i - th.tiles} * M::kKeys + 32 * group + th.lane;
+    const float* cs = buf + 8 * group * 32 + th.lane;
+    for (int q = 0; q < queries && k < a.topk; ++q) {
+      float s = 0.f;
+      for (int u = q * units; u < (q + 1) * units; ++u) s += cs[32 * u];
+      float* dst = a.probs + (th.t * queries + q) * a.topk + k;
+      if (a.head_blocks == 1) {
+        *dst = s;
+      } else {
+        atomicAdd(dst, s);
+      }
+    }
+  }
+}
+
 template <typename T, typename M>
 __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdShared& sh, const uint8_t* sK,
                                                   uint8_t* sP, const MlaThread& th, const float (&m_run)[2]) {
   using namespace sm90;
-  const int group = th.group, warp = th.warp, lane = th.lane, c = th.c, r0 = th.r0, tiles = th.tiles;
   float lse2[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 8 * h;
+    const int r = th.r0 + 8 * h;
     const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
     lse2[h] = r < th.rows && l != 0.f ? m_run[h] + log2f(l) : INFINITY;
   }
-  float* colsum = reinterpret_cast<float*>(sP);  // [group][unit 2 warp + h][32 keys]; P is done with
-  const int units = a.query_rows / 8, queries = a.member != nullptr ? a.G / a.query_rows : 1;
-  float sc[16];
-  for (int i = tiles; i < 2 * tiles; ++i) {
-    mla_logits<T, M>(sc, sh, sK, th, i);
-    const uint32_t* slot_rows = sh.rows[M::Ring::stage(i)] + 32 * group;  // this group's 32 slots
+  float* colsum = reinterpret_cast<float*>(sP);  // P is done with
+  static_assert(M::kPBytes >= 2 * 512 * sizeof(float));
+  float sc[2][16];
+  // Tile i's S (in sc[b]) is done: its slots' row bits read, its stage released, the next tile's S
+  // issued into the other accumulator, then tile i's sums.
+  const auto step = [&](auto b, int i) {
+    constexpr int kB = decltype(b)::value;
+    wgmma_wait<0>();
+    fence_accumulators(sc[kB]);
+    const uint32_t* slot_rows = sh.rows[M::Ring::stage(i)] + 32 * th.group;  // this group's 32 slots
+    uint32_t valid = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * c + e;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v = (slot_rows[col] >> th.bit[h]) & 1 ? exp2f(sc[4 * j + 2 * h + e] * th.sl2 - lse2[h]) : 0.f;
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (th.g == 0) colsum[(8 * group + 2 * warp + h) * 32 + col] = v;
-        }
+      for (int x = 0; x < 4; ++x) {
+        valid |= ((slot_rows[8 * j + 2 * th.c + (x & 1)] >> th.bit[x / 2]) & 1u) << (4 * j + x);
       }
     }
     __syncwarp();
-    if (lane == 0) sh.ring.release(i);
-    named_barrier_sync(2 + group, 128);
-    if (warp == 0) {
-      const int64_t k = int64_t{i - tiles} * M::kKeys + 32 * group + lane;
-      const float* cs = colsum + 8 * group * 32 + lane;
-      for (int q = 0; q < queries && k < a.topk; ++q) {
-        float v = 0.f;
-        for (int u = q * units; u < (q + 1) * units; ++u) v += cs[32 * u];
-        float* dst = a.probs + (th.t * queries + q) * a.topk + k;
-        if (a.head_blocks == 1) {
-          *dst = v;
-        } else {
-          atomicAdd(dst, v);
-        }
-      }
-    }
-    named_barrier_sync(2 + group, 128);  // the sums are read before the next tile's
+    if (th.lane == 0) sh.ring.release(i);
+    if (i + 1 < 2 * th.tiles) mla_logits_issue<T, M>(sc[1 - kB], sh, sK, th, i + 1);
+    mla_probability_sums<M>(a, th, sc[kB], valid, lse2, colsum, i);
+  };
+  if (th.tiles > 0) mla_logits_issue<T, M>(sc[0], sh, sK, th, th.tiles);
+  for (int i = th.tiles; i < 2 * th.tiles; i += 2) {
+    step(std::integral_constant<int, 0>{}, i);
+    if (i + 1 < 2 * th.tiles) step(std::integral_constant<int, 1>{}, i + 1);
   }
 }
 
