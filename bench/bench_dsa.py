@@ -191,8 +191,9 @@ def bench_shared() -> list[Result]:
     """GLM-5.3-Flash's sparse attention layer as bench_train's layer group configures it (64 heads,
     NoPE latent 512, k-pooled indexer, LoRA rank 16), one 8192-token sequence, bf16, forward +
     backward of the layer's output: a layer with its own indexer, and a shared-indexer layer given the
-    first one's indices. The shared layer skips the indexer and asks the attention for no
-    probabilities (their second pass over the keys, timed alone beside it)."""
+    first one's indices, which skips the indexer. Neither asks the attention for probabilities (the
+    pooled indexer has no KL loss); their second pass over the keys, what a layer with a KL loss
+    adds, is timed alone beside them."""
     from bench_train import config_of
     from kda_dsa_ops.models.hybrid import HybridBlock
     from kda_dsa_ops.nn.backend import get_backend
@@ -219,7 +220,8 @@ def bench_shared() -> list[Result]:
     q = torch.randn(T, cfg.dsa_heads, shape["Dqk"], device="cuda", dtype=BF16)
     kv = torch.randn(T, 1, shape["Dqk"], device="cuda", dtype=BF16)
     ops = torch.ops.kda_dsa_ops
-    fwd = [bench_ms(lambda: ops.sparse_attn_fwd(q, kv, indices[:, None], shape["Dqk"] ** -0.5, cfg.dsa_kv_rank, None, p, False))
+    scale = shape["Dqk"] ** -0.5
+    fwd = [bench_ms(lambda: ops.sparse_attn_fwd(q, kv, indices[:, None], scale, cfg.dsa_kv_rank, None, p, False))
            for p in (False, True)]
     results = [Result("dsa", "GLM-5.3 sparse layer, own indexer, fwd+bwd", shape, bench_ms(lambda: step(own))),
                Result("dsa", "GLM-5.3 sparse layer, shared indexer, fwd+bwd", shape,

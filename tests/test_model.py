@@ -105,8 +105,9 @@ def test_model_native_matches_reference_float64():
 
 
 def test_shared_indexer_layer_runs_no_indexer_and_asks_for_no_probabilities():
-    """pattern KDD, index_pattern FFS (read at D layers): the second sparse layer reuses the first one's indices; the
-    indexer runs once and only the first layer's attention returns probabilities (for its loss)."""
+    """pattern KDD, index_pattern FFS (read at D layers): the second sparse layer reuses the first
+    one's indices; the indexer runs once and only the first layer's attention returns
+    probabilities (for its loss)."""
     torch.manual_seed(0)
     cfg = get_config("tiny", dsa_topk=16, pattern="KDD", index_pattern="FFS", layers=3)
     model = HybridModel(cfg).double()

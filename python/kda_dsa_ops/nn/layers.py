@@ -377,7 +377,8 @@ class MLAttention(nn.Module):
                 indices, scores = shared_indices, None
             q_abs = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_k), q_rot], dim=-1)
             gate = self.gate(x).view(T, H, self.kv_rank) if self.gate is not None else None
-            # the probabilities feed the indexer's loss only: a shared-indexer layer asks for none
+            # the probabilities feed the indexer's KL loss only: layers without one (a shared indexer,
+            # GLM-5.3's pooled one) ask for none
             o_latent, _, p = backend.sparse_attention(q_abs, key_rows[:, None], indices[:, None], self.scale,
                                                       self.kv_rank, gate, return_p=scores is not None)
             o = torch.einsum("thc,hvc->thv", o_latent, w_v)
