@@ -42,6 +42,12 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// An arrival that waits for this thread's earlier cp.async copies: the barrier's pending count is
+// raised now and lowered when they land (the thread still arrives itself, after the call).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Waits until the phase with the given parity has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = smem_addr(bar);
@@ -159,6 +165,11 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Arrives at a named barrier without waiting (the threads that bar.sync on it wait for these).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- register reallocation between warpgroups (needs a register cap at kernel entry) -----
@@ -297,6 +308,27 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t desc_a,
   }
 #endif
 }
+
+// d[64 x 256] += A[64 x 16] * B[16 x 256] with A from registers: a[0..3] hold the thread's bf16 / fp16
+// pairs in the accumulator layout of its 16 columns (rows r, r + 8 at columns 2c, 2c + 1, then
+// 8 + 2c, 9 + 2c: a[0] (r, 2c), a[1] (r + 8, 2c), a[2] (r, 8 + 2c), a[3] (r + 8, 8 + 2c)).
+#define KDA_WGMMA_RS(TYPE)                                                                              \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %134, 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {" KDA_REGS_0_63 ", "          \
+               KDA_REGS_64_127 "}, {%128, %129, %130, %131}, %132, p, 1, 1, %133;\n}\n"                  \
+               : KDA_ACC32(0), KDA_ACC32(32), KDA_ACC32(64), KDA_ACC32(96)                                \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kTransB), "r"(1))
+template <typename T, int kTransB>
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
+#ifdef KDA_SM90A_ENABLED
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    KDA_WGMMA_RS("bf16");
+  } else {
+    KDA_WGMMA_RS("f16");
+  }
+#endif
+}
+#undef KDA_WGMMA_RS
 
 #undef KDA_WGMMA
 #undef KDA_REGS_64_127

@@ -315,14 +315,14 @@ inline AttnArgs attn_args(const QueryPack& pk, const at::Tensor& q, const at::Te
 // The Hopper MLA kernels' shared steps (mla_fwd_cuda.cu, mla_bwd_cuda.cu: two consumer warpgroups,
 // then the producer one). load_rows64: rows [0, rows) of kWidth columns from src (zeros for the
 // rest of the 64) into 128B-swizzled chunks of 64 rows, by cp.async from the consumer threads,
-// committed. produce_key_tile: a producer thread's share of use i of the ring, the gathered keys
-// k0.. of block t's selection in 128B-swizzled chunks of kKeys rows: eight threads copy a row's
-// 128-byte pieces (rows g, g + 16, .. for the threads 8g .. 8g + 7), so that each request covers
-// whole cache lines, zeros for a slot without a key; the first kSplit chunks arrive on part 0 of
-// the use's barriers, the rest on part 1. Before them, the tile's slots' rows into `rows` (the
-// stage's kKeys words): bit g where the block's query g has the slot's key (AttnArgs::member; 1
-// unpacked; 0 without a key). They are stored by atomics: compute-sanitizer's racecheck does not
-// see the ring's barriers order a plain store before the consumers' loads.
+// committed. KeyTile: a producer thread's share of a tile of the gathered keys k0.. of block t's
+// selection in 128B-swizzled chunks of kKeys rows: eight threads copy a row's 128-byte pieces (rows
+// g, g + 16, .. for the threads 8g .. 8g + 7), so that each request covers whole cache lines, zeros
+// for a slot without a key; and the tile's slots' row words (the stage's kKeys words): bit g where
+// the block's query g has the slot's key (AttnArgs::member; 1 unpacked; 0 without a key), stored
+// by atomics (compute-sanitizer's racecheck does not see the ring's barriers order a plain store
+// before the consumers' loads). produce_key_tile: use i of the ring, the rows, then the first
+// kSplit chunks arrive on part 0 of the use's barriers, the rest on part 1.
 template <typename T, int kWidth>
 __device__ __forceinline__ void load_rows64(uint8_t* dst, const T* src, int rows) {
   constexpr int kPieces = kWidth / 8;  // 16-byte pieces per row
@@ -360,36 +360,57 @@ __device__ __forceinline__ int mla_block_rows(const AttnArgs& a, int64_t t, int 
   return static_cast<int>(min(int64_t{min(64, a.G - head0)}, a.rows_total - (t * a.H + head0)));
 }
 
+template <typename T, int kKeys, int kDqk>
+struct KeyTile {
+  static constexpr int kPer = kKeys / 16, kChunkBytes = kKeys * 128;
+  int key[kPer];  // this thread's keys, rows g + 16 m of the tile (-1: none)
+
+  __device__ static int piece() { return threadIdx.x % 8; }
+  __device__ static int g() { return (threadIdx.x - 256) / 8; }
+  __device__ __forceinline__ KeyTile(const AttnArgs& a, int64_t t, int64_t k0) {
+    const int32_t* sel = a.indices + t * a.topk;
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) {
+      const int64_t j = k0 + g() + 16 * m;
+      const int k = j < a.topk ? sel[j] : -1;
+      key[m] = k >= 0 && k < a.Tk ? k : -1;
+    }
+  }
+  // The slots' row words into the stage's kKeys words.
+  __device__ __forceinline__ void store_rows(const AttnArgs& a, int64_t t, int64_t k0, uint32_t* rows) const {
+    if (piece() != 0) return;
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) {
+      const int64_t j = k0 + g() + 16 * m;
+      atomicExch(rows + g() + 16 * m, key[m] < 0 ? 0u : a.member != nullptr ? a.member[t * a.topk + j] : 1u);
+    }
+  }
+  // The 64-column chunks [kFrom, kTo) of the thread's rows, without a branch (kv's first row, zero
+  // bytes of it, for a slot without a key).
+  template <int kFrom, int kTo>
+  __device__ __forceinline__ void copy(uint8_t* tile, const AttnArgs& a) const {
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) {
+      const T* src = static_cast<const T*>(a.kv) + int64_t{max(key[m], 0)} * kDqk + piece() * 8;
+#pragma unroll
+      for (int ch = kFrom; ch < kTo; ++ch) {
+        cp_async_16_zfill(tile + ch * kChunkBytes + sm90::sw128_offset(g() + 16 * m, piece()), src + ch * 64,
+                          key[m] >= 0);
+      }
+    }
+  }
+};
+
 template <typename T, int kKeys, int kDqk, int kSplit, typename Ring>
 __device__ __forceinline__ void produce_key_tile(Ring& ring, int i, uint8_t* tile, const AttnArgs& a,
                                                  int64_t t, int64_t k0, uint32_t* rows) {
   using namespace sm90;
-  constexpr int kPer = kKeys / 16, kChunks = kDqk / 64, kChunkBytes = kKeys * 128;
-  const T* kv = static_cast<const T*>(a.kv);
-  const int piece = threadIdx.x % 8, g = (threadIdx.x - 256) / 8;
-  const int32_t* sel = a.indices + t * a.topk;
   ring.wait_empty(i);
-  const T* src[kPer];  // the rows of this thread's keys (kv's first for a slot without one: zeros)
-  bool has[kPer];
-#pragma unroll
-  for (int m = 0; m < kPer; ++m) {
-    const int64_t j = k0 + g + 16 * m;
-    const int key = j < a.topk ? sel[j] : -1;
-    has[m] = key >= 0 && key < a.Tk;
-    src[m] = kv + (has[m] ? int64_t{key} * kDqk : 0) + piece * 8;
-    if (piece == 0) atomicExch(rows + g + 16 * m, !has[m] ? 0u : a.member != nullptr ? a.member[t * a.topk + j] : 1u);
-  }
-  const auto copy_chunk = [&](int ch) {  // the 64-column chunk ch of the thread's rows, without a branch
-#pragma unroll
-    for (int m = 0; m < kPer; ++m) {
-      cp_async_16_zfill(tile + ch * kChunkBytes + sw128_offset(g + 16 * m, piece), src[m] + ch * 64, has[m]);
-    }
-  };
-#pragma unroll
-  for (int ch = 0; ch < kSplit; ++ch) copy_chunk(ch);
+  const KeyTile<T, kKeys, kDqk> keys(a, t, k0);
+  keys.store_rows(a, t, k0, rows);
+  keys.template copy<0, kSplit>(tile, a);
   cp_async_commit();
-#pragma unroll
-  for (int ch = kSplit; ch < kChunks; ++ch) copy_chunk(ch);
+  keys.template copy<kSplit, kDqk / 64>(tile, a);
   cp_async_commit();
   cp_async_wait<1>();
   fence_proxy_async();  // the rows (and zeros) are read by wgmma

@@ -14,13 +14,17 @@ namespace {
 
 // One block per (query, block of up to 64 heads) of an MLA layout (Hkv 1, Dqk 576 or 512, dv 512), or
 // per block of packed queries (QueryPack: each row attends over its query's slots of the union). A
-// producer warpgroup gathers the selected rows, 64 keys a tile, into a 2-stage ring of
-// 128B-swizzled tiles (cp.async, zeros for slots without a key). Two consumer warpgroups each take
-// 32 of a tile's keys for S = Q K^T (wgmma m64n32k16 over the Dqk columns) and half of the value
-// columns for O += P V (wgmma m64n256k16: P from shared memory, V the tile's first 512 columns read
-// N-major). The row maxima cross between the groups every tile; each group keeps its own row sums,
-// added at the end. Where probabilities are asked for, a second pass over the tiles recomputes S
-// and sums the final probabilities over the heads.
+// producer warpgroup gathers the selected rows, 64 keys a tile, a pair of tiles at a time into two
+// stages of 128B-swizzled tiles (cp.async, zeros for slots without a key; an odd last tile is
+// paired with one without keys). Consumer group g takes tile 2j + g of pair j whole for S = Q K^T
+// (wgmma m64n64k16 over the Dqk columns) and the value columns 256 g .. 256 g + 255 of both tiles
+// for O += P V (wgmma m64n256k16): its own tile's P from registers, the other group's through
+// shared memory. Group 0's new row maxima go to group 1, whose maxima (no smaller) come back and
+// rescale group 0's P before group 1 reads it: both groups end on the same maxima, each keeping
+// the row sums of its own tiles. A stage is filled and released by halves (part 0: the first four
+// chunks, value columns 0 - 255, which group 0 reads for P V; part 1: the rest, group 1's), so a
+// group's next S starts on the half it released first. Where probabilities are asked for, a second
+// pass over the pairs recomputes S and sums the final probabilities over the heads.
 // Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
 // alone would cost as much; setmaxnreg moves the producer's to the consumers.
 template <int Dqk>
@@ -29,162 +33,303 @@ struct MlaFwd : sm90::WarpSpecialized<2, 56, 224> {
   static constexpr int kChunks = kDqk / 64;                 // 64-column swizzled chunks of a row
   static constexpr int kChunkBytes = 64 * 128;              // 64 rows x 64 columns
   static constexpr int kTileBytes = kChunks * kChunkBytes;  // Q, or a key tile: 72 KB (576) / 64 KB (512)
-  static constexpr int kStages = 2;
-  static constexpr int kSplit = 5;  // S starts on a tile's first chunks while the rest arrive
-  static constexpr int kPBytes = kRows * kKeys * 2;
-  using Ring = sm90::StageRing<kStages, 2>;  // full: a tile's first kSplit chunks, the rest
+  static constexpr int kLeft = 4;                           // part 0's chunks
+  static constexpr int kPBytes = kRows * kKeys * 2;         // one tile's P
+  // Group 0's P: at 576 in its tile's last chunk (rope columns only S reads, refilled once group 1
+  // released the part), at 512 beside group 1's.
+  static constexpr int kPBuffers = Dqk == 576 ? 1 : 2;
   static_assert(Dqk == 576 || Dqk == 512);
 };
 
+// The two stages by halves: full[s][part] counts the producer threads' arrivals (each waits for
+// its copies), empty[s][part] one arrival per warp of the group done with it.
+struct PairRing {
+  uint64_t full[2][2], empty[2][2];
+  __device__ void init() {
+    for (int s = 0; s < 2; ++s) {
+      for (int p = 0; p < 2; ++p) {
+        sm90::mbar_init(&full[s][p], 128);
+        sm90::mbar_init(&empty[s][p], 4);
+      }
+    }
+    sm90::mbar_init_fence();
+  }
+  __device__ void wait_full(int pair, int s, int part) { sm90::mbar_wait(&full[s][part], pair & 1); }
+  __device__ void wait_empty(int pair, int s, int part) { sm90::mbar_wait(&empty[s][part], (pair & 1) ^ 1); }
+  __device__ void release(int s, int part) { sm90::mbar_arrive(&empty[s][part]); }
+  __device__ void filled(int s, int part) {
+    sm90::mbar_arrive_cp_async(&full[s][part]);
+    sm90::mbar_arrive(&full[s][part]);
+  }
+};
+
+// Named barriers between the groups (1: both groups; 2, 3: each group's own).
+enum MlaBarrier : int { kMax0 = 4, kMax1 = 5, kP0 = 6, kP1 = 7 };
+
 struct MlaFwdShared {
-  MlaFwd<576>::Ring ring;  // (the same ring for both widths)
-  uint32_t rows[MlaFwd<576>::kStages][64];  // per stage and slot: the rows with its key (produce_key_tile)
-  float row_max[2][64];  // per consumer group, this tile
-  float row_sum[2][64];  // per consumer group, at the end
+  PairRing ring;
+  uint32_t rows[2][64];   // per stage and slot: the rows with its key (KeyTile)
+  float row_max[2][64];   // group g's maxima after its tile of the pair
+  float row_sum[2][64];   // per consumer group, at the end
 };
 
 template <int Dqk>
-constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + (1 + MlaFwd<Dqk>::kStages) * MlaFwd<Dqk>::kTileBytes +
-                               MlaFwd<Dqk>::kPBytes + sizeof(MlaFwdShared);
-static_assert(kMlaFwdSmem<576> <= kMaxSmem);
+constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + 3 * MlaFwd<Dqk>::kTileBytes +
+                               MlaFwd<Dqk>::kPBuffers * MlaFwd<Dqk>::kPBytes + sizeof(MlaFwdShared);
+static_assert(kMlaFwdSmem<576> <= kMaxSmem && kMlaFwdSmem<512> <= kMaxSmem);
 
-// One consumer thread's place (MlaPlace), its warpgroup (group), the scale in log2 units and the
-// shared addresses of Q and P.
+// One consumer thread's place (MlaPlace), the pairs of tiles, the scale in log2 units and the
+// shared addresses of Q, the stages and each group's P.
 struct MlaThread : MlaPlace {
-  int group;
+  int group, pairs;
   float sl2;
-  uint32_t q_base, p_base;
+  uint32_t q_base, k_base[2], p_base[2];
+  uint8_t* p[2];
 };
 
-// Producer warpgroup: the tiles in order (produce_key_tile), round twice with probabilities asked
-// for.
+// Producer warpgroup: pair j's halves in the order they are released (tile 2j's part 0, tile 2j +
+// 1's part 1, then the other two), round twice with probabilities asked for.
 template <typename T, typename M>
 __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK, int64_t t,
-                                            int head0, int rows, int tiles) {
+                                            int head0, int rows, int pairs) {
   using namespace sm90;
-  const int loads = a.probs != nullptr ? 2 * tiles : tiles;  // the second pass reads the tiles again
-  for (int i = 0; i < loads; ++i) {
-    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit>(sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, t,
-                                                      int64_t{i % tiles} * M::kKeys, sh.rows[M::Ring::stage(i)]);
-    if (i == tiles - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
+  uint8_t* stage[2] = {sK, sK + M::kTileBytes};
+  const int loads = a.probs != nullptr ? 2 * pairs : pairs;  // the second pass reads the tiles again
+  for (int j = 0; j < loads; ++j) {
+    const int64_t k0 = int64_t{j % pairs} * 2 * M::kKeys;
+    const KeyTile<T, M::kKeys, M::kDqk> t0(a, t, k0), t1(a, t, k0 + M::kKeys);
+    sh.ring.wait_empty(j, 0, 0);
+    t0.store_rows(a, t, k0, sh.rows[0]);
+    t0.template copy<0, M::kLeft>(stage[0], a);
+    sh.ring.filled(0, 0);
+    sh.ring.wait_empty(j, 1, 1);
+    t1.template copy<M::kLeft, M::kChunks>(stage[1], a);
+    sh.ring.filled(1, 1);
+    sh.ring.wait_empty(j, 0, 1);
+    t0.template copy<M::kLeft, M::kChunks>(stage[0], a);
+    sh.ring.filled(0, 1);
+    sh.ring.wait_empty(j, 1, 0);
+    t1.store_rows(a, t, k0 + M::kKeys, sh.rows[1]);
+    t1.template copy<0, M::kLeft>(stage[1], a);
+    sh.ring.filled(1, 0);
+    if (j == pairs - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
       bulk_prefetch_l2(static_cast<const T*>(a.gate) + (t * a.H + head0) * M::kDv, rows * M::kDv * sizeof(T));
     }
   }
 }
 
-// sc = S = Q K^T over this group's 32 keys of the tile loaded i-th, once its chunks arrive: issued
-// and committed (mla_logits_issue), or also waited for (mla_logits).
-template <typename T, typename M>
-__device__ __forceinline__ void mla_logits_issue(float (&sc)[16], MlaFwdShared& sh, const uint8_t* sK,
-                                                 const MlaThread& th, int i) {
+// S = Q K^T over chunks [kFrom, kTo) of the tile at k_base.
+template <typename T, typename M, int kFrom, int kTo>
+__device__ __forceinline__ void mla_logits_chunks(float (&sc)[32], uint32_t q_base, uint32_t k_base) {
   using namespace sm90;
-  const uint32_t k_base = smem_addr(sK + M::Ring::stage(i) * M::kTileBytes);
+  const uint64_t q_desc = sw128_descriptor(q_base, 16), k_desc = sw128_descriptor(k_base, 16);
 #pragma unroll
-  for (int x = 0; x < 16; ++x) sc[x] = 0.f;
-  fence_accumulators(sc);
-  sh.ring.wait_full(i, 0);
-  wgmma_fence();
-  const uint64_t q_desc = sw128_descriptor(th.q_base, 16), k_desc = sw128_descriptor(k_base + th.group * 32 * 128, 16);
-#pragma unroll
-  for (int kk = 0; kk < M::kDqk / 16; ++kk) {
-    if (kk == 4 * M::kSplit) sh.ring.wait_full(i, 1);
+  for (int kk = 4 * kFrom; kk < 4 * kTo; ++kk) {
     const uint32_t off = (kk / 4) * M::kChunkBytes + (kk % 4) * 32;
-    wgmma_m64n32k16<T, 0, 0>(sc, desc_advance(q_desc, off), desc_advance(k_desc, off));
+    wgmma_m64n64k16<T, 0, 0>(sc, desc_advance(q_desc, off), desc_advance(k_desc, off));
+  }
+}
+
+// sc = S of group kG's tile of pair j, issued and committed: group 0 starts on part 0, group 1 on
+// part 1 (the producer's order); `between` runs once the first part is issued.
+template <typename T, typename M, int kG, typename F>
+__device__ __forceinline__ void mla_logits_issue(float (&sc)[32], MlaFwdShared& sh, const MlaThread& th, int j,
+                                                 F&& between) {
+  using namespace sm90;
+#pragma unroll
+  for (int x = 0; x < 32; ++x) sc[x] = 0.f;
+  fence_accumulators(sc);
+  constexpr int kFirst = kG;
+  sh.ring.wait_full(j, kG, kFirst);
+  wgmma_fence();
+  if constexpr (kFirst == 0) {
+    mla_logits_chunks<T, M, 0, M::kLeft>(sc, th.q_base, th.k_base[kG]);
+  } else {
+    mla_logits_chunks<T, M, M::kLeft, M::kChunks>(sc, th.q_base, th.k_base[kG]);
+  }
+  wgmma_commit();
+  between();
+  sh.ring.wait_full(j, kG, 1 - kFirst);
+  wgmma_fence();
+  if constexpr (kFirst == 0) {
+    mla_logits_chunks<T, M, M::kLeft, M::kChunks>(sc, th.q_base, th.k_base[kG]);
+  } else {
+    mla_logits_chunks<T, M, 0, M::kLeft>(sc, th.q_base, th.k_base[kG]);
   }
   wgmma_commit();
 }
 
-template <typename T, typename M>
-__device__ __forceinline__ void mla_logits(float (&sc)[16], MlaFwdShared& sh, const uint8_t* sK, const MlaThread& th,
-                                           int i) {
-  mla_logits_issue<T, M>(sc, sh, sK, th, i);
-  sm90::wgmma_wait<0>();
-  sm90::fence_accumulators(sc);
+// The tile's logits in log2 units (no key for the row: -inf; thread columns 8 j + 2c (+1), rows
+// r0, r0 + 8) and their row maxima.
+__device__ __forceinline__ void mla_mask(float (&sc)[32], const uint32_t* slot_rows, const MlaThread& th,
+                                         float (&mx)[2]) {
+  mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool valid = (slot_rows[8 * j + 2 * th.c + (e & 1)] >> th.bit[e / 2]) & 1;
+      sc[4 * j + e] = valid ? sc[4 * j + e] * th.sl2 : -INFINITY;
+      mx[e / 2] = fmaxf(mx[e / 2], sc[4 * j + e]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+  }
 }
 
-// The consumers' main loop over the tiles: S, the online softmax (the row maxima cross between
-// the two groups every tile; each group keeps its row sums l_run of its columns), P into shared
-// memory, O += P V over the group's 256 value columns. A tile is released once its P V is done.
-template <typename T, typename M>
-__device__ __forceinline__ void mla_attend(MlaFwdShared& sh, uint8_t* sK, uint8_t* sP, const MlaThread& th,
-                                           float (&o)[128], float (&m_run)[2], float (&l_run)[2]) {
+// O, the row sums and the maxima onto new maxima (a factor of 1 where the row has had no key);
+// alpha: the factors.
+__device__ __forceinline__ void mla_rescale(float (&o)[128], float (&l_run)[2], float (&m_run)[2],
+                                            const float (&m_new)[2], float (&alpha)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    alpha[h] = m_new[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m_new[h]);
+    m_run[h] = m_new[h];
+    l_run[h] *= alpha[h];
+  }
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the maxima rose (rarer by the tile)
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[4 * n] *= alpha[0];
+      o[4 * n + 1] *= alpha[0];
+      o[4 * n + 2] *= alpha[1];
+      o[4 * n + 3] *= alpha[1];
+    }
+  }
+}
+
+// P = exp2(S - m) in sc and, rounded, as the A operand pairs of P V; the row sums.
+template <typename T>
+__device__ __forceinline__ void mla_exp(float (&sc)[32], uint32_t (&pa)[16], const float (&m_run)[2],
+                                        float (&l_run)[2]) {
+#pragma unroll
+  for (int x = 0; x < 32; ++x) {
+    sc[x] = exp2f(sc[x] - finite_or_zero(m_run[(x / 2) % 2]));
+    l_run[(x / 2) % 2] += sc[x];
+  }
+#pragma unroll
+  for (int x = 0; x < 16; ++x) pa[x] = pack2<T>(sc[2 * x], sc[2 * x + 1]);
+}
+
+// P's pairs into the 128B-swizzled 64 x 64 tile at sP (pair x: row r0 + 8 (x % 2), columns 8 (x /
+// 2) + 2c (+1)).
+__device__ __forceinline__ void mla_store_p(uint8_t* sP, const uint32_t (&pa)[16], const MlaThread& th) {
+#pragma unroll
+  for (int x = 0; x < 16; ++x) {
+    const int r = th.r0 + 8 * (x % 2), col = 8 * (x / 2) + 2 * th.c;
+    *reinterpret_cast<uint32_t*>(sP + sm90::sw128_offset(r, col / 8) + (col % 8) * 2) = pa[x];
+  }
+}
+
+// O += P V over group kG's value columns of stage s: P from registers or from shared memory.
+template <typename T, typename M, int kG>
+__device__ __forceinline__ void mla_pv_own(float (&o)[128], const uint32_t (&pa)[16], const MlaThread& th) {
   using namespace sm90;
-  const int group = th.group, c = th.c, r0 = th.r0;
-  float sc[16];
-  for (int i = 0; i < th.tiles; ++i) {
-    const int s = i % M::kStages;
-    const uint32_t k_base = smem_addr(sK + s * M::kTileBytes);
-    if (i > 0) {  // the previous P V is done: its tile can be refilled while S runs
+  const uint64_t v_desc = sw128_descriptor(th.k_base[kG] + 4 * kG * M::kChunkBytes, M::kChunkBytes);
+#pragma unroll
+  for (int kk = 0; kk < M::kKeys / 16; ++kk) {
+    const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+    wgmma_m64n256k16_rs<T, 1>(o, a, desc_advance(v_desc, kk * 2048));
+  }
+  wgmma_commit();
+}
+
+template <typename T, typename M, int kG>
+__device__ __forceinline__ void mla_pv_other(float (&o)[128], const MlaThread& th) {
+  using namespace sm90;
+  const uint64_t p_desc = sw128_descriptor(th.p_base[1 - kG], 16),
+                 v_desc = sw128_descriptor(th.k_base[1 - kG] + 4 * kG * M::kChunkBytes, M::kChunkBytes);
+#pragma unroll
+  for (int kk = 0; kk < M::kKeys / 16; ++kk) {
+    wgmma_m64n256k16<T, 0, 1>(o, desc_advance(p_desc, kk * 32), desc_advance(v_desc, kk * 2048));
+  }
+  wgmma_commit();
+}
+
+// Group kG's main loop over the pairs (the head comment's order). Group 0: S; its maxima to group
+// 1; P V of its tile, whose part 0 is then released; group 1's maxima rescale P into shared memory
+// and O; P V of group 1's tile (waited for, and that part released, once the next S is issued).
+// Group 1: S; group 0's maxima with its own; P V of its tile; P to shared memory; P V of group 0's
+// tile; both parts 1 released.
+template <typename T, typename M, int kG>
+__device__ __forceinline__ void mla_attend(MlaFwdShared& sh, const MlaThread& th, float (&o)[128], float (&m_run)[2],
+                                           float (&l_run)[2]) {
+  using namespace sm90;
+  float sc[32], mx[2], m_new[2], alpha[2];
+  uint32_t pa[16];
+  for (int j = 0; j < th.pairs; ++j) {
+    mla_logits_issue<T, M, kG>(sc, sh, th, j, [&] {
+      if (kG == 0 && j > 0) {  // the previous pair's P V over stage 1's part 0 is done
+        wgmma_wait<1>();
+        fence_accumulators(o);
+        if (th.lane == 0) sh.ring.release(1, 0);
+      }
+    });
+    wgmma_wait<0>();
+    fence_accumulators(sc);
+    mla_mask(sc, sh.rows[kG], th, mx);
+    const int r[2] = {th.r0, th.r0 + 8};
+    if constexpr (kG == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m_new[h] = fmaxf(m_run[h], mx[h]);
+        if (th.c == 0) sh.row_max[0][r[h]] = m_new[h];
+      }
+      named_barrier_arrive(kMax0, 256);
+      mla_rescale(o, l_run, m_run, m_new, alpha);
+      mla_exp<T>(sc, pa, m_run, l_run);
+      fence_accumulators(o);
+      wgmma_fence();
+      mla_pv_own<T, M, 0>(o, pa, th);
       wgmma_wait<0>();
       fence_accumulators(o);
-      if (th.lane == 0) sh.ring.release(i - 1);
-    }
-    mla_logits<T, M>(sc, sh, sK, th, i);
-    const uint32_t* slot_rows = sh.rows[s] + 32 * group;  // this group's 32 slots
-
-    // Logits in log2 units (no key for the row: -inf); thread columns 32 group + 8 j + 2c (+1),
-    // rows r0, r0 + 8.
-    float mx[2] = {-INFINITY, -INFINITY};
+      if (th.lane == 0) sh.ring.release(0, 0);
+      named_barrier_sync(kMax1, 256);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+      for (int h = 0; h < 2; ++h) m_new[h] = sh.row_max[1][r[h]];
+      mla_rescale(o, l_run, m_run, m_new, alpha);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool valid = (slot_rows[8 * j + 2 * c + (e & 1)] >> th.bit[e / 2]) & 1;
-        sc[4 * j + e] = valid ? sc[4 * j + e] * th.sl2 : -INFINITY;
-        mx[e / 2] = fmaxf(mx[e / 2], sc[4 * j + e]);
+      for (int x = 0; x < 16; ++x) pa[x] = pack2<T>(sc[2 * x] * alpha[x % 2], sc[2 * x + 1] * alpha[x % 2]);
+      mla_store_p(th.p[0], pa, th);
+      fence_proxy_async();
+      named_barrier_arrive(kP0, 256);
+      named_barrier_sync(kP1, 256);
+      fence_accumulators(o);
+      wgmma_fence();
+      mla_pv_other<T, M, 0>(o, th);
+    } else {
+      named_barrier_sync(kMax0, 256);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m_new[h] = fmaxf(sh.row_max[0][r[h]], mx[h]);  // group 0's maxima are no smaller than m_run
+        if (th.c == 0) sh.row_max[1][r[h]] = m_new[h];
       }
+      named_barrier_arrive(kMax1, 256);
+      mla_rescale(o, l_run, m_run, m_new, alpha);
+      mla_exp<T>(sc, pa, m_run, l_run);
+      fence_accumulators(o);
+      wgmma_fence();
+      mla_pv_own<T, M, 1>(o, pa, th);
+      mla_store_p(th.p[1], pa, th);
+      fence_proxy_async();
+      named_barrier_arrive(kP1, 256);
+      named_barrier_sync(kP0, 256);
+      mla_pv_other<T, M, 1>(o, th);
+      wgmma_wait<1>();
+      if (th.lane == 0) sh.ring.release(1, 1);
+      wgmma_wait<0>();
+      fence_accumulators(o);
+      if (th.lane == 0) sh.ring.release(0, 1);
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      if (c == 0) sh.row_max[group][r0 + 8 * h] = mx[h];
-    }
-    named_barrier_sync(1, 256);  // both groups' maxima; both groups' previous P V are done
-    float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-      const float m_new = fmaxf(m_run[h], fmaxf(sh.row_max[0][r], sh.row_max[1][r]));
-      alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
-      m_run[h] = m_new;
-      l_run[h] *= alpha[h];
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float pr[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pr[e] = exp2f(sc[4 * j + e] - finite_or_zero(m_run[e / 2]));
-        l_run[e / 2] += pr[e];
-      }
-      const int col = 32 * group + 8 * j + 2 * c;
-      *reinterpret_cast<uint32_t*>(sP + sw128_offset(r0, col / 8) + (col % 8) * 2) = pack2<T>(pr[0], pr[1]);
-      *reinterpret_cast<uint32_t*>(sP + sw128_offset(r0 + 8, col / 8) + (col % 8) * 2) = pack2<T>(pr[2], pr[3]);
-    }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the maxima rose (rarer by the tile)
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        o[4 * n] *= alpha[0];
-        o[4 * n + 1] *= alpha[0];
-        o[4 * n + 2] *= alpha[1];
-        o[4 * n + 3] *= alpha[1];
-      }
-    }
-    fence_proxy_async();
-    named_barrier_sync(1, 256);  // P complete
-    fence_accumulators(o);
-    wgmma_fence();
-    const uint64_t p_desc = sw128_descriptor(th.p_base, 16),
-                   v_desc = sw128_descriptor(k_base + 4 * group * M::kChunkBytes, M::kChunkBytes);
-#pragma unroll
-    for (int kk = 0; kk < M::kKeys / 16; ++kk) {  // O += P V over this group's 256 value columns
-      wgmma_m64n256k16<T, 0, 1>(o, desc_advance(p_desc, kk * 32), desc_advance(v_desc, kk * 2048));
-    }
-    wgmma_commit();
   }
-  wgmma_wait<0>();
-  fence_accumulators(o);
+  if constexpr (kG == 0) {
+    wgmma_wait<0>();
+    fence_accumulators(o);
+    if (th.pairs > 0 && th.lane == 0) sh.ring.release(1, 0);
+  }
 }
 
 // Epilogue: both groups' row sums into sh.row_sum, then o / l times sigmoid(gate) (the row's gate
@@ -232,20 +377,32 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
 }
 
 // Second pass (probabilities asked for): exp(S - lse) summed over each query's heads, per key
-// (rows without the key, and the padding rows past `rows`, add nothing). A tile's S is issued
-// before the previous one's sums are formed (two accumulators in turn), and its stage released as
-// soon as S is read. Each warp sums its 8-row units (rows r0 and r0 + 8 are two) over the lanes 4
-// apart by halving exchanges (lane g ends with column 8 (g / 2) + 2c + g % 2), through P's shared
-// memory (two buffers in turn: one barrier a tile); then a query's units are added: probs [t,
-// query, slot] for a packed block's queries (AttnArgs::member), else [t, slot] (added over head
-// blocks).
-template <typename M>
-__device__ __forceinline__ void mla_probability_sums(const AttnFwdArgs& a, const MlaThread& th, const float (&sc)[16],
-                                                     uint32_t valid, const float (&lse2)[2], float* colsum, int i) {
-  const int group = th.group, warp = th.warp, g = th.g;
-  float v[2][8];  // [h][column 2 j + e]
+// (rows without the key, and the padding rows past `rows`, add nothing). Group g takes tile 2j + g
+// of each pair as in the first pass; a tile's S is issued before the previous one's sums are formed
+// (two accumulators in turn), and its stage released as soon as S is read. Each warp sums its
+// 8-row units (rows r0 and r0 + 8 are two) over the lanes 4 apart by halving exchanges (lane g
+// ends with columns 8g + 2c (+1)), through shared memory (two buffers in turn: one barrier a tile);
+// then a query's units are added: probs [t, query, slot] for a packed block's queries
+// (AttnArgs::member), else [t, slot] (added over head blocks).
+// One halving exchange with the lane `lanes` apart: the first kHalf columns keep the sums of the
+// half the thread keeps (the upper one where `upper`), the other half goes to the partner.
+template <int kHalf>
+__device__ __forceinline__ void halve(float (&v)[16], bool upper, int lanes) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int k = 0; k < kHalf; ++k) {
+    const float lo = v[k], hi = v[k + kHalf];
+    v[k] = (upper ? hi : lo) + __shfl_xor_sync(0xffffffffu, upper ? lo : hi, lanes);
+  }
+}
+
+template <typename M>
+__device__ __forceinline__ void mla_probability_sums(const AttnFwdArgs& a, const MlaThread& th, const float (&sc)[32],
+                                                     uint32_t valid, const float (&lse2)[2], float* colsum,
+                                                     int tile, int n) {
+  const int group = th.group, warp = th.warp, g = th.g;
+  float v[2][16];  // [h][column 2 j + e]
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
 #pragma unroll
@@ -256,43 +413,39 @@ __device__ __forceinline__ void mla_probability_sums(const AttnFwdArgs& a, const
     }
   }
 #pragma unroll
-  for (int b = 2; b >= 0; --b) {  // lanes 4 << b apart: keep the half of the columns whose bit b is g's
-    const bool upper = (g >> b) & 1;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int k = 0; k < (1 << b); ++k) {
-        const float send = upper ? v[h][k] : v[h][k + (1 << b)];
-        const float keep = upper ? v[h][k + (1 << b)] : v[h][k];
-        v[h][k] = keep + __shfl_xor_sync(0xffffffffu, send, 4 << b);
-      }
-    }
+  for (int h = 0; h < 2; ++h) {
+    halve<8>(v[h], g & 4, 16);
+    halve<4>(v[h], g & 2, 8);
+    halve<2>(v[h], g & 1, 4);
   }
-  float* buf = colsum + (i % 2) * 512;  // [group][unit 2 warp + h][32 keys]
-  const int col = 8 * (g / 2) + 2 * th.c + g % 2;
+  float* buf = colsum + (2 * (n % 2) + group) * 512;  // [n % 2][group][unit 2 warp + h][64 keys]
+  const int col = 8 * g + 2 * th.c;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) buf[(8 * group + 2 * warp + h) * 32 + col] = v[h][0];
+  for (int h = 0; h < 2; ++h) *reinterpret_cast<float2*>(buf + (2 * warp + h) * 64 + col) = make_float2(v[h][0], v[h][1]);
   sm90::named_barrier_sync(2 + group, 128);
   if (warp == 0) {
     const int units = a.query_rows / 8, queries = a.member != nullptr ? a.G / a.query_rows : 1;
-    const int64_t k = int64_t{i - th.tiles} * M::kKeys + 32 * group + th.lane;
-    const float* cs = buf + 8 * group * 32 + th.lane;
-    for (int q = 0; q < queries && k < a.topk; ++q) {
-      float s = 0.f;
-      for (int u = q * units; u < (q + 1) * units; ++u) s += cs[32 * u];
-      float* dst = a.probs + (th.t * queries + q) * a.topk + k;
-      if (a.head_blocks == 1) {
-        *dst = s;
-      } else {
-        atomicAdd(dst, s);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t k = int64_t{tile} * M::kKeys + 32 * half + th.lane;
+      const float* cs = buf + 32 * half + th.lane;
+      for (int q = 0; q < queries && k < a.topk; ++q) {
+        float s = 0.f;
+        for (int u = q * units; u < (q + 1) * units; ++u) s += cs[64 * u];
+        float* dst = a.probs + (th.t * queries + q) * a.topk + k;
+        if (a.head_blocks == 1) {
+          *dst = s;
+        } else {
+          atomicAdd(dst, s);
+        }
       }
     }
   }
 }
 
-template <typename T, typename M>
-__device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdShared& sh, const uint8_t* sK,
-                                                  uint8_t* sP, const MlaThread& th, const float (&m_run)[2]) {
+template <typename T, typename M, int kG>
+__device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sP,
+                                                  const MlaThread& th, const float (&m_run)[2]) {
   using namespace sm90;
   float lse2[2];
 #pragma unroll
@@ -302,33 +455,48 @@ __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdSh
     lse2[h] = r < th.rows && l != 0.f ? m_run[h] + log2f(l) : INFINITY;
   }
   float* colsum = reinterpret_cast<float*>(sP);  // P is done with
-  static_assert(M::kPBytes >= 2 * 512 * sizeof(float));
-  float sc[2][16];
-  // Tile i's S (in sc[b]) is done: its slots' row bits read, its stage released, the next tile's S
-  // issued into the other accumulator, then tile i's sums.
-  const auto step = [&](auto b, int i) {
+  static_assert(M::kPBytes >= 4 * 512 * sizeof(float));
+  float sc[2][32];
+  // Pair j's S (in sc[b]) is done: its slots' row bits read, its stage released, the next pair's
+  // S issued into the other accumulator, then pair j's sums.
+  const auto step = [&](auto b, int j) {
     constexpr int kB = decltype(b)::value;
     wgmma_wait<0>();
     fence_accumulators(sc[kB]);
-    const uint32_t* slot_rows = sh.rows[M::Ring::stage(i)] + 32 * th.group;  // this group's 32 slots
     uint32_t valid = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int jj = 0; jj < 8; ++jj) {
 #pragma unroll
       for (int x = 0; x < 4; ++x) {
-        valid |= ((slot_rows[8 * j + 2 * th.c + (x & 1)] >> th.bit[x / 2]) & 1u) << (4 * j + x);
+        valid |= ((sh.rows[kG][8 * jj + 2 * th.c + (x & 1)] >> th.bit[x / 2]) & 1u) << (4 * jj + x);
       }
     }
     __syncwarp();
-    if (th.lane == 0) sh.ring.release(i);
-    if (i + 1 < 2 * th.tiles) mla_logits_issue<T, M>(sc[1 - kB], sh, sK, th, i + 1);
-    mla_probability_sums<M>(a, th, sc[kB], valid, lse2, colsum, i);
+    if (th.lane == 0) {
+      sh.ring.release(kG, 0);
+      sh.ring.release(kG, 1);
+    }
+    if (j + 1 < 2 * th.pairs) mla_logits_issue<T, M, kG>(sc[1 - kB], sh, th, j + 1, [] {});
+    mla_probability_sums<M>(a, th, sc[kB], valid, lse2, colsum, 2 * (j - th.pairs) + kG, j - th.pairs);
   };
-  if (th.tiles > 0) mla_logits_issue<T, M>(sc[0], sh, sK, th, th.tiles);
-  for (int i = th.tiles; i < 2 * th.tiles; i += 2) {
-    step(std::integral_constant<int, 0>{}, i);
-    if (i + 1 < 2 * th.tiles) step(std::integral_constant<int, 1>{}, i + 1);
+  if (th.pairs > 0) mla_logits_issue<T, M, kG>(sc[0], sh, th, th.pairs, [] {});
+  for (int j = th.pairs; j < 2 * th.pairs; j += 2) {
+    step(std::integral_constant<int, 0>{}, j);
+    if (j + 1 < 2 * th.pairs) step(std::integral_constant<int, 1>{}, j + 1);
   }
+  wgmma_wait<0>();  // (none in flight: for ptxas, which cannot tell)
+}
+
+// The consumers of group kG after Q has arrived.
+template <typename T, typename M, int kG>
+__device__ __forceinline__ void mla_consume(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sP, const MlaThread& th) {
+  float o[128];
+#pragma unroll
+  for (int x = 0; x < 128; ++x) o[x] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
+  mla_attend<T, M, kG>(sh, th, o, m_run, l_run);
+  mla_store<T, M>(a, sh, th, o, m_run, l_run);
+  if (a.probs != nullptr) mla_probabilities<T, M, kG>(a, sh, sP, th, m_run);
 }
 
 template <typename T, typename M>
@@ -338,38 +506,37 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
   uint8_t* sQ = smem;
-  uint8_t* sK = sQ + M::kTileBytes;  // kStages key tiles
-  uint8_t* sP = sK + M::kStages * M::kTileBytes;
-  MlaFwdShared& sh = *reinterpret_cast<MlaFwdShared*>(sP + M::kPBytes);
+  uint8_t* sK = sQ + M::kTileBytes;  // the two stages
+  uint8_t* sP = sK + 2 * M::kTileBytes;
+  MlaFwdShared& sh = *reinterpret_cast<MlaFwdShared*>(sP + M::kPBuffers * M::kPBytes);
 
   const int64_t t = blockIdx.x;
   const int head0 = blockIdx.z * M::kRows, rows = mla_block_rows(a, t, head0);
   const T* q = static_cast<const T*>(a.q);
   // the consumers bring Q (cp.async, all in flight at once) while the producer starts
   if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
-  if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
+  if (threadIdx.x == 0) sh.ring.init();
   __syncthreads();
-  const int tiles = mla_block_tiles<M::kKeys>(a, t);
+  const int tiles = mla_block_tiles<M::kKeys>(a, t), pairs = (tiles + 1) / 2;
 
   if (M::is_producer()) {
     M::producer_registers();
-    mla_produce<T, M>(a, sh, sK, t, head0, rows, tiles);
+    mla_produce<T, M>(a, sh, sK, t, head0, rows, pairs);
     return;
   }
   M::consumer_registers();
-  const MlaThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x / 128), a.scale * kLog2e,
-                     smem_addr(sQ), smem_addr(sP)};
-  float o[128];
-#pragma unroll
-  for (int x = 0; x < 128; ++x) o[x] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
+  uint8_t* p0 = M::kPBuffers == 1 ? sK + 8 * M::kChunkBytes : sP;  // group 0's P
+  const MlaThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x / 128), pairs,
+                     a.scale * kLog2e, smem_addr(sQ), {smem_addr(sK), smem_addr(sK + M::kTileBytes)},
+                     {smem_addr(p0), smem_addr(sP + (M::kPBuffers - 1) * M::kPBytes)}, {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
   cp_async_wait<0>();
   fence_proxy_async();  // Q is read by wgmma
   named_barrier_sync(1, 256);
-  mla_attend<T, M>(sh, sK, sP, th, o, m_run, l_run);
-  if (a.probs != nullptr && tiles > 0 && th.lane == 0) sh.ring.release(tiles - 1);
-  mla_store<T, M>(a, sh, th, o, m_run, l_run);
-  if (a.probs != nullptr) mla_probabilities<T, M>(a, sh, sK, sP, th, m_run);
+  if (th.group == 0) {
+    mla_consume<T, M, 0>(a, sh, sP, th);
+  } else {
+    mla_consume<T, M, 1>(a, sh, sP, th);
+  }
 #endif
 }
 
