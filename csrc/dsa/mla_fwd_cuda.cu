@@ -88,16 +88,18 @@ struct MlaThread : MlaPlace {
 };
 
 // Producer warpgroup: pair j's halves in the order they are released (tile 2j's part 0, tile 2j +
-// 1's part 1, then the other two), round twice with probabilities asked for.
+// 1's part 1, then the other two), round twice with probabilities asked for; each tile's keys read
+// a pair ahead.
 template <typename T, typename M>
 __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK, int64_t t,
                                             int head0, int rows, int pairs) {
   using namespace sm90;
   uint8_t* stage[2] = {sK, sK + M::kTileBytes};
+  using Keys = KeyTile<T, M::kKeys, M::kDqk>;
   const int loads = a.probs != nullptr ? 2 * pairs : pairs;  // the second pass reads the tiles again
+  Keys t0(a, t, 0), t1(a, t, M::kKeys);
   for (int j = 0; j < loads; ++j) {
-    const int64_t k0 = int64_t{j % pairs} * 2 * M::kKeys;
-    const KeyTile<T, M::kKeys, M::kDqk> t0(a, t, k0), t1(a, t, k0 + M::kKeys);
+    const int64_t k0 = int64_t{j % pairs} * 2 * M::kKeys, next = int64_t{(j + 1) % pairs} * 2 * M::kKeys;
     sh.ring.wait_empty(j, 0, 0);
     t0.store_rows(a, t, k0, sh.rows[0]);
     t0.template copy<0, M::kLeft>(stage[0], a);
@@ -108,10 +110,12 @@ __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& 
     sh.ring.wait_empty(j, 0, 1);
     t0.template copy<M::kLeft, M::kChunks>(stage[0], a);
     sh.ring.filled(0, 1);
+    t0 = Keys(a, t, next);  // the next pair's keys load while this pair's last half goes out
     sh.ring.wait_empty(j, 1, 0);
     t1.store_rows(a, t, k0 + M::kKeys, sh.rows[1]);
     t1.template copy<0, M::kLeft>(stage[1], a);
     sh.ring.filled(1, 0);
+    t1 = Keys(a, t, next + M::kKeys);
     if (j == pairs - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
       bulk_prefetch_l2(static_cast<const T*>(a.gate) + (t * a.H + head0) * M::kDv, rows * M::kDv * sizeof(T));
     }
