@@ -336,6 +336,23 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, const MlaThread& th
   }
 }
 
+// A 4 x 4 transpose of 32-bit words across the lanes of a quad: lane c's w[i] becomes lane i's w[c]
+// (two exchanges: lanes 1 apart swap the words whose bit 0 differs from theirs, then lanes 2 apart).
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int c, uint32_t quad) {
+#pragma unroll
+  for (int s = 1; s <= 2; s *= 2) {
+    const bool up = c & s;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (p & s) continue;  // the pair (p, p + s)
+      const uint32_t lo = w[p], hi = w[p + s];
+      const uint32_t got = __shfl_xor_sync(quad, up ? lo : hi, s);
+      w[p] = up ? got : lo;
+      w[p + s] = up ? hi : got;
+    }
+  }
+}
+
 // Epilogue: both groups' row sums into sh.row_sum, then o / l times sigmoid(gate) (the row's gate
 // loads all issued before its first store) and lse.
 template <typename T, typename M>
@@ -359,22 +376,32 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
     const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
     const float inv = l != 0.f ? 1.f / l : 0.f;
     const int64_t row = th.t * a.H + th.head0 + r;
-    uint32_t gv[32];  // the row's gate pairs, all loads issued before the first store
+    const uint32_t quad = 0xfu << (th.lane & ~3);  // the lanes of the row
+    // Lane c of the row's quad holds columns 8 n + 2c (+1); reads and writes go 16 bytes a lane
+    // (columns 8 (4k + c) ..), turned by 4 x 4 transposes of the quad's words.
+    uint4 gq[8];  // the row's gate, all loads issued before the first store
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      gv[n] = gate != nullptr ? __ldg(reinterpret_cast<const unsigned int*>(gate + row * M::kDv + 256 * group + 8 * n + 2 * c))
-                              : 0u;
+    for (int k = 0; k < 8; ++k) {
+      gq[k] = gate != nullptr ? __ldg(reinterpret_cast<const uint4*>(gate + row * M::kDv + 256 * group + 8 * (4 * k + c)))
+                              : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      const int col = 256 * group + 8 * n + 2 * c;
-      float v0 = o[4 * n + 2 * h] * inv, v1 = o[4 * n + 2 * h + 1] * inv;
-      if (gate != nullptr) {
-        const float2 gf = unpack2<T>(gv[n]);
-        v0 *= sigmoidf(gf.x);
-        v1 *= sigmoidf(gf.y);
+    for (int k = 0; k < 8; ++k) {
+      uint32_t w[4] = {gq[k].x, gq[k].y, gq[k].z, gq[k].w};
+      if (gate != nullptr) quad_transpose(w, c, quad);  // w[i]: columns 8 (4k + i) + 2c (+1)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = 4 * k + i;
+        float v0 = o[4 * n + 2 * h] * inv, v1 = o[4 * n + 2 * h + 1] * inv;
+        if (gate != nullptr) {
+          const float2 gf = unpack2<T>(w[i]);
+          v0 *= sigmoidf(gf.x);
+          v1 *= sigmoidf(gf.y);
+        }
+        w[i] = pack2<T>(v0, v1);
       }
-      *reinterpret_cast<uint32_t*>(out + row * M::kDv + col) = pack2<T>(v0, v1);
+      quad_transpose(w, c, quad);
+      *reinterpret_cast<uint4*>(out + row * M::kDv + 256 * group + 8 * (4 * k + c)) = make_uint4(w[0], w[1], w[2], w[3]);
     }
     if (group == 0 && c == 0) a.lse[row] = l != 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
   }
