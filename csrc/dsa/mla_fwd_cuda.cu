@@ -253,6 +253,26 @@ __device__ __forceinline__ void mla_pv_other(float (&o)[128], const MlaThread& t
   wgmma_commit();
 }
 
+// Group kG's tile with its new maxima m_new: the maxima out to the other group, O and the row sums
+// onto them, P (sc, and pa for P V), and O += P V over the tile's own value columns issued.
+template <typename T, typename M, int kG>
+__device__ __forceinline__ void mla_own_tile(MlaFwdShared& sh, const MlaThread& th, float (&sc)[32],
+                                             uint32_t (&pa)[16], float (&o)[128], float (&m_run)[2],
+                                             float (&l_run)[2], const float (&m_new)[2]) {
+  using namespace sm90;
+  if (th.c == 0) {
+    sh.row_max[kG][th.r0] = m_new[0];
+    sh.row_max[kG][th.r0 + 8] = m_new[1];
+  }
+  named_barrier_arrive(kG == 0 ? kMax0 : kMax1, 256);
+  float alpha[2];
+  mla_rescale(o, l_run, m_run, m_new, alpha);
+  mla_exp<T>(sc, pa, m_run, l_run);
+  fence_accumulators(o);
+  wgmma_fence();
+  mla_pv_own<T, M, kG>(o, pa, th);
+}
+
 // Group kG's main loop over the pairs (the head comment's order). Group 0: S; its maxima to group
 // 1; P V of its tile, whose part 0 is then released; group 1's maxima rescale P into shared memory
 // and O; P V of group 1's tile (waited for, and that part released, once the next S is issued).
@@ -278,16 +298,8 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, const MlaThread& th
     const int r[2] = {th.r0, th.r0 + 8};
     if constexpr (kG == 0) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        m_new[h] = fmaxf(m_run[h], mx[h]);
-        if (th.c == 0) sh.row_max[0][r[h]] = m_new[h];
-      }
-      named_barrier_arrive(kMax0, 256);
-      mla_rescale(o, l_run, m_run, m_new, alpha);
-      mla_exp<T>(sc, pa, m_run, l_run);
-      fence_accumulators(o);
-      wgmma_fence();
-      mla_pv_own<T, M, 0>(o, pa, th);
+      for (int h = 0; h < 2; ++h) m_new[h] = fmaxf(m_run[h], mx[h]);
+      mla_own_tile<T, M, 0>(sh, th, sc, pa, o, m_run, l_run, m_new);
       wgmma_wait<0>();
       fence_accumulators(o);
       if (th.lane == 0) sh.ring.release(0, 0);
@@ -307,16 +319,8 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, const MlaThread& th
     } else {
       named_barrier_sync(kMax0, 256);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        m_new[h] = fmaxf(sh.row_max[0][r[h]], mx[h]);  // group 0's maxima are no smaller than m_run
-        if (th.c == 0) sh.row_max[1][r[h]] = m_new[h];
-      }
-      named_barrier_arrive(kMax1, 256);
-      mla_rescale(o, l_run, m_run, m_new, alpha);
-      mla_exp<T>(sc, pa, m_run, l_run);
-      fence_accumulators(o);
-      wgmma_fence();
-      mla_pv_own<T, M, 1>(o, pa, th);
+      for (int h = 0; h < 2; ++h) m_new[h] = fmaxf(sh.row_max[0][r[h]], mx[h]);  // group 0's: no smaller than m_run
+      mla_own_tile<T, M, 1>(sh, th, sc, pa, o, m_run, l_run, m_new);
       mla_store_p(th.p[1], pa, th);
       fence_proxy_async();
       named_barrier_arrive(kP1, 256);
@@ -382,8 +386,9 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
     uint4 gq[8];  // the row's gate, all loads issued before the first store
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      gq[k] = gate != nullptr ? __ldg(reinterpret_cast<const uint4*>(gate + row * M::kDv + 256 * group + 8 * (4 * k + c)))
-                              : make_uint4(0, 0, 0, 0);
+      gq[k] = gate != nullptr
+                  ? __ldg(reinterpret_cast<const uint4*>(gate + row * M::kDv + 256 * group + 8 * (4 * k + c)))
+                  : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -401,7 +406,8 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
         w[i] = pack2<T>(v0, v1);
       }
       quad_transpose(w, c, quad);
-      *reinterpret_cast<uint4*>(out + row * M::kDv + 256 * group + 8 * (4 * k + c)) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(out + row * M::kDv + 256 * group + 8 * (4 * k + c)) =
+          make_uint4(w[0], w[1], w[2], w[3]);
     }
     if (group == 0 && c == 0) a.lse[row] = l != 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
   }
@@ -452,7 +458,9 @@ __device__ __forceinline__ void mla_probability_sums(const AttnFwdArgs& a, const
   float* buf = colsum + (2 * (n % 2) + group) * 512;  // [n % 2][group][unit 2 warp + h][64 keys]
   const int col = 8 * g + 2 * th.c;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) *reinterpret_cast<float2*>(buf + (2 * warp + h) * 64 + col) = make_float2(v[h][0], v[h][1]);
+  for (int h = 0; h < 2; ++h) {
+    *reinterpret_cast<float2*>(buf + (2 * warp + h) * 64 + col) = make_float2(v[h][0], v[h][1]);
+  }
   sm90::named_barrier_sync(2 + group, 128);
   if (warp == 0) {
     const int units = a.query_rows / 8, queries = a.member != nullptr ? a.G / a.query_rows : 1;
@@ -559,7 +567,8 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
   uint8_t* p0 = M::kPBuffers == 1 ? sK + 8 * M::kChunkBytes : sP;  // group 0's P
   const MlaThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x / 128), pairs,
                      a.scale * kLog2e, smem_addr(sQ), {smem_addr(sK), smem_addr(sK + M::kTileBytes)},
-                     {smem_addr(p0), smem_addr(sP + (M::kPBuffers - 1) * M::kPBytes)}, {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
+                     {smem_addr(p0), smem_addr(sP + (M::kPBuffers - 1) * M::kPBytes)},
+                     {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
   cp_async_wait<0>();
   fence_proxy_async();  // Q is read by wgmma
   named_barrier_sync(1, 256);
