@@ -78,12 +78,12 @@ constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + 3 * MlaFwd<Dqk>::kTileBytes
                                MlaFwd<Dqk>::kPBuffers * MlaFwd<Dqk>::kPBytes + sizeof(MlaFwdShared);
 static_assert(kMlaFwdSmem<576> <= kMaxSmem && kMlaFwdSmem<512> <= kMaxSmem);
 
-// One consumer thread's place (MlaPlace), the pairs of tiles, the scale in log2 units and the
-// shared addresses of Q, the stages and each group's P.
+// One consumer thread's place (MlaPlace), the pairs of tiles, the scale in log2 units, the shared
+// addresses of Q and the stages, and each group's P.
 struct MlaThread : MlaPlace {
   int group, pairs;
   float sl2;
-  uint32_t q_base, k_base[2], p_base[2];
+  uint32_t q_base, k_base[2];
   uint8_t* p[2];
 };
 
@@ -143,23 +143,15 @@ __device__ __forceinline__ void mla_logits_issue(float (&sc)[32], MlaFwdShared& 
 #pragma unroll
   for (int x = 0; x < 32; ++x) sc[x] = 0.f;
   fence_accumulators(sc);
-  constexpr int kFirst = kG;
-  sh.ring.wait_full(j, kG, kFirst);
+  constexpr int kFrom[2] = {0, M::kLeft}, kTo[2] = {M::kLeft, M::kChunks};  // the parts' chunks
+  sh.ring.wait_full(j, kG, kG);
   wgmma_fence();
-  if constexpr (kFirst == 0) {
-    mla_logits_chunks<T, M, 0, M::kLeft>(sc, th.q_base, th.k_base[kG]);
-  } else {
-    mla_logits_chunks<T, M, M::kLeft, M::kChunks>(sc, th.q_base, th.k_base[kG]);
-  }
+  mla_logits_chunks<T, M, kFrom[kG], kTo[kG]>(sc, th.q_base, th.k_base[kG]);
   wgmma_commit();
   between();
-  sh.ring.wait_full(j, kG, 1 - kFirst);
+  sh.ring.wait_full(j, kG, 1 - kG);
   wgmma_fence();
-  if constexpr (kFirst == 0) {
-    mla_logits_chunks<T, M, M::kLeft, M::kChunks>(sc, th.q_base, th.k_base[kG]);
-  } else {
-    mla_logits_chunks<T, M, 0, M::kLeft>(sc, th.q_base, th.k_base[kG]);
-  }
+  mla_logits_chunks<T, M, kFrom[1 - kG], kTo[1 - kG]>(sc, th.q_base, th.k_base[kG]);
   wgmma_commit();
 }
 
@@ -228,7 +220,8 @@ __device__ __forceinline__ void mla_store_p(uint8_t* sP, const uint32_t (&pa)[16
   }
 }
 
-// O += P V over group kG's value columns of stage s: P from registers or from shared memory.
+// O += P V over group kG's value columns: of its own tile with P from registers, of the other
+// group's with that group's P from shared memory.
 template <typename T, typename M, int kG>
 __device__ __forceinline__ void mla_pv_own(float (&o)[128], const uint32_t (&pa)[16], const MlaThread& th) {
   using namespace sm90;
@@ -244,7 +237,7 @@ __device__ __forceinline__ void mla_pv_own(float (&o)[128], const uint32_t (&pa)
 template <typename T, typename M, int kG>
 __device__ __forceinline__ void mla_pv_other(float (&o)[128], const MlaThread& th) {
   using namespace sm90;
-  const uint64_t p_desc = sw128_descriptor(th.p_base[1 - kG], 16),
+  const uint64_t p_desc = sw128_descriptor(smem_addr(th.p[1 - kG]), 16),
                  v_desc = sw128_descriptor(th.k_base[1 - kG] + 4 * kG * M::kChunkBytes, M::kChunkBytes);
 #pragma unroll
   for (int kk = 0; kk < M::kKeys / 16; ++kk) {
@@ -413,14 +406,6 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
   }
 }
 
-// Second pass (probabilities asked for): exp(S - lse) summed over each query's heads, per key
-// (rows without the key, and the padding rows past `rows`, add nothing). Group g takes tile 2j + g
-// of each pair as in the first pass; a tile's S is issued before the previous one's sums are formed
-// (two accumulators in turn), and its stage released as soon as S is read. Each warp sums its
-// 8-row units (rows r0 and r0 + 8 are two) over the lanes 4 apart by halving exchanges (lane g
-// ends with columns 8g + 2c (+1)), through shared memory (two buffers in turn: one barrier a tile);
-// then a query's units are added: probs [t, query, slot] for a packed block's queries
-// (AttnArgs::member), else [t, slot] (added over head blocks).
 // One halving exchange with the lane `lanes` apart: the first kHalf columns keep the sums of the
 // half the thread keeps (the upper one where `upper`), the other half goes to the partner.
 template <int kHalf>
@@ -432,6 +417,14 @@ __device__ __forceinline__ void halve(float (&v)[16], bool upper, int lanes) {
   }
 }
 
+// Second pass (probabilities asked for): exp(S - lse) summed over each query's heads, per key
+// (rows without the key, and the padding rows past `rows`, add nothing). Group g takes tile 2j + g
+// of each pair as in the first pass; a tile's S is issued before the previous one's sums are formed
+// (two accumulators in turn), and its stage released as soon as S is read. Each warp sums its
+// 8-row units (rows r0 and r0 + 8 are two) over the lanes 4 apart by halving exchanges (lane g
+// ends with columns 8g + 2c (+1)), through shared memory (two buffers in turn: one barrier a tile);
+// then a query's units are added: probs [t, query, slot] for a packed block's queries
+// (AttnArgs::member), else [t, slot] (added over head blocks).
 template <typename M>
 __device__ __forceinline__ void mla_probability_sums(const AttnFwdArgs& a, const MlaThread& th, const float (&sc)[32],
                                                      uint32_t valid, const float (&lse2)[2], float* colsum,
@@ -567,7 +560,6 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
   uint8_t* p0 = M::kPBuffers == 1 ? sK + 8 * M::kChunkBytes : sP;  // group 0's P
   const MlaThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x / 128), pairs,
                      a.scale * kLog2e, smem_addr(sQ), {smem_addr(sK), smem_addr(sK + M::kTileBytes)},
-                     {smem_addr(p0), smem_addr(sP + (M::kPBuffers - 1) * M::kPBytes)},
                      {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
   cp_async_wait<0>();
   fence_proxy_async();  // Q is read by wgmma
