@@ -63,11 +63,16 @@ struct PairRing {
   }
 };
 
-// Named barriers between the groups (1: both groups; 2, 3: each group's own).
-enum MlaBarrier : int { kMax0 = 4, kMax1 = 5, kP0 = 6, kP1 = 7 };
+// The groups' one-way hand-offs of a pair: a group's row maxima (kMax0, kMax1) and its P in shared
+// memory (kP0, kP1), each an mbarrier that the sending group's 128 threads arrive at (each
+// releasing its own writes) and the other group waits on with the pair's parity. A group sends
+// pair j + 1's only after it has waited for the other's pair j, so no phase is passed unseen.
+// (Named barriers with bar.arrive would do, but compute-sanitizer's racecheck does not follow them.)
+enum MlaHandoff : int { kMax0, kMax1, kP0, kP1 };
 
 struct MlaFwdShared {
   PairRing ring;
+  uint64_t handoff[4];    // MlaHandoff
   uint32_t rows[2][64];   // per stage and slot: the rows with its key (KeyTile)
   float row_max[2][64];   // group g's maxima after its tile of the pair
   float row_sum[2][64];   // per consumer group, at the end
@@ -257,7 +262,7 @@ __device__ __forceinline__ void mla_own_tile(MlaFwdShared& sh, const MlaThread& 
     sh.row_max[kG][th.r0] = m_new[0];
     sh.row_max[kG][th.r0 + 8] = m_new[1];
   }
-  named_barrier_arrive(kG == 0 ? kMax0 : kMax1, 256);
+  mbar_arrive(&sh.handoff[kG == 0 ? kMax0 : kMax1]);
   float alpha[2];
   mla_rescale(o, l_run, m_run, m_new, alpha);
   mla_exp<T>(sc, pa, m_run, l_run);
@@ -296,7 +301,7 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, const MlaThread& th
       wgmma_wait<0>();
       fence_accumulators(o);
       if (th.lane == 0) sh.ring.release(0, 0);
-      named_barrier_sync(kMax1, 256);
+      mbar_wait(&sh.handoff[kMax1], j & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) m_new[h] = sh.row_max[1][r[h]];
       mla_rescale(o, l_run, m_run, m_new, alpha);
@@ -304,20 +309,21 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, const MlaThread& th
       for (int x = 0; x < 16; ++x) pa[x] = pack2<T>(sc[2 * x] * alpha[x % 2], sc[2 * x + 1] * alpha[x % 2]);
       mla_store_p(th.p[0], pa, th);
       fence_proxy_async();
-      named_barrier_arrive(kP0, 256);
-      named_barrier_sync(kP1, 256);
+      mbar_arrive(&sh.handoff[kP0]);
+      mbar_wait(&sh.handoff[kP1], j & 1);
       fence_accumulators(o);
       wgmma_fence();
       mla_pv_other<T, M, 0>(o, th);
     } else {
-      named_barrier_sync(kMax0, 256);
+      mbar_wait(&sh.handoff[kMax0], j & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) m_new[h] = fmaxf(sh.row_max[0][r[h]], mx[h]);  // group 0's: no smaller than m_run
       mla_own_tile<T, M, 1>(sh, th, sc, pa, o, m_run, l_run, m_new);
       mla_store_p(th.p[1], pa, th);
       fence_proxy_async();
-      named_barrier_arrive(kP1, 256);
-      named_barrier_sync(kP0, 256);
+      mbar_arrive(&sh.handoff[kP1]);
+      mbar_wait(&sh.handoff[kP0], j & 1);
+      wgmma_fence();
       mla_pv_other<T, M, 1>(o, th);
       wgmma_wait<1>();
       if (th.lane == 0) sh.ring.release(1, 1);
@@ -547,7 +553,10 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
   const T* q = static_cast<const T*>(a.q);
   // the consumers bring Q (cp.async, all in flight at once) while the producer starts
   if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
-  if (threadIdx.x == 0) sh.ring.init();
+  if (threadIdx.x == 0) {
+    for (uint64_t& h : sh.handoff) mbar_init(&h, 128);
+    sh.ring.init();  // its fence covers the hand-offs' inits too
+  }
   __syncthreads();
   const int tiles = mla_block_tiles<M::kKeys>(a, t), pairs = (tiles + 1) / 2;
 
