@@ -533,6 +533,16 @@ def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, 
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("layout", [MLA, NOPE])
+@pytest.mark.parametrize("G", [8, 64, 128])
+def test_sparse_attention_cuda_blocks_take_several_items(layout, G):
+    """Without p the Hopper MLA forward runs a block an SM, each taking every gridDim-th item (query
+    and head block, or packed block) in turn: 300 items, more than twice the SMs; three tiles a
+    query (an odd last pair), a query without keys, packed blocks of different union lengths."""
+    check_cuda_attention(G, 300 * 64 // G, 500, layout, G, 150, True, False, False, torch.bfloat16)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("layout, G", [(MLA, 64), (NOPE, 64), ((2, 128, 128), 64), (MLA, 8)])
 def test_sparse_attention_cuda_deterministic_dkv(layout, G):
     """deterministic=True: dkv bitwise equal over repeated runs, and equal to the atomic path

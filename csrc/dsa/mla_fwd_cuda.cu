@@ -83,47 +83,83 @@ constexpr size_t kMlaFwdSmem = sm90::kSwizzleAlign + 3 * MlaFwd<Dqk>::kTileBytes
                                MlaFwd<Dqk>::kPBuffers * MlaFwd<Dqk>::kPBytes + sizeof(MlaFwdShared);
 static_assert(kMlaFwdSmem<576> <= kMaxSmem && kMlaFwdSmem<512> <= kMaxSmem);
 
-// One consumer thread's place (MlaPlace), the pairs of tiles, the scale in log2 units, the shared
-// addresses of Q and the stages, and each group's P.
+// One consumer thread's place (MlaPlace), the pairs of tiles, the ring's uses and the hand-offs
+// before this block's item, the scale in log2 units, the shared addresses of Q and the stages, and
+// each group's P.
 struct MlaThread : MlaPlace {
-  int group, pairs;
+  int group, pairs, uses, sends;
   float sl2;
   uint32_t q_base, k_base[2];
   uint8_t* p[2];
 };
 
+// A block's items (query t or packed block t, head block from head0), every gridDim.x-th from
+// blockIdx.x: item = t * head_blocks + head block.
+struct MlaItem {
+  int64_t t;
+  int head0, rows, pairs;
+  __device__ MlaItem(const AttnArgs& a, int64_t item)
+      : t(item / a.head_blocks), head0(static_cast<int>(item % a.head_blocks) * 64),
+        rows(mla_block_rows(a, t, head0)), pairs((mla_block_tiles<64>(a, t) + 1) / 2) {}
+};
+
+// The producer's walk over its items' pair loads (the pairs, twice with probabilities asked for),
+// items without keys skipped: `next` moves on, false past the last.
+struct MlaLoads {
+  int64_t item, t, k0;  // k0: the pair's first slot
+  int head0, rows, pairs, loads, j;
+  __device__ bool next(const AttnFwdArgs& a) {
+    while (++j >= loads) {
+      item = item < 0 ? blockIdx.x : item + gridDim.x;
+      if (item >= a.T * a.head_blocks) return false;
+      const MlaItem it(a, item);
+      t = it.t, head0 = it.head0, rows = it.rows, pairs = it.pairs;
+      loads = a.probs != nullptr ? 2 * pairs : pairs;
+      j = -1;
+    }
+    k0 = int64_t{j % pairs} * 128;
+    return true;
+  }
+};
+
 // Producer warpgroup: pair j's halves in the order they are released (tile 2j's part 0, tile 2j +
-// 1's part 1, then the other two), round twice with probabilities asked for; each tile's keys read
-// a pair ahead.
+// 1's part 1, then the other two); each tile's keys read a pair ahead (the next item's first pair
+// during an item's last, while the consumers finish it).
 template <typename T, typename M>
-__device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK, int64_t t,
-                                            int head0, int rows, int pairs) {
+__device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK) {
   using namespace sm90;
+  static_assert(M::kKeys == 64);
   uint8_t* stage[2] = {sK, sK + M::kTileBytes};
   using Keys = KeyTile<T, M::kKeys, M::kDqk>;
-  const int loads = a.probs != nullptr ? 2 * pairs : pairs;  // the second pass reads the tiles again
-  Keys t0(a, t, 0), t1(a, t, M::kKeys);
-  for (int j = 0; j < loads; ++j) {
-    const int64_t k0 = int64_t{j % pairs} * 2 * M::kKeys, next = int64_t{(j + 1) % pairs} * 2 * M::kKeys;
-    sh.ring.wait_empty(j, 0, 0);
-    t0.store_rows(a, t, k0, sh.rows[0]);
+  MlaLoads cur{-1, 0, 0, 0, 0, 0, 0, 0};
+  if (!cur.next(a)) return;
+  MlaLoads nxt = cur;
+  bool more = nxt.next(a);
+  Keys t0(a, cur.t, cur.k0), t1(a, cur.t, cur.k0 + M::kKeys);
+  for (int use = 0;; ++use) {
+    sh.ring.wait_empty(use, 0, 0);
+    t0.store_rows(a, cur.t, cur.k0, sh.rows[0]);
     t0.template copy<0, M::kLeft>(stage[0], a);
     sh.ring.filled(0, 0);
-    sh.ring.wait_empty(j, 1, 1);
+    sh.ring.wait_empty(use, 1, 1);
     t1.template copy<M::kLeft, M::kChunks>(stage[1], a);
     sh.ring.filled(1, 1);
-    sh.ring.wait_empty(j, 0, 1);
+    sh.ring.wait_empty(use, 0, 1);
     t0.template copy<M::kLeft, M::kChunks>(stage[0], a);
     sh.ring.filled(0, 1);
-    t0 = Keys(a, t, next);  // the next pair's keys load while this pair's last half goes out
-    sh.ring.wait_empty(j, 1, 0);
-    t1.store_rows(a, t, k0 + M::kKeys, sh.rows[1]);
+    if (more) t0 = Keys(a, nxt.t, nxt.k0);  // the next pair's keys load while this pair's last half goes out
+    sh.ring.wait_empty(use, 1, 0);
+    t1.store_rows(a, cur.t, cur.k0 + M::kKeys, sh.rows[1]);
     t1.template copy<0, M::kLeft>(stage[1], a);
     sh.ring.filled(1, 0);
-    t1 = Keys(a, t, next + M::kKeys);
-    if (j == pairs - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
-      bulk_prefetch_l2(static_cast<const T*>(a.gate) + (t * a.H + head0) * M::kDv, rows * M::kDv * sizeof(T));
+    if (more) t1 = Keys(a, nxt.t, nxt.k0 + M::kKeys);
+    if (cur.j == cur.pairs - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
+      bulk_prefetch_l2(static_cast<const T*>(a.gate) + (cur.t * a.H + cur.head0) * M::kDv,
+                       cur.rows * M::kDv * sizeof(T));
     }
+    if (!more) return;
+    cur = nxt;
+    more = nxt.next(a);
   }
 }
 
@@ -149,12 +185,12 @@ __device__ __forceinline__ void mla_logits_issue(float (&sc)[32], MlaFwdShared& 
   for (int x = 0; x < 32; ++x) sc[x] = 0.f;
   fence_accumulators(sc);
   constexpr int kFrom[2] = {0, M::kLeft}, kTo[2] = {M::kLeft, M::kChunks};  // the parts' chunks
-  sh.ring.wait_full(j, kG, kG);
+  sh.ring.wait_full(th.uses + j, kG, kG);
   wgmma_fence();
   mla_logits_chunks<T, M, kFrom[kG], kTo[kG]>(sc, th.q_base, th.k_base[kG]);
   wgmma_commit();
   between();
-  sh.ring.wait_full(j, kG, 1 - kG);
+  sh.ring.wait_full(th.uses + j, kG, 1 - kG);
   wgmma_fence();
   mla_logits_chunks<T, M, kFrom[1 - kG], kTo[1 - kG]>(sc, th.q_base, th.k_base[kG]);
   wgmma_commit();
@@ -301,7 +337,7 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, const MlaThread& th
       wgmma_wait<0>();
       fence_accumulators(o);
       if (th.lane == 0) sh.ring.release(0, 0);
-      mbar_wait(&sh.handoff[kMax1], j & 1);
+      mbar_wait(&sh.handoff[kMax1], (th.sends + j) & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) m_new[h] = sh.row_max[1][r[h]];
       mla_rescale(o, l_run, m_run, m_new, alpha);
@@ -310,19 +346,19 @@ __device__ __forceinline__ void mla_attend(MlaFwdShared& sh, const MlaThread& th
       mla_store_p(th.p[0], pa, th);
       fence_proxy_async();
       mbar_arrive(&sh.handoff[kP0]);
-      mbar_wait(&sh.handoff[kP1], j & 1);
+      mbar_wait(&sh.handoff[kP1], (th.sends + j) & 1);
       fence_accumulators(o);
       wgmma_fence();
       mla_pv_other<T, M, 0>(o, th);
     } else {
-      mbar_wait(&sh.handoff[kMax0], j & 1);
+      mbar_wait(&sh.handoff[kMax0], (th.sends + j) & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) m_new[h] = fmaxf(sh.row_max[0][r[h]], mx[h]);  // group 0's: no smaller than m_run
       mla_own_tile<T, M, 1>(sh, th, sc, pa, o, m_run, l_run, m_new);
       mla_store_p(th.p[1], pa, th);
       fence_proxy_async();
       mbar_arrive(&sh.handoff[kP1]);
-      mbar_wait(&sh.handoff[kP0], j & 1);
+      mbar_wait(&sh.handoff[kP0], (th.sends + j) & 1);
       wgmma_fence();
       mla_pv_other<T, M, 1>(o, th);
       wgmma_wait<1>();
@@ -356,11 +392,12 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int c, uint32_t
   }
 }
 
-// Epilogue: both groups' row sums into sh.row_sum, then o / l times sigmoid(gate) (the row's gate
-// loads all issued before its first store) and lse.
-template <typename T, typename M>
+// Epilogue: both groups' row sums into sh.row_sum (`met` runs once both groups are there), then o /
+// l times sigmoid(gate) (the row's gate loads all issued before its first store) and lse.
+template <typename T, typename M, typename F>
 __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh, const MlaThread& th,
-                                          const float (&o)[128], const float (&m_run)[2], float (&l_run)[2]) {
+                                          const float (&o)[128], const float (&m_run)[2], float (&l_run)[2],
+                                          F&& met) {
   using namespace sm90;
   const int group = th.group, c = th.c, r0 = th.r0;
 #pragma unroll
@@ -370,6 +407,7 @@ __device__ __forceinline__ void mla_store(const AttnFwdArgs& a, MlaFwdShared& sh
     if (c == 0) sh.row_sum[group][r0 + 8 * h] = l_run[h];
   }
   named_barrier_sync(1, 256);
+  met();
   T* out = static_cast<T*>(a.o);
   const T* gate = static_cast<const T*>(a.gate);
 #pragma unroll
@@ -525,19 +563,38 @@ __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdSh
   wgmma_wait<0>();  // (none in flight: for ptxas, which cannot tell)
 }
 
-// The consumers of group kG after Q has arrived.
-template <typename T, typename M, int kG>
-__device__ __forceinline__ void mla_consume(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sP, const MlaThread& th) {
+// Q of item `item` (rows past the block's as zeros) into sQ by cp.async from the consumers, committed.
+template <typename T, typename M>
+__device__ __forceinline__ void mla_load_q(const AttnFwdArgs& a, uint8_t* sQ, int64_t item) {
+  const MlaItem it(a, item);
+  load_rows64<T, M::kDqk>(sQ, static_cast<const T*>(a.q) + (it.t * a.H + it.head0) * M::kDqk, it.rows);
+}
+
+// The consumers of group kG once the item's Q has arrived; the next item's Q is loaded as soon as
+// both groups are done with this one's.
+template <typename T, typename M, bool kProbs, int kG>
+__device__ __forceinline__ void mla_consume(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sQ, uint8_t* sP,
+                                            const MlaThread& th, int64_t next) {
+  const auto load_next = [&] {
+    if (next < a.T * a.head_blocks) mla_load_q<T, M>(a, sQ, next);
+  };
   float o[128];
 #pragma unroll
   for (int x = 0; x < 128; ++x) o[x] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
   mla_attend<T, M, kG>(sh, th, o, m_run, l_run);
-  mla_store<T, M>(a, sh, th, o, m_run, l_run);
-  if (a.probs != nullptr) mla_probabilities<T, M, kG>(a, sh, sP, th, m_run);
+  mla_store<T, M>(a, sh, th, o, m_run, l_run, [&] {
+    if constexpr (!kProbs) load_next();
+  });
+  if constexpr (kProbs) mla_probabilities<T, M, kG>(a, sh, sP, th, m_run);
+
 }
 
-template <typename T, typename M>
+// Persistent blocks, one an SM: a block takes items blockIdx.x, + gridDim.x, .. in turn (MlaItem),
+// the producer running on into the next item's tiles while the consumers finish one. With
+// probabilities asked for (kProbs), a block an item: the second pass in a loop over items would
+// not fit the consumers' registers.
+template <typename T, typename M, bool kProbs>
 __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_constant__ AttnFwdArgs a) {
 #ifdef KDA_SM90A_ENABLED
   using namespace sm90;
@@ -548,35 +605,38 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
   uint8_t* sP = sK + 2 * M::kTileBytes;
   MlaFwdShared& sh = *reinterpret_cast<MlaFwdShared*>(sP + M::kPBuffers * M::kPBytes);
 
-  const int64_t t = blockIdx.x;
-  const int head0 = blockIdx.z * M::kRows, rows = mla_block_rows(a, t, head0);
-  const T* q = static_cast<const T*>(a.q);
-  // the consumers bring Q (cp.async, all in flight at once) while the producer starts
-  if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
+  // the consumers bring the first Q (cp.async, all in flight at once) while the producer starts
+  if (threadIdx.x < 256) mla_load_q<T, M>(a, sQ, blockIdx.x);
   if (threadIdx.x == 0) {
     for (uint64_t& h : sh.handoff) mbar_init(&h, 128);
     sh.ring.init();  // its fence covers the hand-offs' inits too
   }
   __syncthreads();
-  const int tiles = mla_block_tiles<M::kKeys>(a, t), pairs = (tiles + 1) / 2;
-
   if (M::is_producer()) {
     M::producer_registers();
-    mla_produce<T, M>(a, sh, sK, t, head0, rows, pairs);
+    mla_produce<T, M>(a, sh, sK);
     return;
   }
   M::consumer_registers();
   uint8_t* p0 = M::kPBuffers == 1 ? sK + 8 * M::kChunkBytes : sP;  // group 0's P
-  const MlaThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x / 128), pairs,
-                     a.scale * kLog2e, smem_addr(sQ), {smem_addr(sK), smem_addr(sK + M::kTileBytes)},
-                     {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
-  cp_async_wait<0>();
-  fence_proxy_async();  // Q is read by wgmma
-  named_barrier_sync(1, 256);
-  if (th.group == 0) {
-    mla_consume<T, M, 0>(a, sh, sP, th);
-  } else {
-    mla_consume<T, M, 1>(a, sh, sP, th);
+  const int group = threadIdx.x / 128;
+  int uses = 0, sends = 0;
+  for (int64_t item = blockIdx.x; item < a.T * a.head_blocks; item += gridDim.x) {
+    const MlaItem it(a, item);
+    const MlaThread th{mla_place(a, it.t, it.head0, it.rows, mla_block_tiles<M::kKeys>(a, it.t)),
+                       group, it.pairs, uses, sends, a.scale * kLog2e, smem_addr(sQ),
+                       {smem_addr(sK), smem_addr(sK + M::kTileBytes)}, {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
+    cp_async_wait<0>();
+    fence_proxy_async();  // Q is read by wgmma
+    named_barrier_sync(1, 256);
+    if (group == 0) {
+      mla_consume<T, M, kProbs, 0>(a, sh, sQ, sP, th, item + gridDim.x);
+    } else {
+      mla_consume<T, M, kProbs, 1>(a, sh, sQ, sP, th, item + gridDim.x);
+    }
+    if constexpr (kProbs) break;
+    uses += a.probs != nullptr ? 2 * it.pairs : it.pairs;
+    sends += it.pairs;
   }
 #endif
 }
@@ -599,9 +659,12 @@ void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
       // probs: zeros (atomics over head blocks)
       const AttnFwdArgs a{attn_args(pk, q, kv, gate, M::kRows), o.data_ptr(), lse.data_ptr<float>(),
                           probs.defined() ? probs.data_ptr<float>() : nullptr};
-      const auto kernel = mla_fwd_kernel<scalar_t, M>;
+      const int64_t items = p.T * a.head_blocks;
+      if (items == 0) return;
+      const auto kernel = a.probs != nullptr ? mla_fwd_kernel<scalar_t, M, true> : mla_fwd_kernel<scalar_t, M, false>;
       set_smem(kernel, smem);
-      kernel<<<dim3(p.T, 1, a.head_blocks), M::kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
+      const auto blocks = a.probs != nullptr ? items : std::min<int64_t>(items, num_sms(q.get_device()));
+      kernel<<<static_cast<unsigned>(blocks), M::kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (p.Dqk == 576) {
