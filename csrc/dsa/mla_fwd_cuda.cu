@@ -93,8 +93,8 @@ struct MlaThread : MlaPlace {
   uint8_t* p[2];
 };
 
-// A block's items (query t or packed block t, head block from head0), every gridDim.x-th from
-// blockIdx.x: item = t * head_blocks + head block.
+// A block's items (query t or packed block t, head block from head0: 64 rows, pairs of 64-key
+// tiles), every gridDim.x-th from blockIdx.x: item = t * head_blocks + head block.
 struct MlaItem {
   int64_t t;
   int head0, rows, pairs;
@@ -117,7 +117,7 @@ struct MlaLoads {
       loads = a.probs != nullptr ? 2 * pairs : pairs;
       j = -1;
     }
-    k0 = int64_t{j % pairs} * 128;
+    k0 = int64_t{j % pairs} * 2 * 64;
     return true;
   }
 };
@@ -587,7 +587,6 @@ __device__ __forceinline__ void mla_consume(const AttnFwdArgs& a, MlaFwdShared& 
     if constexpr (!kProbs) load_next();
   });
   if constexpr (kProbs) mla_probabilities<T, M, kG>(a, sh, sP, th, m_run);
-
 }
 
 // Persistent blocks, one an SM: a block takes items blockIdx.x, + gridDim.x, .. in turn (MlaItem),
