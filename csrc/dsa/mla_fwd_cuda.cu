@@ -12,19 +12,20 @@ namespace kda_dsa_ops::dsa {
 
 namespace {
 
-// One block per (query, block of up to 64 heads) of an MLA layout (Hkv 1, Dqk 576 or 512, dv 512), or
-// per block of packed queries (QueryPack: each row attends over its query's slots of the union). A
-// producer warpgroup gathers the selected rows, 64 keys a tile, a pair of tiles at a time into two
-// stages of 128B-swizzled tiles (cp.async, zeros for slots without a key; an odd last tile is
-// paired with one without keys). Consumer group g takes tile 2j + g of pair j whole for S = Q K^T
-// (wgmma m64n64k16 over the Dqk columns) and the value columns 256 g .. 256 g + 255 of both tiles
-// for O += P V (wgmma m64n256k16): its own tile's P from registers, the other group's through
-// shared memory. Group 0's new row maxima go to group 1, whose maxima (no smaller) come back and
-// rescale group 0's P before group 1 reads it: both groups end on the same maxima, each keeping
-// the row sums of its own tiles. A stage is filled and released by halves (part 0: the first four
-// chunks, value columns 0 - 255, which group 0 reads for P V; part 1: the rest, group 1's), so a
-// group's next S starts on the half it released first. Where probabilities are asked for, a second
-// pass over the pairs recomputes S and sums the final probabilities over the heads.
+// An item per (query, block of up to 64 heads) of an MLA layout (Hkv 1, Dqk 576 or 512, dv 512), or
+// per block of packed queries (QueryPack: each row attends over its query's slots of the union),
+// taken in turn by persistent blocks (mla_fwd_kernel). A producer warpgroup gathers the selected
+// rows, 64 keys a tile, a pair of tiles at a time into two stages of 128B-swizzled tiles (cp.async,
+// zeros for slots without a key; an odd last tile is paired with one without keys). Consumer group
+// g takes tile 2j + g of pair j whole for S = Q K^T (wgmma m64n64k16 over the Dqk columns) and the
+// value columns 256 g .. 256 g + 255 of both tiles for O += P V (wgmma m64n256k16): its own tile's
+// P from registers, the other group's through shared memory. Group 0's new row maxima go to group
+// 1, whose maxima (no smaller) come back and rescale group 0's P before group 1 reads it: both
+// groups end on the same maxima, each keeping the row sums of its own tiles. A stage is filled and
+// released by halves (part 0: the first four chunks, value columns 0 - 255, which group 0 reads for
+// P V; part 1: the rest, group 1's), so a group's next S starts on the half it released first.
+// Where probabilities are asked for, a second pass over the pairs recomputes S and sums the final
+// probabilities over the heads.
 // Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
 // alone would cost as much; setmaxnreg moves the producer's to the consumers.
 template <int Dqk>
