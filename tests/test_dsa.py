@@ -535,11 +535,12 @@ def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, 
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", [MLA, NOPE])
 @pytest.mark.parametrize("G", [8, 64, 128])
-def test_sparse_attention_cuda_blocks_take_several_items(layout, G):
-    """Without p the Hopper MLA forward runs a block an SM, each taking every gridDim-th item (query
-    and head block, or packed block) in turn: 300 items, more than twice the SMs; three tiles a
-    query (an odd last pair), a query without keys, packed blocks of different union lengths."""
-    check_cuda_attention(G, 300 * 64 // G, 500, layout, G, 150, True, False, False, torch.bfloat16)
+@pytest.mark.parametrize("return_p", [False, True])
+def test_sparse_attention_cuda_blocks_take_several_items(layout, G, return_p):
+    """The Hopper MLA forward runs a block an SM, each taking every gridDim-th item (query and head
+    block, or packed block) in turn, twice with p: 300 items, more than twice the SMs; three tiles
+    a query (an odd last pair), a query without keys, packed blocks of different union lengths."""
+    check_cuda_attention(G, 300 * 64 // G, 500, layout, G, 150, True, return_p, False, torch.bfloat16)
 
 
 @pytest.mark.cuda

@@ -104,35 +104,38 @@ struct MlaItem {
         rows(mla_block_rows(a, t, head0)), pairs((mla_block_tiles<64>(a, t) + 1) / 2) {}
 };
 
-// The producer's walk over its items' pair loads (the pairs, twice with probabilities asked for),
-// items without keys skipped: `next` moves on, false past the last.
+// The producer's walk over its items' pairs (pass 0; again in pass 1 with probabilities asked
+// for), items without keys skipped: `next` moves on, false past the last.
 struct MlaLoads {
   int64_t item, t, k0;  // k0: the pair's first slot
-  int head0, rows, pairs, loads, j;
+  int head0, rows, pairs, j, pass;
   __device__ bool next(const AttnFwdArgs& a) {
-    while (++j >= loads) {
+    while (++j >= pairs) {
       item = item < 0 ? blockIdx.x : item + gridDim.x;
-      if (item >= a.T * a.head_blocks) return false;
+      if (item >= a.T * a.head_blocks) {
+        if (pass == 1 || a.probs == nullptr) return false;
+        pass = 1;
+        item = blockIdx.x;
+      }
       const MlaItem it(a, item);
       t = it.t, head0 = it.head0, rows = it.rows, pairs = it.pairs;
-      loads = a.probs != nullptr ? 2 * pairs : pairs;
       j = -1;
     }
-    k0 = int64_t{j % pairs} * 2 * 64;
+    k0 = int64_t{j} * 2 * 64;
     return true;
   }
 };
 
 // Producer warpgroup: pair j's halves in the order they are released (tile 2j's part 0, tile 2j +
 // 1's part 1, then the other two); each tile's keys read a pair ahead (the next item's first pair
-// during an item's last, while the consumers finish it).
+// during an item's last, while the consumers finish it); the gate into L2 for pass 0's epilogues.
 template <typename T, typename M>
 __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sK) {
   using namespace sm90;
   static_assert(M::kKeys == 64);
   uint8_t* stage[2] = {sK, sK + M::kTileBytes};
   using Keys = KeyTile<T, M::kKeys, M::kDqk>;
-  MlaLoads cur{-1, 0, 0, 0, 0, 0, 0, 0};
+  MlaLoads cur{-1, 0, 0, 0, 0, 0, 0, 0};  // (before the first item: no pairs)
   if (!cur.next(a)) return;
   MlaLoads nxt = cur;
   bool more = nxt.next(a);
@@ -154,7 +157,7 @@ __device__ __forceinline__ void mla_produce(const AttnFwdArgs& a, MlaFwdShared& 
     t1.template copy<0, M::kLeft>(stage[1], a);
     sh.ring.filled(1, 0);
     if (more) t1 = Keys(a, nxt.t, nxt.k0 + M::kKeys);
-    if (cur.j == cur.pairs - 1 && a.gate != nullptr && threadIdx.x == 256) {  // the epilogue reads the gate from L2
+    if (cur.pass == 0 && cur.j == cur.pairs - 1 && a.gate != nullptr && threadIdx.x == 256) {
       bulk_prefetch_l2(static_cast<const T*>(a.gate) + (cur.t * a.H + cur.head0) * M::kDv,
                        cur.rows * M::kDv * sizeof(T));
     }
@@ -522,14 +525,14 @@ __device__ __forceinline__ void mla_probability_sums(const AttnFwdArgs& a, const
 
 template <typename T, typename M, int kG>
 __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sP,
-                                                  const MlaThread& th, const float (&m_run)[2]) {
+                                                  const MlaThread& th) {
   using namespace sm90;
-  float lse2[2];
+  float lse2[2];  // lse in log2 units, +inf (every p 0) for a row without keys or past `rows`
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = th.r0 + 8 * h;
-    const float l = sh.row_sum[0][r] + sh.row_sum[1][r];
-    lse2[h] = r < th.rows && l != 0.f ? m_run[h] + log2f(l) : INFINITY;
+    const float l = r < th.rows ? a.lse[th.t * a.H + th.head0 + r] : -INFINITY;
+    lse2[h] = l == -INFINITY ? INFINITY : l * kLog2e;
   }
   float* colsum = reinterpret_cast<float*>(sP);  // P is done with
   static_assert(M::kPBytes >= 4 * 512 * sizeof(float));
@@ -553,13 +556,13 @@ __device__ __forceinline__ void mla_probabilities(const AttnFwdArgs& a, MlaFwdSh
       sh.ring.release(kG, 0);
       sh.ring.release(kG, 1);
     }
-    if (j + 1 < 2 * th.pairs) mla_logits_issue<T, M, kG>(sc[1 - kB], sh, th, j + 1, [] {});
-    mla_probability_sums<M>(a, th, sc[kB], valid, lse2, colsum, 2 * (j - th.pairs) + kG, j - th.pairs);
+    if (j + 1 < th.pairs) mla_logits_issue<T, M, kG>(sc[1 - kB], sh, th, j + 1, [] {});
+    mla_probability_sums<M>(a, th, sc[kB], valid, lse2, colsum, 2 * j + kG, j);
   };
-  if (th.pairs > 0) mla_logits_issue<T, M, kG>(sc[0], sh, th, th.pairs, [] {});
-  for (int j = th.pairs; j < 2 * th.pairs; j += 2) {
+  if (th.pairs > 0) mla_logits_issue<T, M, kG>(sc[0], sh, th, 0, [] {});
+  for (int j = 0; j < th.pairs; j += 2) {
     step(std::integral_constant<int, 0>{}, j);
-    if (j + 1 < 2 * th.pairs) step(std::integral_constant<int, 1>{}, j + 1);
+    if (j + 1 < th.pairs) step(std::integral_constant<int, 1>{}, j + 1);
   }
   wgmma_wait<0>();  // (none in flight: for ptxas, which cannot tell)
 }
@@ -571,30 +574,63 @@ __device__ __forceinline__ void mla_load_q(const AttnFwdArgs& a, uint8_t* sQ, in
   load_rows64<T, M::kDqk>(sQ, static_cast<const T*>(a.q) + (it.t * a.H + it.head0) * M::kDqk, it.rows);
 }
 
-// The consumers of group kG once the item's Q has arrived; the next item's Q is loaded as soon as
-// both groups are done with this one's.
-template <typename T, typename M, bool kProbs, int kG>
-__device__ __forceinline__ void mla_consume(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sQ, uint8_t* sP,
-                                            const MlaThread& th, int64_t next) {
+// Group kG's share of an item once its Q has arrived: pass 0 the attention (the epilogue's `met`
+// loads the next Q: both groups are done with this one's), pass 1 the probabilities.
+template <typename T, typename M, int kPass, int kG>
+__device__ __forceinline__ void mla_item(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sQ, uint8_t* sP,
+                                         const MlaThread& th, int64_t next) {
   const auto load_next = [&] {
-    if (next < a.T * a.head_blocks) mla_load_q<T, M>(a, sQ, next);
+    if (next >= 0) mla_load_q<T, M>(a, sQ, next);
   };
-  float o[128];
+  if constexpr (kPass == 0) {
+    float o[128];
 #pragma unroll
-  for (int x = 0; x < 128; ++x) o[x] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
-  mla_attend<T, M, kG>(sh, th, o, m_run, l_run);
-  mla_store<T, M>(a, sh, th, o, m_run, l_run, [&] {
-    if constexpr (!kProbs) load_next();
-  });
-  if constexpr (kProbs) mla_probabilities<T, M, kG>(a, sh, sP, th, m_run);
+    for (int x = 0; x < 128; ++x) o[x] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l_run: this thread's columns
+    mla_attend<T, M, kG>(sh, th, o, m_run, l_run);
+    mla_store<T, M>(a, sh, th, o, m_run, l_run, load_next);
+  } else {
+    mla_probabilities<T, M, kG>(a, sh, sP, th);
+    sm90::named_barrier_sync(1, 256);
+    load_next();
+  }
+}
+
+// The consumers' pass kPass over the block's items (a loop of its own: the two passes in one loop
+// body would not fit the consumers' registers). uses, sends: the ring's pairs and the hand-offs so
+// far.
+template <typename T, typename M, int kPass>
+__device__ __forceinline__ void mla_consume(const AttnFwdArgs& a, MlaFwdShared& sh, uint8_t* sQ, uint8_t* sK,
+                                            uint8_t* sP, int& uses, int& sends) {
+  using namespace sm90;
+  const int64_t items = a.T * a.head_blocks;
+  const int group = threadIdx.x / 128;
+  uint8_t* p0 = M::kPBuffers == 1 ? sK + 8 * M::kChunkBytes : sP;  // group 0's P
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const MlaItem it(a, item);
+    const MlaThread th{mla_place(a, it.t, it.head0, it.rows, mla_block_tiles<M::kKeys>(a, it.t)),
+                       group, it.pairs, uses, sends, a.scale * kLog2e, smem_addr(sQ),
+                       {smem_addr(sK), smem_addr(sK + M::kTileBytes)}, {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
+    // the next Q: the block's next item's, or its first item's again for the probabilities' pass
+    int64_t next = item + gridDim.x;
+    if (next >= items) next = kPass == 0 && a.probs != nullptr ? blockIdx.x : -1;
+    cp_async_wait<0>();
+    fence_proxy_async();  // Q is read by wgmma
+    named_barrier_sync(1, 256);
+    if (group == 0) {
+      mla_item<T, M, kPass, 0>(a, sh, sQ, sP, th, next);
+    } else {
+      mla_item<T, M, kPass, 1>(a, sh, sQ, sP, th, next);
+    }
+    uses += it.pairs;
+    if (kPass == 0) sends += it.pairs;
+  }
 }
 
 // Persistent blocks, one an SM: a block takes items blockIdx.x, + gridDim.x, .. in turn (MlaItem),
-// the producer running on into the next item's tiles while the consumers finish one. With
-// probabilities asked for (kProbs), a block an item: the second pass in a loop over items would
-// not fit the consumers' registers.
-template <typename T, typename M, bool kProbs>
+// the producer running on into the next item's tiles while the consumers finish one; with
+// probabilities asked for, a second pass over the same items (lse from the first).
+template <typename T, typename M>
 __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_constant__ AttnFwdArgs a) {
 #ifdef KDA_SM90A_ENABLED
   using namespace sm90;
@@ -618,26 +654,9 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
     return;
   }
   M::consumer_registers();
-  uint8_t* p0 = M::kPBuffers == 1 ? sK + 8 * M::kChunkBytes : sP;  // group 0's P
-  const int group = threadIdx.x / 128;
   int uses = 0, sends = 0;
-  for (int64_t item = blockIdx.x; item < a.T * a.head_blocks; item += gridDim.x) {
-    const MlaItem it(a, item);
-    const MlaThread th{mla_place(a, it.t, it.head0, it.rows, mla_block_tiles<M::kKeys>(a, it.t)),
-                       group, it.pairs, uses, sends, a.scale * kLog2e, smem_addr(sQ),
-                       {smem_addr(sK), smem_addr(sK + M::kTileBytes)}, {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
-    cp_async_wait<0>();
-    fence_proxy_async();  // Q is read by wgmma
-    named_barrier_sync(1, 256);
-    if (group == 0) {
-      mla_consume<T, M, kProbs, 0>(a, sh, sQ, sP, th, item + gridDim.x);
-    } else {
-      mla_consume<T, M, kProbs, 1>(a, sh, sQ, sP, th, item + gridDim.x);
-    }
-    if constexpr (kProbs) break;
-    uses += a.probs != nullptr ? 2 * it.pairs : it.pairs;
-    sends += it.pairs;
-  }
+  mla_consume<T, M, 0>(a, sh, sQ, sK, sP, uses, sends);
+  if (a.probs != nullptr) mla_consume<T, M, 1>(a, sh, sQ, sK, sP, uses, sends);
 #endif
 }
 
@@ -661,9 +680,9 @@ void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
                           probs.defined() ? probs.data_ptr<float>() : nullptr};
       const int64_t items = p.T * a.head_blocks;
       if (items == 0) return;
-      const auto kernel = a.probs != nullptr ? mla_fwd_kernel<scalar_t, M, true> : mla_fwd_kernel<scalar_t, M, false>;
+      const auto kernel = mla_fwd_kernel<scalar_t, M>;
       set_smem(kernel, smem);
-      const auto blocks = a.probs != nullptr ? items : std::min<int64_t>(items, num_sms(q.get_device()));
+      const auto blocks = std::min<int64_t>(items, num_sms(q.get_device()));
       kernel<<<static_cast<unsigned>(blocks), M::kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
