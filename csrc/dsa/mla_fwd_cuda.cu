@@ -613,7 +613,7 @@ __device__ __forceinline__ void mla_consume(const AttnFwdArgs& a, MlaFwdShared& 
                        {smem_addr(sK), smem_addr(sK + M::kTileBytes)}, {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
     // the next Q: the block's next item's, or its first item's again for the probabilities' pass
     int64_t next = item + gridDim.x;
-    if (next >= items) next = kPass == 0 && a.probs != nullptr ? blockIdx.x : -1;
+    if (next >= items) next = kPass == 0 && a.probs != nullptr ? int64_t{blockIdx.x} : -1;
     cp_async_wait<0>();
     fence_proxy_async();  // Q is read by wgmma
     named_barrier_sync(1, 256);
