@@ -24,8 +24,8 @@ namespace {
 // groups end on the same maxima, each keeping the row sums of its own tiles. A stage is filled and
 // released by halves (part 0: the first four chunks, value columns 0 - 255, which group 0 reads for
 // P V; part 1: the rest, group 1's), so a group's next S starts on the half it released first.
-// Where probabilities are asked for, a second pass over the pairs recomputes S and sums the final
-// probabilities over the heads.
+// Where probabilities are asked for, a second pass over the block's items recomputes S and sums
+// the final probabilities over the heads.
 // Two consumer warpgroups and the producer one. Registers go by warpgroups, so a producer warp
 // alone would cost as much; setmaxnreg moves the producer's to the consumers.
 template <int Dqk>
