@@ -167,11 +167,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrives at a named barrier without waiting (the threads that bar.sync on it wait for these).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 // ---- register reallocation between warpgroups (needs a register cap at kernel entry) -----
 
 template <int kRegs>

@@ -98,10 +98,10 @@ struct MlaThread : MlaPlace {
 // tiles), every gridDim.x-th from blockIdx.x: item = t * head_blocks + head block.
 struct MlaItem {
   int64_t t;
-  int head0, rows, pairs;
+  int head0, rows, tiles, pairs;
   __device__ MlaItem(const AttnArgs& a, int64_t item)
       : t(item / a.head_blocks), head0(static_cast<int>(item % a.head_blocks) * 64),
-        rows(mla_block_rows(a, t, head0)), pairs((mla_block_tiles<64>(a, t) + 1) / 2) {}
+        rows(mla_block_rows(a, t, head0)), tiles(mla_block_tiles<64>(a, t)), pairs((tiles + 1) / 2) {}
 };
 
 // The producer's walk over its items' pairs (pass 0; again in pass 1 with probabilities asked
@@ -608,7 +608,7 @@ __device__ __forceinline__ void mla_consume(const AttnFwdArgs& a, MlaFwdShared& 
   uint8_t* p0 = M::kPBuffers == 1 ? sK + 8 * M::kChunkBytes : sP;  // group 0's P
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const MlaItem it(a, item);
-    const MlaThread th{mla_place(a, it.t, it.head0, it.rows, mla_block_tiles<M::kKeys>(a, it.t)),
+    const MlaThread th{mla_place(a, it.t, it.head0, it.rows, it.tiles),
                        group, it.pairs, uses, sends, a.scale * kLog2e, smem_addr(sQ),
                        {smem_addr(sK), smem_addr(sK + M::kTileBytes)}, {p0, sP + (M::kPBuffers - 1) * M::kPBytes}};
     // the next Q: the block's next item's, or its first item's again for the probabilities' pass
