@@ -178,7 +178,8 @@ struct AttnArgs {
 struct AttnFwdArgs : AttnArgs {
   void* o;
   float* lse;
-  float* probs;  // nullptr: not asked for
+  float* probs;          // nullptr: not asked for
+  const int32_t* order;  // the Hopper MLA forward's items longest first (packed blocks); nullptr: in index order
 };
 struct AttnBwdArgs : AttnArgs {
   const void* grad_o;

@@ -95,13 +95,15 @@ struct MlaThread : MlaPlace {
 };
 
 // A block's items (query t or packed block t, head block from head0: 64 rows, pairs of 64-key
-// tiles), every gridDim.x-th from blockIdx.x: item = t * head_blocks + head block.
+// tiles), every gridDim.x-th from blockIdx.x: item k is t * head_blocks + head block = k, or
+// order[k] (packed blocks longest first, so that the blocks' shares come out even).
 struct MlaItem {
-  int64_t t;
+  int64_t item, t;
   int head0, rows, tiles, pairs;
-  __device__ MlaItem(const AttnArgs& a, int64_t item)
-      : t(item / a.head_blocks), head0(static_cast<int>(item % a.head_blocks) * 64),
-        rows(mla_block_rows(a, t, head0)), tiles(mla_block_tiles<64>(a, t)), pairs((tiles + 1) / 2) {}
+  __device__ MlaItem(const AttnFwdArgs& a, int64_t k)
+      : item(a.order != nullptr ? int64_t{a.order[k]} : k), t(item / a.head_blocks),
+        head0(static_cast<int>(item % a.head_blocks) * 64), rows(mla_block_rows(a, t, head0)),
+        tiles(mla_block_tiles<64>(a, t)), pairs((tiles + 1) / 2) {}
 };
 
 // The producer's walk over its items' pairs (pass 0; again in pass 1 with probabilities asked
@@ -676,8 +678,12 @@ void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
       using M = MlaFwd<decltype(width)::value>;
       constexpr size_t smem = kMlaFwdSmem<M::kDqk>;
       // probs: zeros (atomics over head blocks)
+      // packed blocks' unions differ in length: the longest go first
+      const at::Tensor order =
+          pk.lengths.defined() ? std::get<1>(pk.lengths.sort(false, 0, true)).to(at::kInt) : at::Tensor();
       const AttnFwdArgs a{attn_args(pk, q, kv, gate, M::kRows), o.data_ptr(), lse.data_ptr<float>(),
-                          probs.defined() ? probs.data_ptr<float>() : nullptr};
+                          probs.defined() ? probs.data_ptr<float>() : nullptr,
+                          order.defined() ? order.data_ptr<int32_t>() : nullptr};
       const int64_t items = p.T * a.head_blocks;
       if (items == 0) return;
       const auto kernel = mla_fwd_kernel<scalar_t, M>;
