@@ -544,15 +544,17 @@ def test_sparse_attention_cuda_blocks_take_several_items(layout, G, return_p):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layout, G", [(MLA, 64), (NOPE, 64), ((2, 128, 128), 64), (MLA, 8)])
-def test_sparse_attention_cuda_deterministic_dkv(layout, G):
+@pytest.mark.parametrize("layout, G, T, topk", [(MLA, 64, 64, 256), (NOPE, 64, 64, 256), ((2, 128, 128), 64, 64, 256),
+                                                (MLA, 8, 64, 256), (MLA, 64, 300, 4096)])
+def test_sparse_attention_cuda_deterministic_dkv(layout, G, T, topk):
     """deterministic=True: dkv bitwise equal over repeated runs, and equal to the atomic path
     within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters;
-    with 8 heads (MLA) the queries are packed 8 to a block."""
+    with 8 heads (MLA) the queries are packed 8 to a block; 300 queries of 4096 keys at 64 heads
+    take several chunks of stored contributions."""
     Hkv, D, dv = layout
-    q, kv, idx, gate = attn_case(64, 40, Hkv * G, Hkv, D, dv, 256, torch.bfloat16, True)
+    q, kv, idx, gate = attn_case(T, 40, Hkv * G, Hkv, D, dv, topk, torch.bfloat16, True)
     q, kv, idx, gate = q.cuda().requires_grad_(), kv.cuda().requires_grad_(), idx.cuda(), gate.cuda()
-    do = torch.randn(64, Hkv * G, dv, device="cuda").to(torch.bfloat16)
+    do = torch.randn(T, Hkv * G, dv, device="cuda").to(torch.bfloat16)
 
     def dkv(deterministic):
         o, _, _ = K.sparse_attention(q, kv, idx, 0.1, dv, gate, deterministic=deterministic)
