@@ -678,17 +678,24 @@ void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
       using M = MlaFwd<decltype(width)::value>;
       constexpr size_t smem = kMlaFwdSmem<M::kDqk>;
       // probs: zeros (atomics over head blocks)
-      // packed blocks' unions differ in length: the longest go first
-      const at::Tensor order =
-          pk.lengths.defined() ? std::get<1>(pk.lengths.sort(false, 0, true)).to(at::kInt) : at::Tensor();
-      const AttnFwdArgs a{attn_args(pk, q, kv, gate, M::kRows), o.data_ptr(), lse.data_ptr<float>(),
-                          probs.defined() ? probs.data_ptr<float>() : nullptr,
-                          order.defined() ? order.data_ptr<int32_t>() : nullptr};
+      AttnFwdArgs a{attn_args(pk, q, kv, gate, M::kRows), o.data_ptr(), lse.data_ptr<float>(),
+                    probs.defined() ? probs.data_ptr<float>() : nullptr, nullptr};
       const int64_t items = p.T * a.head_blocks;
       if (items == 0) return;
+      const auto blocks = std::min<int64_t>(items, num_sms(q.get_device()));
+      // Packed blocks' unions differ in length: they are dealt longest first, each round of
+      // `blocks` items in the direction opposite to the last, so that the blocks' shares even out.
+      at::Tensor order;
+      if (pk.lengths.defined()) {
+        const at::Tensor k = at::arange(items, pk.lengths.options().dtype(at::kLong));  // one head block each
+        const at::Tensor round = k.div(blocks, "floor"), first = round * blocks;
+        const at::Tensor last = at::clamp_max(first + blocks, items) - 1;
+        const at::Tensor dealt = at::where(round.remainder(2).eq(1), first + last - k, k);
+        order = std::get<1>(pk.lengths.sort(false, 0, true)).index_select(0, dealt).to(at::kInt);
+        a.order = order.data_ptr<int32_t>();
+      }
       const auto kernel = mla_fwd_kernel<scalar_t, M>;
       set_smem(kernel, smem);
-      const auto blocks = std::min<int64_t>(items, num_sms(q.get_device()));
       kernel<<<static_cast<unsigned>(blocks), M::kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
