@@ -65,6 +65,8 @@ struct MlaBwdTiles {
 struct MlaBwdThread : MlaPlace {
   int tid;
   bool deterministic;  // contributions stored per (query, slot), not added
+  // The lane's place in dkv's adds (mla_bwd_scatter): g with bits 0 and 2 swapped.
+  __device__ int sg() const { return (g & 2) | (g & 1) << 2 | g >> 2; }
 };
 
 // Producer warpgroup: the tiles in order (produce_key_tile).
@@ -145,6 +147,9 @@ __device__ __forceinline__ void transpose4(float (&x)[4], int b) {
 // dkv^T tile mt (rows: columns 64 mt.. of dkv; columns: the tile's 32 keys) into dkv: the
 // accumulator's rows 16 warp + g (+8) and keys 8j + 2c (+1) turned, within lanes 4 apart, into
 // four consecutive columns of keys 8 (g % 4) + 2c (+1) a lane: one 16-byte add per key and row half.
+// The two halves of a key's 32-byte sector are then 16 lanes apart, in different quarter-warps;
+// lanes whose g bits 0 and 2 differ trade them, so that each quarter-warp's adds fill four whole
+// sectors (the lane of g then holds the place of sg).
 __device__ __forceinline__ void mla_bwd_scatter(const float (&acc)[16], int mt, const MlaBwdThread& th,
                                                 float* const (&dst)[2]) {
 #pragma unroll
@@ -153,8 +158,10 @@ __device__ __forceinline__ void mla_bwd_scatter(const float (&acc)[16], int mt, 
     for (int e = 0; e < 2; ++e) {
       float x[4] = {acc[2 * h + e], acc[4 + 2 * h + e], acc[8 + 2 * h + e], acc[12 + 2 * h + e]};
       transpose4(x, th.g % 4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[j] = __shfl_sync(0xffffffffu, x[j], 4 * th.sg() + th.c);
       if (dst[e] != nullptr) {
-        float4* p = reinterpret_cast<float4*>(dst[e] + 64 * mt + 16 * th.warp + 8 * h + 4 * (th.g / 4));
+        float4* p = reinterpret_cast<float4*>(dst[e] + 64 * mt + 16 * th.warp + 8 * h + 4 * (th.sg() / 4));
         if (!th.deterministic) {
           atomicAdd(p, make_float4(x[0], x[1], x[2], x[3]));
         } else {
@@ -208,11 +215,11 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   for (int i = 0; i < th.tiles; ++i) {
     const int64_t k0 = int64_t{i} * M::kKeys;
     const uint32_t kb = s.keys + M::Ring::stage(i) * M::kTileBytes;
-    // This lane's two keys in dkv (slots 8 (g % 4) + 2c (+1)), read before the GEMMs wait.
+    // This lane's two keys in dkv (slots 8 (sg % 4) + 2c (+1)), read before the GEMMs wait.
     int key[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int64_t j = k0 + 8 * (th.g % 4) + 2 * c + e;
+      const int64_t j = k0 + 8 * (th.sg() % 4) + 2 * c + e;
       key[e] = j < a.topk ? sel[j] : -1;
     }
     // S (group 0) or dP (group 1) for the tile's 32 keys.
@@ -292,7 +299,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     float* dst[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int slot = 8 * (th.g % 4) + 2 * c + e;
+      const int slot = 8 * (th.sg() % 4) + 2 * c + e;
       dst[e] = slot_rows[slot] == 0 ? nullptr
                : a.dkv != nullptr
                    ? a.dkv + int64_t{key[e]} * M::kDqk
