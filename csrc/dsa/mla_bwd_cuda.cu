@@ -144,29 +144,41 @@ __device__ __forceinline__ void transpose4(float (&x)[4], int b) {
   }
 }
 
-// dkv^T tile mt (rows: columns 64 mt.. of dkv; columns: the tile's 32 keys) into dkv: the
-// accumulator's rows 16 warp + g (+8) and keys 8j + 2c (+1) turned, within lanes 4 apart, into
-// four consecutive columns of keys 8 (g % 4) + 2c (+1) a lane: one 16-byte add per key and row half.
-// The two halves of a key's 32-byte sector are then 16 lanes apart, in different quarter-warps;
-// lanes whose g bits 0 and 2 differ trade them, so that each quarter-warp's adds fill four whole
-// sectors (the lane of g then holds the place of sg).
+// dkv^T tile mt (rows: columns 64 mt.. of dkv; columns: the tile's 32 keys) into dkv. The
+// accumulator's rows 16 warp + g (+8 h) and keys 8j + 2c + e turn, within lanes 4 apart, into four
+// consecutive rows of keys 8 (g % 4) + 2c + e a lane (transpose4). Two shuffles then bring each
+// key's 16 rows into one quarter-warp, whose 16-byte adds the hardware takes together: the lane of
+// (g, c) adds rows 4 (sg / 4) + 8 (c % 2).. of slot 8 (sg % 4) + 4 (c / 2) + 2r + e (dst[2r + e]),
+// r = 0, 1, from the lanes of (sg, c) and (sg, c ^ 1). A quarter-warp's eight adds then fill two
+// keys' 64 bytes, where the lanes' own rows would touch eight keys.
 __device__ __forceinline__ void mla_bwd_scatter(const float (&acc)[16], int mt, const MlaBwdThread& th,
-                                                float* const (&dst)[2]) {
+                                                float* const (&dst)[4]) {
+  const int c0 = th.c % 2, src = 4 * th.sg() + th.c;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int e = 0; e < 2; ++e) {
+    float x[2][4], y[2][4];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float x[4] = {acc[2 * h + e], acc[4 + 2 * h + e], acc[8 + 2 * h + e], acc[12 + 2 * h + e]};
-      transpose4(x, th.g % 4);
+    for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = __shfl_sync(0xffffffffu, x[j], 4 * th.sg() + th.c);
-      if (dst[e] != nullptr) {
-        float4* p = reinterpret_cast<float4*>(dst[e] + 64 * mt + 16 * th.warp + 8 * h + 4 * (th.sg() / 4));
-        if (!th.deterministic) {
-          atomicAdd(p, make_float4(x[0], x[1], x[2], x[3]));
-        } else {
-          *p = make_float4(x[0], x[1], x[2], x[3]);
-        }
+      for (int j = 0; j < 4; ++j) x[h][j] = acc[4 * j + 2 * h + e];
+      transpose4(x[h], th.g % 4);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float own = __shfl_sync(0xffffffffu, c0 ? x[1][j] : x[0][j], src);
+      const float other = __shfl_sync(0xffffffffu, c0 ? x[0][j] : x[1][j], src ^ 1);
+      y[0][j] = c0 ? other : own;
+      y[1][j] = c0 ? own : other;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (dst[2 * r + e] == nullptr) continue;
+      float4* p = reinterpret_cast<float4*>(dst[2 * r + e] + 64 * mt + 16 * th.warp + 8 * c0 + 4 * (th.sg() / 4));
+      const float4 v = make_float4(y[r][0], y[r][1], y[r][2], y[r][3]);
+      if (!th.deterministic) {
+        atomicAdd(p, v);
+      } else {
+        *p = v;
       }
     }
   }
@@ -215,12 +227,14 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   for (int i = 0; i < th.tiles; ++i) {
     const int64_t k0 = int64_t{i} * M::kKeys;
     const uint32_t kb = s.keys + M::Ring::stage(i) * M::kTileBytes;
-    // This lane's two keys in dkv (slots 8 (sg % 4) + 2c (+1)), read before the GEMMs wait.
-    int key[2];
+    // This lane's four keys in dkv (slots 8 (sg % 4) + 4 (c / 2).., mla_bwd_scatter), read before
+    // the GEMMs wait.
+    const int slot0 = 8 * (th.sg() % 4) + 4 * (c / 2);
+    int key[4];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int64_t j = k0 + 8 * (th.sg() % 4) + 2 * c + e;
-      key[e] = j < a.topk ? sel[j] : -1;
+    for (int q = 0; q < 4; ++q) {
+      const int64_t j = k0 + slot0 + q;
+      key[q] = j < a.topk ? sel[j] : -1;
     }
     // S (group 0) or dP (group 1) for the tile's 32 keys.
     float x[16];
@@ -296,13 +310,13 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
       }
     }
     wgmma_commit();
-    float* dst[2];
+    float* dst[4];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int slot = 8 * (th.sg() % 4) + 2 * c + e;
-      dst[e] = slot_rows[slot] == 0 ? nullptr
+    for (int q = 0; q < 4; ++q) {
+      const int slot = slot0 + q;
+      dst[q] = slot_rows[slot] == 0 ? nullptr
                : a.dkv != nullptr
-                   ? a.dkv + int64_t{key[e]} * M::kDqk
+                   ? a.dkv + int64_t{key[q]} * M::kDqk
                    : a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk};
     }
     mla_bwd_dkv<T, M>(acc[0], M::template dkv_tile<kGroup>(0), s);
