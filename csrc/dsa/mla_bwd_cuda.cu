@@ -19,7 +19,7 @@ namespace {
 //            576), then dkv^T = Q^T dS^T + dA^T P^T in 64-column tiles (m64n32k16, Q and dA read
 //            M-major from their own tiles), each added to dkv with 16-byte atomics (or stored per
 //            (query, slot) for the deterministic sum) while the next is computed.
-// dS is kept [heads x keys] (dq's A) and [keys x heads] (dkv's B, as is P).
+// dS and P are kept [heads x keys]: dS is dq's A (K-major), and both are dkv's B (read MN-major).
 template <int Dqk>
 struct MlaBwd : sm90::WarpSpecialized<2, 40, 232> {
   static constexpr int kDqk = Dqk, kDv = 512, kRows = 64, kKeys = 32;
@@ -30,8 +30,7 @@ struct MlaBwd : sm90::WarpSpecialized<2, 40, 232> {
   static constexpr int kTileBytes = kChunks * kKeyChunk;
   static constexpr int kStages = 2;
   static constexpr int kSplit = 5;  // S and dP start on a tile's first chunks while the rest arrive
-  static constexpr int kDsBytes = kRows * 128;  // dS [64 x 32] in 128-byte rows
-  static constexpr int kTBytes = kKeys * 128;   // dS^T, P^T [32 x 64]
+  static constexpr int kDsBytes = kRows * 128;  // dS, P [64 x 32] in 128-byte rows
   using Ring = sm90::StageRing<kStages, 2>;
   static_assert(Dqk == 576 || Dqk == 512);
   // Group 0 takes dkv tiles 0-3 (and 8, the rope columns, at 576), group 1 tiles 4-7; dq's
@@ -51,14 +50,14 @@ struct MlaBwdShared {
 
 template <int Dqk>
 constexpr size_t kMlaBwdSmem = sm90::kSwizzleAlign + MlaBwd<Dqk>::kQBytes + MlaBwd<Dqk>::kABytes +
-                               MlaBwd<Dqk>::kStages * MlaBwd<Dqk>::kTileBytes + MlaBwd<Dqk>::kDsBytes +
-                               2 * MlaBwd<Dqk>::kTBytes + sizeof(MlaBwdShared);
+                               MlaBwd<Dqk>::kStages * MlaBwd<Dqk>::kTileBytes + 2 * MlaBwd<Dqk>::kDsBytes +
+                               sizeof(MlaBwdShared);
 static_assert(kMlaBwdSmem<576> <= kMaxSmem);
-static_assert(MlaBwd<576>::kDsBytes + 2 * MlaBwd<576>::kTBytes >= 128 * 16 * 4, "the dP exchange overlays dS, P");
+static_assert(2 * MlaBwd<576>::kDsBytes >= 128 * 16 * 4, "the dP exchange overlays dS, P");
 
 // The shared-memory tiles' addresses.
 struct MlaBwdTiles {
-  uint32_t q, da, keys, ds, ds_t, p_t;
+  uint32_t q, da, keys, ds, p;
 };
 
 // One consumer thread's place (MlaPlace) and its thread in its warpgroup.
@@ -194,14 +193,14 @@ __device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaB
   wgmma_fence();
 #pragma unroll
   for (int kh = 0; kh < 4; ++kh) {
-    wgmma_m64n32k16<T, 1, 0>(acc, sw128_descriptor(s.q + mt * M::kRowChunk + kh * 2048, M::kRowChunk),
-                             sw128_descriptor(s.ds_t + kh * 32, 16));
+    wgmma_m64n32k16<T, 1, 1>(acc, sw128_descriptor(s.q + mt * M::kRowChunk + kh * 2048, M::kRowChunk),
+                             sw128_descriptor(s.ds + kh * 2048, M::kDsBytes));
   }
   if (mt < M::kDv / 64) {
 #pragma unroll
     for (int kh = 0; kh < 4; ++kh) {
-      wgmma_m64n32k16<T, 1, 0>(acc, sw128_descriptor(s.da + mt * M::kRowChunk + kh * 2048, M::kRowChunk),
-                               sw128_descriptor(s.p_t + kh * 32, 16));
+      wgmma_m64n32k16<T, 1, 1>(acc, sw128_descriptor(s.da + mt * M::kRowChunk + kh * 2048, M::kRowChunk),
+                               sw128_descriptor(s.p + kh * 2048, M::kDsBytes));
     }
   }
   wgmma_commit();
@@ -210,7 +209,7 @@ __device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaB
 // A consumer group's walk over the tiles (kGroup: its share, above), then its dq columns stored.
 template <typename T, typename M, int kGroup>
 __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sK, uint8_t* sDS,
-                                                uint8_t* sDST, uint8_t* sPT, const MlaBwdTiles& s,
+                                                uint8_t* sP, const MlaBwdTiles& s,
                                                 const MlaBwdThread& th) {
   using namespace sm90;
   constexpr bool kRope = kGroup == 1 && M::kChunks == 9;  // dq's chunk 8
@@ -255,7 +254,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     wgmma_wait<0>();
     fence_accumulators(x);
     const uint32_t* slot_rows = sh.rows[M::Ring::stage(i)];
-    float* exchange = reinterpret_cast<float*>(sDS) + th.tid * 16;  // overlays dS, dS^T, P^T
+    float* exchange = reinterpret_cast<float*>(sDS) + th.tid * 16;  // overlays dS and P
     named_barrier_sync(1, 256);  // both groups are done with the previous tile's dS and P
     if constexpr (kGroup == 1) {
 #pragma unroll
@@ -286,14 +285,9 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
         const int col = 8 * j + 2 * c;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int r = r0 + 8 * h;
-          *reinterpret_cast<uint32_t*>(sDS + sw128_offset(r, col / 8) + (col % 8) * 2) = pack2<T>(ds[2 * h], ds[2 * h + 1]);
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int off = sw128_offset(col + e, r / 8) + (r % 8) * 2;
-            *reinterpret_cast<T*>(sDST + off) = from_float<T>(ds[2 * h + e]);
-            *reinterpret_cast<T*>(sPT + off) = from_float<T>(p[2 * h + e]);
-          }
+          const int off = sw128_offset(r0 + 8 * h, col / 8) + (col % 8) * 2;
+          *reinterpret_cast<uint32_t*>(sDS + off) = pack2<T>(ds[2 * h], ds[2 * h + 1]);
+          *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(p[2 * h], p[2 * h + 1]);
         }
       }
       fence_proxy_async();  // dS and P are read by wgmma
@@ -365,9 +359,8 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   uint8_t* sA = sQ + M::kQBytes;
   uint8_t* sK = sA + M::kABytes;  // kStages key tiles
   uint8_t* sDS = sK + M::kStages * M::kTileBytes;
-  uint8_t* sDST = sDS + M::kDsBytes;
-  uint8_t* sPT = sDST + M::kTBytes;
-  MlaBwdShared& sh = *reinterpret_cast<MlaBwdShared*>(sPT + M::kTBytes);
+  uint8_t* sP = sDS + M::kDsBytes;
+  MlaBwdShared& sh = *reinterpret_cast<MlaBwdShared*>(sP + M::kDsBytes);
 
   const int64_t t = a.t0 + blockIdx.x;
   const int head0 = blockIdx.z * M::kRows, rows = mla_block_rows(a, t, head0);
@@ -389,11 +382,11 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   fence_proxy_async();  // Q and dA are read by wgmma
   named_barrier_sync(1, 256);
   const MlaBwdThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x % 128), a.dkv == nullptr};
-  const MlaBwdTiles s{smem_addr(sQ), smem_addr(sA), smem_addr(sK), smem_addr(sDS), smem_addr(sDST), smem_addr(sPT)};
+  const MlaBwdTiles s{smem_addr(sQ), smem_addr(sA), smem_addr(sK), smem_addr(sDS), smem_addr(sP)};
   if (threadIdx.x < 128) {
-    mla_bwd_consume<T, M, 0>(a, sh, sK, sDS, sDST, sPT, s, th);
+    mla_bwd_consume<T, M, 0>(a, sh, sK, sDS, sP, s, th);
   } else {
-    mla_bwd_consume<T, M, 1>(a, sh, sK, sDS, sDST, sPT, s, th);
+    mla_bwd_consume<T, M, 1>(a, sh, sK, sDS, sP, s, th);
   }
 #endif
 }
