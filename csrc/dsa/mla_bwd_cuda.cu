@@ -254,44 +254,45 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     wgmma_wait<0>();
     fence_accumulators(x);
     const uint32_t* slot_rows = sh.rows[M::Ring::stage(i)];
-    float* exchange = reinterpret_cast<float*>(sDS) + th.tid * 16;  // overlays dS and P
-    named_barrier_sync(1, 256);  // both groups are done with the previous tile's dS and P
-    if constexpr (kGroup == 1) {
+    // P and dS: each group forms them for half of the tile's keys (group 0 the first 16, group 1
+    // the last 16), trading the other half of its S or dP - delta through shared memory: the 16-byte
+    // pieces of dS's and P's 128-byte rows past their 32 keys, which no wgmma reads.
+    constexpr int kMine = 2 * kGroup, kTheirs = 2 - kMine;  // the first of each half's 8-key groups
+    const auto trade = [&](int group, int q) {  // float4 q of the group's thread th.tid
+      const int n = (group * 128 + th.tid) * 2 + q;
+      return reinterpret_cast<float4*>((n < 256 ? sDS : sP) + sw128_offset(n % 256 / 4, 4 + n % 4));
+    };
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        reinterpret_cast<float4*>(exchange)[q] =
-            make_float4(x[4 * q] - sh.delta[r0], x[4 * q + 1] - sh.delta[r0], x[4 * q + 2] - sh.delta[r0 + 8],
-                        x[4 * q + 3] - sh.delta[r0 + 8]);
+    for (int q = 0; q < 2; ++q) {
+      const float* v = x + 4 * (kTheirs + q);
+      *trade(kGroup, q) = kGroup == 0 ? make_float4(v[0], v[1], v[2], v[3])
+                                      : make_float4(v[0] - sh.delta[r0], v[1] - sh.delta[r0],
+                                                    v[2] - sh.delta[r0 + 8], v[3] - sh.delta[r0 + 8]);
+    }
+    named_barrier_sync(1, 256);  // the trade is written, and both groups are done with the last tile
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int j = kMine + q;
+      const float4 got = *trade(1 - kGroup, q);
+      const float other[4] = {got.x, got.y, got.z, got.w};
+      float p[4], ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * c + (e & 1), r = r0 + 8 * (e / 2);
+        const float sv = kGroup == 0 ? x[4 * j + e] : other[e];
+        const float dpd = kGroup == 0 ? other[e] : x[4 * j + e] - sh.delta[r];
+        p[e] = (slot_rows[col] >> th.bit[e / 2]) & 1 ? exp2f(sv * sl2 - sh.lse2[r]) : 0.f;
+        ds[e] = p[e] * dpd * a.scale;
+      }
+      const int col = 8 * j + 2 * c;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int off = sw128_offset(r0 + 8 * h, col / 8) + (col % 8) * 2;
+        *reinterpret_cast<uint32_t*>(sDS + off) = pack2<T>(ds[2 * h], ds[2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(p[2 * h], p[2 * h + 1]);
       }
     }
-    named_barrier_sync(1, 256);
-    if constexpr (kGroup == 0) {
-      float dpd[16];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 v = reinterpret_cast<const float4*>(exchange)[q];
-        dpd[4 * q] = v.x, dpd[4 * q + 1] = v.y, dpd[4 * q + 2] = v.z, dpd[4 * q + 3] = v.w;
-      }
-      named_barrier_sync(2, 128);  // the group has read the exchange before dS and P overwrite it
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float p[4], ds[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = 8 * j + 2 * c + (e & 1), r = r0 + 8 * (e / 2);
-          p[e] = (slot_rows[col] >> th.bit[e / 2]) & 1 ? exp2f(x[4 * j + e] * sl2 - sh.lse2[r]) : 0.f;
-          ds[e] = p[e] * dpd[4 * j + e] * a.scale;
-        }
-        const int col = 8 * j + 2 * c;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int off = sw128_offset(r0 + 8 * h, col / 8) + (col % 8) * 2;
-          *reinterpret_cast<uint32_t*>(sDS + off) = pack2<T>(ds[2 * h], ds[2 * h + 1]);
-          *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(p[2 * h], p[2 * h + 1]);
-        }
-      }
-      fence_proxy_async();  // dS and P are read by wgmma
-    }
+    fence_proxy_async();  // dS and P are read by wgmma
     named_barrier_sync(1, 256);
     // dq += dS K over this group's columns (the key tile read N-major), then the dkv tiles.
     wgmma_fence();
