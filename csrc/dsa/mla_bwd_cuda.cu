@@ -259,8 +259,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     // pieces of dS's and P's 128-byte rows past their 32 keys, which no wgmma reads.
     constexpr int kMine = 2 * kGroup, kTheirs = 2 - kMine;  // the first of each half's 8-key groups
     const auto trade = [&](int group, int q) {  // float4 q of the group's thread th.tid
-      const int n = (group * 128 + th.tid) * 2 + q;
-      return reinterpret_cast<float4*>((n < 256 ? sDS : sP) + sw128_offset(n % 256 / 4, 4 + n % 4));
+      return reinterpret_cast<float4*>((group == 0 ? sDS : sP) + sw128_offset(th.tid / 2, 4 + 2 * (th.tid % 2) + q));
     };
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
