@@ -53,7 +53,7 @@ constexpr size_t kMlaBwdSmem = sm90::kSwizzleAlign + MlaBwd<Dqk>::kQBytes + MlaB
                                MlaBwd<Dqk>::kStages * MlaBwd<Dqk>::kTileBytes + 2 * MlaBwd<Dqk>::kDsBytes +
                                sizeof(MlaBwdShared);
 static_assert(kMlaBwdSmem<576> <= kMaxSmem);
-static_assert(2 * MlaBwd<576>::kDsBytes >= 128 * 16 * 4, "the dP exchange overlays dS, P");
+static_assert(MlaBwd<576>::kDsBytes / 2 * 2 >= 256 * 2 * 16, "the trade fits the halves of dS's and P's rows past their keys");
 
 // The shared-memory tiles' addresses.
 struct MlaBwdTiles {
