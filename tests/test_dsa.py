@@ -133,23 +133,26 @@ def test_kpool_indexer_scores_and_gradients_match_reference(device, seed, lens, 
         assert_close(a.cpu(), b, dtype, name)
 
 
+def selected_dots(q, k, idx):
+    """q_h . k_s for each query's selected keys s, and the size of its terms |q_h| . |k_s|
+    ([T, H, topk] float64 on the CPU; -1 entries read key 0)."""
+    sel = k.detach().cpu().to(F64)[idx.cpu().clamp(min=0).long()]  # [T, topk, Di]
+    qd = q.detach().cpu().to(F64)
+    return torch.einsum("thd,tsd->ths", qd, sel), torch.einsum("thd,tsd->ths", qd.abs(), sel.abs())
+
+
 def off_the_kink(q, k, idx, g):
     """g with zeros for the selected keys where some head's q . k is within rounding of the ReLU's
     kink: there the float32 sums of the kernels and the float64 reference may fall on either side,
     and the derivative (0 or w k) follows the rounding, not the inputs."""
-    sel = k.detach().cpu().to(F64)[idx.cpu().clamp(min=0).long()]  # [T, topk, Di]
-    qd = q.detach().cpu().to(F64)
-    d = torch.einsum("thd,tsd->ths", qd, sel)
-    bound = 1e-5 * torch.einsum("thd,tsd->ths", qd.abs(), sel.abs())
-    return g.masked_fill((d.abs() <= bound).any(1).to(g.device), 0)
+    d, terms = selected_dots(q, k, idx)
+    return g.masked_fill((d.abs() <= 1e-5 * terms).any(1).to(g.device), 0)
 
 
 def dw_terms(q, k, idx, g):
     """The size of the terms that dw sums, sum_s |g| |q_h| . |k_s|: dw = sum_s g relu(q_h . k_s)
     keeps the float32 rounding of a dot product that cancels to near zero."""
-    sel = k.detach().cpu().to(F64)[idx.cpu().clamp(min=0).long()]  # [T, topk, Di]
-    terms = torch.einsum("thd,tsd->ths", q.detach().cpu().to(F64).abs(), sel.abs())
-    return torch.einsum("ths,ts->th", terms, g.detach().cpu().to(F64).abs())
+    return torch.einsum("ths,ts->th", selected_dots(q, k, idx)[1], g.detach().cpu().to(F64).abs())
 
 
 @given(seed=SEEDS, lens=seqlens(max_seqs=3, max_len=30), topk=st.sampled_from([1, 4, 32]),
