@@ -200,8 +200,11 @@ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_byte_addr, ui
 }
 
 // The descriptor of the same operand layout `bytes` further on (a multiple of 16; the tile stays
-// below 256 KB): the start address is the descriptor's low field, so one add, not a new encoding.
-__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+// below 256 KB): the start address is the descriptor's low field, so one 32-bit add to the low
+// word (it cannot carry into the high one), not a new encoding.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
+}
 
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef KDA_SM90A_ENABLED

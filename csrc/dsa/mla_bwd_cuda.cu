@@ -191,16 +191,18 @@ __device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaB
   for (int x = 0; x < 16; ++x) acc[x] = 0.f;
   fence_accumulators(acc);
   wgmma_fence();
+  const uint64_t q_desc = sw128_descriptor(s.q + mt * M::kRowChunk, M::kRowChunk),
+                 ds_desc = sw128_descriptor(s.ds, M::kDsBytes);
 #pragma unroll
   for (int kh = 0; kh < 4; ++kh) {
-    wgmma_m64n32k16<T, 1, 1>(acc, sw128_descriptor(s.q + mt * M::kRowChunk + kh * 2048, M::kRowChunk),
-                             sw128_descriptor(s.ds + kh * 2048, M::kDsBytes));
+    wgmma_m64n32k16<T, 1, 1>(acc, desc_advance(q_desc, kh * 2048), desc_advance(ds_desc, kh * 2048));
   }
   if (mt < M::kDv / 64) {
+    const uint64_t da_desc = sw128_descriptor(s.da + mt * M::kRowChunk, M::kRowChunk),
+                   p_desc = sw128_descriptor(s.p, M::kDsBytes);
 #pragma unroll
     for (int kh = 0; kh < 4; ++kh) {
-      wgmma_m64n32k16<T, 1, 1>(acc, sw128_descriptor(s.da + mt * M::kRowChunk + kh * 2048, M::kRowChunk),
-                               sw128_descriptor(s.p + kh * 2048, M::kDsBytes));
+      wgmma_m64n32k16<T, 1, 1>(acc, desc_advance(da_desc, kh * 2048), desc_advance(p_desc, kh * 2048));
     }
   }
   wgmma_commit();
@@ -240,15 +242,15 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
 #pragma unroll
     for (int e = 0; e < 16; ++e) x[e] = 0.f;
     fence_accumulators(x);
-    const uint32_t a_base = kGroup == 0 ? s.q : s.da;
+    const uint64_t a_desc = sw128_descriptor(kGroup == 0 ? s.q : s.da, 16), k_desc = sw128_descriptor(kb, 16);
     constexpr int kSteps = (kGroup == 0 ? M::kDqk : M::kDv) / 16;
     sh.ring.wait_full(i, 0);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kSteps; ++kk) {
       if (kk == 4 * M::kSplit) sh.ring.wait_full(i, 1);
-      wgmma_m64n32k16<T, 0, 0>(x, sw128_descriptor(a_base + (kk / 4) * M::kRowChunk + (kk % 4) * 32, 16),
-                               sw128_descriptor(kb + (kk / 4) * M::kKeyChunk + (kk % 4) * 32, 16));
+      wgmma_m64n32k16<T, 0, 0>(x, desc_advance(a_desc, (kk / 4) * M::kRowChunk + (kk % 4) * 32),
+                               desc_advance(k_desc, (kk / 4) * M::kKeyChunk + (kk % 4) * 32));
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -295,12 +297,13 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     named_barrier_sync(1, 256);
     // dq += dS K over this group's columns (the key tile read N-major), then the dkv tiles.
     wgmma_fence();
+    const uint64_t ds_desc = sw128_descriptor(s.ds, 16), kn_desc = sw128_descriptor(kb, M::kKeyChunk);
 #pragma unroll
     for (int kk = 0; kk < M::kKeys / 16; ++kk) {
-      const uint64_t ds_desc = sw128_descriptor(s.ds + kk * 32, 16);
-      wgmma_m64n256k16<T, 0, 1>(dq, ds_desc, sw128_descriptor(kb + 4 * kGroup * M::kKeyChunk + kk * 2048, M::kKeyChunk));
+      wgmma_m64n256k16<T, 0, 1>(dq, desc_advance(ds_desc, kk * 32),
+                                desc_advance(kn_desc, 4 * kGroup * M::kKeyChunk + kk * 2048));
       if constexpr (kRope) {
-        wgmma_m64n64k16<T, 0, 1>(dq_rope, ds_desc, sw128_descriptor(kb + 8 * M::kKeyChunk + kk * 2048, M::kKeyChunk));
+        wgmma_m64n64k16<T, 0, 1>(dq_rope, desc_advance(ds_desc, kk * 32), desc_advance(kn_desc, 8 * M::kKeyChunk + kk * 2048));
       }
     }
     wgmma_commit();
