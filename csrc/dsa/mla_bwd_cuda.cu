@@ -64,8 +64,6 @@ struct MlaBwdTiles {
 struct MlaBwdThread : MlaPlace {
   int tid;
   bool deterministic;  // contributions stored per (query, slot), not added
-  // The lane's place in dkv's adds (mla_bwd_scatter): g with bits 0 and 2 swapped.
-  __device__ int sg() const { return (g & 2) | (g & 1) << 2 | g >> 2; }
 };
 
 // Producer warpgroup: the tiles in order (produce_key_tile).
@@ -125,60 +123,41 @@ __device__ __forceinline__ void mla_bwd_rows(const AttnBwdArgs& a, MlaBwdShared&
   }
 }
 
-// x[j] of lane b (lanes 4 apart: b = g % 4) becomes lane j's x[b].
-__device__ __forceinline__ void transpose4(float (&x)[4], int b) {
-#pragma unroll
-  for (int m = 1; m <= 2; m *= 2) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (j & m) continue;
-      const bool upper = b & m;
-      const float got = __shfl_xor_sync(0xffffffffu, upper ? x[j] : x[j | m], 4 * m);
-      if (upper) {
-        x[j] = got;
-      } else {
-        x[j | m] = got;
-      }
-    }
-  }
+// The 8 x 8 block of 32-bit values whose row g, columns 2c and 2c + 1, lane (g, c) holds, transposed:
+// the lane then holds its column g, rows 2c and 2c + 1. movmatrix moves 16-bit halves, so the
+// floats go across as their high and their low halves.
+__device__ __forceinline__ void transpose8x8(float& x0, float& x1) {
+  const uint32_t a0 = __float_as_uint(x0), a1 = __float_as_uint(x1);
+  uint32_t hi = __byte_perm(a0, a1, 0x7632), lo = __byte_perm(a0, a1, 0x5410);
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(hi));
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(lo));
+  x0 = __uint_as_float(__byte_perm(lo, hi, 0x5410));
+  x1 = __uint_as_float(__byte_perm(lo, hi, 0x7632));
 }
 
 // dkv^T tile mt (rows: columns 64 mt.. of dkv; columns: the tile's 32 keys) into dkv. The
-// accumulator's rows 16 warp + g (+8 h) and keys 8j + 2c + e turn, within lanes 4 apart, into four
-// consecutive rows of keys 8 (g % 4) + 2c + e a lane (transpose4). Two shuffles then bring each
-// key's 16 rows into one quarter-warp, whose 16-byte adds the hardware takes together: the lane of
-// (g, c) adds rows 4 (sg / 4) + 8 (c % 2).. of slot 8 (sg % 4) + 4 (c / 2) + 2r + e (dst[2r + e]),
-// r = 0, 1, from the lanes of (sg, c) and (sg, c ^ 1). A quarter-warp's eight adds then fill two
-// keys' 64 bytes, where the lanes' own rows would touch eight keys.
-__device__ __forceinline__ void mla_bwd_scatter(const float (&acc)[16], int mt, const MlaBwdThread& th,
+// accumulator's 8 x 8 blocks (rows 16 warp + 8 h.., keys 8j..) are transposed (transpose8x8): the
+// lane of (g, c) then holds rows 8h + 2c, 8h + 2c + 1 of key 8j + g. Lanes c and c ^ 1 trade a pair,
+// so that each holds four consecutive rows, 4 (c / 2) + 8 (c % 2).., and adds them as 16 bytes to
+// dst[j] (the key's row of dkv or of the stored contributions). A quarter-warp's eight adds then
+// fill two keys' 64 bytes.
+__device__ __forceinline__ void mla_bwd_scatter(float (&acc)[16], int mt, const MlaBwdThread& th,
                                                 float* const (&dst)[4]) {
-  const int c0 = th.c % 2, src = 4 * th.sg() + th.c;
+  const bool odd = th.c % 2;
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    float x[2][4], y[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) x[h][j] = acc[4 * j + 2 * h + e];
-      transpose4(x[h], th.g % 4);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float own = __shfl_sync(0xffffffffu, c0 ? x[1][j] : x[0][j], src);
-      const float other = __shfl_sync(0xffffffffu, c0 ? x[0][j] : x[1][j], src ^ 1);
-      y[0][j] = c0 ? other : own;
-      y[1][j] = c0 ? own : other;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (dst[2 * r + e] == nullptr) continue;
-      float4* p = reinterpret_cast<float4*>(dst[2 * r + e] + 64 * mt + 16 * th.warp + 8 * c0 + 4 * (th.sg() / 4));
-      const float4 v = make_float4(y[r][0], y[r][1], y[r][2], y[r][3]);
-      if (!th.deterministic) {
-        atomicAdd(p, v);
-      } else {
-        *p = v;
-      }
+  for (int j = 0; j < 4; ++j) {
+    float* x = acc + 4 * j;  // x[2h + e]: row 16 warp + 8h + g, key 8j + 2c + e
+    transpose8x8(x[0], x[1]);
+    transpose8x8(x[2], x[3]);
+    const float got0 = __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[2], 1);
+    const float got1 = __shfl_xor_sync(0xffffffffu, odd ? x[1] : x[3], 1);
+    if (dst[j] == nullptr) continue;
+    const float4 v = odd ? make_float4(got0, got1, x[2], x[3]) : make_float4(x[0], x[1], got0, got1);
+    float4* p = reinterpret_cast<float4*>(dst[j] + 64 * mt + 16 * th.warp + 8 * odd + 4 * (th.c / 2));
+    if (!th.deterministic) {
+      atomicAdd(p, v);
+    } else {
+      *p = v;
     }
   }
 }
@@ -228,14 +207,12 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   for (int i = 0; i < th.tiles; ++i) {
     const int64_t k0 = int64_t{i} * M::kKeys;
     const uint32_t kb = s.keys + M::Ring::stage(i) * M::kTileBytes;
-    // This lane's four keys in dkv (slots 8 (sg % 4) + 4 (c / 2).., mla_bwd_scatter), read before
-    // the GEMMs wait.
-    const int slot0 = 8 * (th.sg() % 4) + 4 * (c / 2);
+    // This lane's four keys in dkv (slots 8j + g, mla_bwd_scatter), read before the GEMMs wait.
     int key[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int64_t j = k0 + slot0 + q;
-      key[q] = j < a.topk ? sel[j] : -1;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t slot = k0 + 8 * j + th.g;
+      key[j] = slot < a.topk ? sel[slot] : -1;
     }
     // S (group 0) or dP (group 1) for the tile's 32 keys.
     float x[16];
@@ -309,11 +286,11 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     wgmma_commit();
     float* dst[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int slot = slot0 + q;
-      dst[q] = slot_rows[slot] == 0 ? nullptr
+    for (int j = 0; j < 4; ++j) {
+      const int slot = 8 * j + th.g;
+      dst[j] = slot_rows[slot] == 0 ? nullptr
                : a.dkv != nullptr
-                   ? a.dkv + int64_t{key[q]} * M::kDqk
+                   ? a.dkv + int64_t{key[j]} * M::kDqk
                    : a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk};
     }
     mla_bwd_dkv<T, M>(acc[0], M::template dkv_tile<kGroup>(0), s);
