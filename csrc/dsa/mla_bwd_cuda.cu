@@ -63,7 +63,6 @@ struct MlaBwdTiles {
 // One consumer thread's place (MlaPlace) and its thread in its warpgroup.
 struct MlaBwdThread : MlaPlace {
   int tid;
-  bool deterministic;  // contributions stored per (query, slot), not added
 };
 
 // Producer warpgroup: the tiles in order (produce_key_tile).
@@ -140,7 +139,8 @@ __device__ __forceinline__ void transpose8x8(float& x0, float& x1) {
 // lane of (g, c) then holds rows 8h + 2c, 8h + 2c + 1 of key 8j + g. Lanes c and c ^ 1 trade a pair,
 // so that each holds four consecutive rows, 4 (c / 2) + 8 (c % 2).., and adds them as 16 bytes to
 // dst[j] (the key's row of dkv or of the stored contributions). A quarter-warp's eight adds then
-// fill two keys' 64 bytes.
+// fill two keys' 64 bytes. kStore: stored (the deterministic path's contributions), not added.
+template <bool kStore>
 __device__ __forceinline__ void mla_bwd_scatter(float (&acc)[16], int mt, const MlaBwdThread& th,
                                                 float* const (&dst)[4]) {
   const bool odd = th.c % 2;
@@ -154,10 +154,10 @@ __device__ __forceinline__ void mla_bwd_scatter(float (&acc)[16], int mt, const 
     if (dst[j] == nullptr) continue;
     const float4 v = odd ? make_float4(got0, got1, x[2], x[3]) : make_float4(x[0], x[1], got0, got1);
     float4* p = reinterpret_cast<float4*>(dst[j] + 64 * mt + 16 * th.warp + 8 * odd + 4 * (th.c / 2));
-    if (!th.deterministic) {
-      atomicAdd(p, v);
-    } else {
+    if constexpr (kStore) {
       *p = v;
+    } else {
+      atomicAdd(p, v);
     }
   }
 }
@@ -187,8 +187,9 @@ __device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaB
   wgmma_commit();
 }
 
-// A consumer group's walk over the tiles (kGroup: its share, above), then its dq columns stored.
-template <typename T, typename M, int kGroup>
+// A consumer group's walk over the tiles (kGroup: its share, above; kStore: dkv's contributions stored,
+// not added), then its dq columns stored.
+template <typename T, typename M, int kGroup, bool kStore>
 __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sK, uint8_t* sDS,
                                                 uint8_t* sP, const MlaBwdTiles& s,
                                                 const MlaBwdThread& th) {
@@ -289,9 +290,8 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     for (int j = 0; j < 4; ++j) {
       const int slot = 8 * j + th.g;
       dst[j] = slot_rows[slot] == 0 ? nullptr
-               : a.dkv != nullptr
-                   ? a.dkv + int64_t{key[j]} * M::kDqk
-                   : a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk};
+               : kStore ? a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk}
+                        : a.dkv + int64_t{key[j]} * M::kDqk;
     }
     mla_bwd_dkv<T, M>(acc[0], M::template dkv_tile<kGroup>(0), s);
 #pragma unroll
@@ -308,7 +308,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
         fence_accumulators(dq_rope);
         if (th.lane == 0) sh.ring.release(i);
       }
-      mla_bwd_scatter(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst);
+      mla_bwd_scatter<kStore>(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst);
     }
   }
   T* out = static_cast<T*>(a.dq);
@@ -361,12 +361,19 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   cp_async_wait<0>();
   fence_proxy_async();  // Q and dA are read by wgmma
   named_barrier_sync(1, 256);
-  const MlaBwdThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x % 128), a.dkv == nullptr};
+  const MlaBwdThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x % 128)};
   const MlaBwdTiles s{smem_addr(sQ), smem_addr(sA), smem_addr(sK), smem_addr(sDS), smem_addr(sP)};
-  if (threadIdx.x < 128) {
-    mla_bwd_consume<T, M, 0>(a, sh, sK, sDS, sP, s, th);
+  const auto consume = [&](auto store) {  // the deterministic path (no dkv) stores its contributions
+    if (threadIdx.x < 128) {
+      mla_bwd_consume<T, M, 0, decltype(store)::value>(a, sh, sK, sDS, sP, s, th);
+    } else {
+      mla_bwd_consume<T, M, 1, decltype(store)::value>(a, sh, sK, sDS, sP, s, th);
+    }
+  };
+  if (a.dkv != nullptr) {
+    consume(std::false_type{});
   } else {
-    mla_bwd_consume<T, M, 1>(a, sh, sK, sDS, sP, s, th);
+    consume(std::true_type{});
   }
 #endif
 }
