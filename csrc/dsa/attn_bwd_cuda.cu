@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
 // each row whose run starts there, sums the run's contributions in order and adds the sum to the
 // row, its only writer in the chunk (skip: the row of the slots without a key). A thread per four
 // columns.
-constexpr int kSumEntries = 32;
+constexpr int kSumEntries = 32, kSumBatch = 8;
 
 struct SumArgs {
   const int32_t* rows;   // [n] sorted
@@ -240,13 +240,20 @@ __global__ void ordered_sum_kernel(const SumArgs a) {
     while (end < n && rows[end] == row) ++end;
     for (int c = threadIdx.x; c < D / 4; c += blockDim.x) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-      for (int64_t r = e; r < end; ++r) {
-        const float4 v = reinterpret_cast<const float4*>(contrib + order[r] * D)[c];
-        acc.x += v.x;
-        acc.y += v.y;
-        acc.z += v.z;
-        acc.w += v.w;
+      for (int64_t r0 = e; r0 < end; r0 += kSumBatch) {  // a batch's loads all in flight, then added in order
+        float4 v[kSumBatch];
+#pragma unroll
+        for (int u = 0; u < kSumBatch; ++u) {
+          v[u] = r0 + u < end ? reinterpret_cast<const float4*>(contrib + order[r0 + u] * D)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < kSumBatch; ++u) {
+          if (r0 + u >= end) break;
+          acc.x += v[u].x;
+          acc.y += v[u].y;
+          acc.z += v[u].z;
+          acc.w += v[u].w;
+        }
       }
       float4* dst = reinterpret_cast<float4*>(dkv + int64_t{row} * D) + c;
       const float4 old = *dst;
