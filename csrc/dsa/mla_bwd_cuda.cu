@@ -13,9 +13,11 @@ namespace {
 // row's P and dS are 0 off its query's slots). A producer warpgroup gathers the selected rows,
 // 32 keys a tile, into a 2-stage ring of 128B-swizzled tiles (as the forward's). Per tile, the two
 // consumer warpgroups share the work evenly:
-//   group 0: S = Q K^T (wgmma m64n32k16 over the Dqk columns), P and dS = scale P (dP - delta);
-//   group 1: dP = dA V^T (over the 512 value columns), sent to group 0 through shared memory;
-//   both:    dq += dS K over half of the columns each (m64n256k16, group 1 adds the rope columns at
+//   group 0: S = Q K^T (wgmma m64n32k16 over the Dqk columns);
+//   group 1: dP = dA V^T (over the 512 value columns);
+//   both:    P and dS = scale P (dP - delta) for half of the keys each, the other half of S or
+//            dP - delta traded through shared memory (mla_bwd_consume);
+//            dq += dS K over half of the columns each (m64n256k16, group 1 adds the rope columns at
 //            576), then dkv^T = Q^T dS^T + dA^T P^T in 64-column tiles (m64n32k16, Q and dA read
 //            M-major from their own tiles), each added to dkv with 16-byte atomics (or stored per
 //            (query, slot) for the deterministic sum) while the next is computed.
