@@ -556,12 +556,14 @@ def test_sparse_attention_cuda_blocks_take_several_items(layout, G, return_p):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout, G, T, topk", [(MLA, 64, 64, 256), (NOPE, 64, 64, 256), ((2, 128, 128), 64, 64, 256),
-                                                (MLA, 8, 64, 256), (MLA, 64, 300, 4096)])
+                                                (MLA, 128, 64, 256), (MLA, 8, 64, 256), (MLA, 64, 300, 4096),
+                                                (MLA, 8, 300, 4096)])
 def test_sparse_attention_cuda_deterministic_dkv(layout, G, T, topk):
     """deterministic=True: dkv bitwise equal over repeated runs, and equal to the atomic path
-    within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters;
-    with 8 heads (MLA) the queries are packed 8 to a block; 300 queries of 4096 keys at 64 heads
-    take several chunks of stored contributions."""
+    within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters,
+    and repeated within a query. The Hopper MLA blocks of 64 heads add in turn order (two head
+    blocks a query at 128); with 8 heads (MLA) the queries are packed 4 or 8 to a block and store
+    their contributions for the ordered sum, 300 queries of 4096 keys in several chunks."""
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, 40, Hkv * G, Hkv, D, dv, topk, torch.bfloat16, True)
     q, kv, idx, gate = q.cuda().requires_grad_(), kv.cuda().requires_grad_(), idx.cuda(), gate.cuda()

@@ -262,6 +262,29 @@ __global__ void ordered_sum_kernel(const SumArgs a) {
   }
 }
 
+// The deterministic dkv of the Hopper MLA backward without stored terms (AttnBwdArgs::ticket): each
+// query's keys sorted (an out-of-range key -1), kOrderedClasses classes of turns, the copies of the
+// classes past the first added to dkv at the end. A key repeated within a query adds the same
+// term each time, so its adds need no order among themselves. `run` launches the kernel.
+constexpr int kOrderedClasses = 4;
+
+template <typename Run>
+void ordered_dkv(const AttnProblem& p, const at::Tensor& indices, AttnBwdArgs a, at::Tensor& dkv, Run&& run) {
+  const at::Tensor idx = indices.view({p.T, p.topk});
+  const at::Tensor sorted =
+      std::get<0>(at::where(idx.ge(0).logical_and(idx.lt(p.Tk)), idx, at::full({}, -1, idx.options())).sort(-1));
+  at::Tensor progress = at::zeros({p.T * a.head_blocks * 8 + 1}, idx.options());  // + the ticket
+  at::Tensor dkv_more = at::zeros({kOrderedClasses - 1, p.Tk, p.Dqk}, dkv.options());
+  a.indices = sorted.data_ptr<int32_t>();
+  a.dkv = dkv.data_ptr<float>();
+  a.dkv_more = dkv_more.data_ptr<float>();
+  a.classes = kOrderedClasses;
+  a.progress = progress.data_ptr<int32_t>();
+  a.ticket = reinterpret_cast<unsigned*>(a.progress + p.T * a.head_blocks * 8);
+  run(a);
+  for (int c = 0; c < kOrderedClasses - 1; ++c) dkv.narrow(0, 0, p.Tk).add_(dkv_more[c]);
+}
+
 }  // namespace
 
 void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
@@ -293,6 +316,10 @@ void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tens
       if (!deterministic) {
         a.dkv = dkv.data_ptr<float>();
         run(a, p.T);
+        return;
+      }
+      if (hopper && pk.group == 1 && p.Hkv == 1 && p.topk > 0) {
+        ordered_dkv(p, pk.indices, a, dkv, [&](const AttnBwdArgs& b) { run(b, p.T); });
         return;
       }
       // Deterministic: each (query, slot) contribution is stored, then summed into dkv in index

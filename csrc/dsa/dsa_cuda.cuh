@@ -189,6 +189,16 @@ struct AttnBwdArgs : AttnArgs {
   float* dkv;      // atomics into [Tk, Hkv, Dqk]; nullptr: contributions into contrib
   float* contrib;  // [(t - t0), Hkv, head_blocks, topk, Dqk]
   void* dgate;
+  // The ordered deterministic path (Hopper MLA, unpacked; ticket nullptr: not taken). Blocks take
+  // turns u = t head_blocks + head block from *ticket in the order they start, each query's keys
+  // ascending (indices sorted). Turn u adds to the dkv of its class u % classes (class 0: dkv, the
+  // others their copy in dkv_more). Its warp w adds a tile's terms once turn u - classes has
+  // passed the tile's last key (progress[u - classes, w] above it), and publishes in progress[u, w]
+  // the key below which its own adds are done.
+  unsigned* ticket;
+  int* progress;    // [T head_blocks, 8]
+  float* dkv_more;  // [classes - 1, Tk, Dqk]
+  int classes;
 };
 
 // One block's share of the attention: query t, kv head kvh, query heads head0.. (rows of them

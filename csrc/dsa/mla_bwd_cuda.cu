@@ -48,6 +48,7 @@ struct MlaBwdShared {
   uint32_t rows[MlaBwd<576>::kStages][32];  // per stage and slot: the rows with its key (produce_key_tile)
   float delta[64];                // rowsum(dO * o)
   float lse2[64];                 // lse in log2 units; +inf for a row without a key or past `rows`
+  unsigned turn;                  // the block's turn (AttnBwdArgs::ticket)
 };
 
 template <int Dqk>
@@ -65,7 +66,12 @@ struct MlaBwdTiles {
 // One consumer thread's place (MlaPlace) and its thread in its warpgroup.
 struct MlaBwdThread : MlaPlace {
   int tid;
+  int64_t u;  // the ordered path's turn of the block (AttnBwdArgs::ticket), t head_blocks + its head block
 };
+
+// What a block does with dkv's terms: adds them, stores them per (query, slot) for the ordered sum
+// (no dkv), or adds them in turn order (AttnBwdArgs::ticket).
+enum class DkvMode { kAdd, kStore, kOrdered };
 
 // Producer warpgroup: the tiles in order (produce_key_tile).
 template <typename T, typename M>
@@ -141,10 +147,12 @@ __device__ __forceinline__ void transpose8x8(float& x0, float& x1) {
 // lane of (g, c) then holds rows 8h + 2c, 8h + 2c + 1 of key 8j + g. Lanes c and c ^ 1 trade a pair,
 // so that each holds four consecutive rows, 4 (c / 2) + 8 (c % 2).., and adds them as 16 bytes to
 // dst[j] (the key's row of dkv or of the stored contributions). A quarter-warp's eight adds then
-// fill two keys' 64 bytes. kStore: stored (the deterministic path's contributions), not added.
-template <bool kStore>
+// fill two keys' 64 bytes. kOrdered: the term of key j added once for each of its copies in the
+// query (bit j of `several`: more than one, counted from its slot in the query's keys `sel`).
+template <DkvMode kMode>
 __device__ __forceinline__ void mla_bwd_scatter(float (&acc)[16], int mt, const MlaBwdThread& th,
-                                                float* const (&dst)[4]) {
+                                                float* const (&dst)[4], int several, const int32_t* sel,
+                                                int64_t k0, int64_t topk) {
   const bool odd = th.c % 2;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -156,10 +164,21 @@ __device__ __forceinline__ void mla_bwd_scatter(float (&acc)[16], int mt, const 
     if (dst[j] == nullptr) continue;
     const float4 v = odd ? make_float4(got0, got1, x[2], x[3]) : make_float4(x[0], x[1], got0, got1);
     float4* p = reinterpret_cast<float4*>(dst[j] + 64 * mt + 16 * th.warp + 8 * odd + 4 * (th.c / 2));
-    if constexpr (kStore) {
+    if constexpr (kMode == DkvMode::kStore) {
       *p = v;
     } else {
-      atomicAdd(p, v);
+      if constexpr (kMode == DkvMode::kOrdered) {  // a red, not an atom (ptxas keeps atomicAdd as an atom here)
+        float n = 1.f;
+        if ((several >> j) & 1) {
+          const int64_t slot = k0 + 8 * j + th.g;
+          while (slot + static_cast<int64_t>(n) < topk && sel[slot + static_cast<int64_t>(n)] == sel[slot]) n += 1.f;
+        }
+        asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x * n),
+                     "f"(v.y * n), "f"(v.z * n), "f"(v.w * n)
+                     : "memory");
+      } else {
+        atomicAdd(p, v);
+      }
     }
   }
 }
@@ -189,9 +208,33 @@ __device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaB
   wgmma_commit();
 }
 
-// A consumer group's walk over the tiles (kGroup: its share, above; kStore: dkv's contributions stored,
-// not added), then its dq columns stored.
-template <typename T, typename M, int kGroup, bool kStore>
+// The ordered path (AttnBwdArgs::ticket), a warp's turn before tile k0's adds: it publishes that
+// its adds below the tile's first key are done (the last tile's adds, published this late so
+// that the fence seldom waits for them), then waits for the turn before it in its class to have
+// passed the tile's last key. `progress`: the warp's word; key Tk: the block is done.
+__device__ __forceinline__ void mla_bwd_publish(int* progress, int key) {
+  __syncwarp();
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  if (threadIdx.x % 32 == 0) asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(progress), "r"(key) : "memory");
+}
+
+__device__ __forceinline__ void mla_bwd_take_turn(const AttnBwdArgs& a, const MlaBwdThread& th, int* progress,
+                                                  const int32_t* sel, int64_t k0, int keys) {
+  if (k0 > 0) mla_bwd_publish(progress, sel[k0]);
+  const int last = sel[min(k0 + keys, int64_t{a.topk}) - 1];
+  if (th.lane == 0 && last >= 0 && th.u >= a.classes) {
+    const int* before = progress - 8 * a.classes;
+    int passed;
+    do {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(passed) : "l"(before) : "memory");
+    } while (passed <= last);
+  }
+  __syncwarp();
+}
+
+// A consumer group's walk over the tiles (kGroup: its share, above; kMode: what it does with dkv's
+// terms), then its dq columns stored.
+template <typename T, typename M, int kGroup, DkvMode kMode>
 __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sK, uint8_t* sDS,
                                                 uint8_t* sP, const MlaBwdTiles& s,
                                                 const MlaBwdThread& th) {
@@ -200,6 +243,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   constexpr int kTiles = M::template dkv_tiles<kGroup>();
   const float sl2 = a.scale * kLog2e;
   const int32_t* sel = a.indices + th.t * a.topk;
+  int* const progress = kMode == DkvMode::kOrdered ? a.progress + 8 * th.u + 4 * kGroup + th.warp : nullptr;
   const int c = th.c, r0 = th.r0;
   float dq[128], dq_rope[32];
 #pragma unroll
@@ -211,11 +255,18 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     const int64_t k0 = int64_t{i} * M::kKeys;
     const uint32_t kb = s.keys + M::Ring::stage(i) * M::kTileBytes;
     // This lane's four keys in dkv (slots 8j + g, mla_bwd_scatter), read before the GEMMs wait.
-    int key[4];
+    // The ordered path adds a key repeated within the query once, by its first copy, times its
+    // copies (the copies' terms are equal, and the adds of one instruction to one address may be
+    // summed among themselves first, in no fixed order): the later copies' keys are taken as -1.
+    int key[4], several = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t slot = k0 + 8 * j + th.g;
       key[j] = slot < a.topk ? sel[slot] : -1;
+      if constexpr (kMode == DkvMode::kOrdered) {
+        if (slot > 0 && slot < a.topk && sel[slot - 1] == key[j]) key[j] = -1;
+        if (key[j] >= 0 && slot + 1 < a.topk && sel[slot + 1] == key[j]) several |= 1 << j;
+      }
     }
     // S (group 0) or dP (group 1) for the tile's 32 keys.
     float x[16];
@@ -291,9 +342,16 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int slot = 8 * j + th.g;
-      dst[j] = slot_rows[slot] == 0 ? nullptr
-               : kStore ? a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk}
-                        : a.dkv + int64_t{key[j]} * M::kDqk;
+      if constexpr (kMode == DkvMode::kStore) {
+        dst[j] = slot_rows[slot] == 0 ? nullptr : a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk};
+      } else if constexpr (kMode == DkvMode::kOrdered) {
+        const int64_t cls = th.u % a.classes;
+        dst[j] = slot_rows[slot] == 0 || key[j] < 0
+                     ? nullptr
+                     : (cls == 0 ? a.dkv : a.dkv_more + (cls - 1) * a.Tk * M::kDqk) + int64_t{key[j]} * M::kDqk;
+      } else {
+        dst[j] = slot_rows[slot] == 0 ? nullptr : a.dkv + int64_t{key[j]} * M::kDqk;
+      }
     }
     mla_bwd_dkv<T, M>(acc[0], M::template dkv_tile<kGroup>(0), s);
 #pragma unroll
@@ -309,10 +367,12 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
         fence_accumulators(dq);
         fence_accumulators(dq_rope);
         if (th.lane == 0) sh.ring.release(i);
+        if constexpr (kMode == DkvMode::kOrdered) mla_bwd_take_turn(a, th, progress, sel, k0, M::kKeys);
       }
-      mla_bwd_scatter<kStore>(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst);
+      mla_bwd_scatter<kMode>(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst, several, sel, k0, a.topk);
     }
   }
+  if constexpr (kMode == DkvMode::kOrdered) mla_bwd_publish(progress, a.Tk);
   T* out = static_cast<T*>(a.dq);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -332,7 +392,9 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   }
 }
 
-template <typename T, typename M>
+// kOrdered: the ordered deterministic path (a kernel of its own: its fences make ptxas keep every
+// add of a kernel as an atom that returns).
+template <typename T, typename M, bool kOrdered>
 __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_constant__ AttnBwdArgs a) {
 #ifdef KDA_SM90A_ENABLED
   using namespace sm90;
@@ -344,8 +406,13 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   uint8_t* sP = sDS + M::kDsBytes;
   MlaBwdShared& sh = *reinterpret_cast<MlaBwdShared*>(sP + M::kDsBytes);
 
-  const int64_t t = a.t0 + blockIdx.x;
-  const int head0 = blockIdx.z * M::kRows, rows = mla_block_rows(a, t, head0);
+  if constexpr (kOrdered) {  // blocks take their turns in the order they start
+    if (threadIdx.x == 0) sh.turn = atomicAdd(a.ticket, 1u);
+    __syncthreads();
+  }
+  const int64_t u = kOrdered ? a.t0 * a.head_blocks + sh.turn : 0;
+  const int64_t t = kOrdered ? u / a.head_blocks : a.t0 + blockIdx.x;
+  const int head0 = static_cast<int>(kOrdered ? u % a.head_blocks : blockIdx.z) * M::kRows, rows = mla_block_rows(a, t, head0);
   const T* q = static_cast<const T*>(a.q);
   // the consumers bring Q (cp.async) while the producer starts
   if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
@@ -363,19 +430,21 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   cp_async_wait<0>();
   fence_proxy_async();  // Q and dA are read by wgmma
   named_barrier_sync(1, 256);
-  const MlaBwdThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x % 128)};
+  const MlaBwdThread th{mla_place(a, t, head0, rows, tiles), static_cast<int>(threadIdx.x % 128), u};
   const MlaBwdTiles s{smem_addr(sQ), smem_addr(sA), smem_addr(sK), smem_addr(sDS), smem_addr(sP)};
-  const auto consume = [&](auto store) {  // the deterministic path (no dkv) stores its contributions
+  const auto consume = [&](auto mode) {
     if (threadIdx.x < 128) {
-      mla_bwd_consume<T, M, 0, decltype(store)::value>(a, sh, sK, sDS, sP, s, th);
+      mla_bwd_consume<T, M, 0, decltype(mode)::value>(a, sh, sK, sDS, sP, s, th);
     } else {
-      mla_bwd_consume<T, M, 1, decltype(store)::value>(a, sh, sK, sDS, sP, s, th);
+      mla_bwd_consume<T, M, 1, decltype(mode)::value>(a, sh, sK, sDS, sP, s, th);
     }
   };
-  if (a.dkv != nullptr) {
-    consume(std::false_type{});
+  if constexpr (kOrdered) {
+    consume(std::integral_constant<DkvMode, DkvMode::kOrdered>{});
+  } else if (a.dkv != nullptr) {
+    consume(std::integral_constant<DkvMode, DkvMode::kAdd>{});
   } else {
-    consume(std::true_type{});
+    consume(std::integral_constant<DkvMode, DkvMode::kStore>{});
   }
 #endif
 }
@@ -390,7 +459,7 @@ void mla_bwd_launch(const AttnBwdArgs& a, int64_t queries) {
   const auto run = [&](auto width) {
     using M = MlaBwd<decltype(width)::value>;
     constexpr size_t smem = kMlaBwdSmem<M::kDqk>;
-    const auto kernel = mla_bwd_kernel<T, M>;
+    const auto kernel = a.ticket != nullptr ? mla_bwd_kernel<T, M, true> : mla_bwd_kernel<T, M, false>;
     set_smem(kernel, smem);
     kernel<<<dim3(queries, 1, a.head_blocks), M::kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
