@@ -208,28 +208,52 @@ __device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaB
   wgmma_commit();
 }
 
-// The ordered path (AttnBwdArgs::ticket), a warp's turn before tile k0's adds: it publishes that
-// its adds below the tile's first key are done (the last tile's adds, published this late so
-// that the fence seldom waits for them), then waits for the turn before it in its class to have
-// passed the tile's last key. `progress`: the warp's word; key Tk: the block is done.
-__device__ __forceinline__ void mla_bwd_publish(int* progress, int key) {
+// The ordered path (AttnBwdArgs::ticket). A warp's word in `progress` holds a key below which its
+// adds are done and so are those of every turn before it in its class: the lesser of the key its
+// own adds have passed and the word of the turn before it when last read (`seen`; Tk: there is no
+// turn before it). mla_bwd_publish stores it (its fence orders the adds before it);
+// mla_bwd_take_turn waits until the turn before has passed `last`, and returns the word it read.
+__device__ __forceinline__ void mla_bwd_publish(int* progress, int key, int seen) {
   __syncwarp();
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  if (threadIdx.x % 32 == 0) asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(progress), "r"(key) : "memory");
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(progress), "r"(min(key, seen)) : "memory");  // one store a warp
 }
 
-__device__ __forceinline__ void mla_bwd_take_turn(const AttnBwdArgs& a, const MlaBwdThread& th, int* progress,
-                                                  const int32_t* sel, int64_t k0, int keys) {
-  if (k0 > 0) mla_bwd_publish(progress, sel[k0]);
-  const int last = sel[min(k0 + keys, int64_t{a.topk}) - 1];
-  if (th.lane == 0 && last >= 0 && th.u >= a.classes) {
+__device__ __forceinline__ int mla_bwd_take_turn(const AttnBwdArgs& a, const MlaBwdThread& th, const int* progress,
+                                                 int last, int seen) {
+  int read = seen;
+  if (th.lane == 0 && seen <= last) {
     const int* before = progress - 8 * a.classes;
-    int passed;
     do {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(passed) : "l"(before) : "memory");
-    } while (passed <= last);
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(read) : "l"(before) : "memory");
+    } while (read <= last);
   }
-  __syncwarp();
+  read = __shfl_sync(0xffffffffu, read, 0);
+  if (read != seen) asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the warp's adds after lane 0's read
+  return read;
+}
+
+// The ordered path adds a key repeated within the query once, by its first copy, times its copies
+// (the copies' terms are equal, and the adds of one instruction to one address may be summed among
+// themselves first, in no fixed order). The query's keys are sorted, so a slot's copies follow it:
+// this lane's later copies (their slots' neighbours before them hold the same key, from the lanes
+// of row g - 1 or the key before the tile, around[0]) are taken as -1; returns the bits j of the
+// first copies that have more (the neighbour after them: row g + 1's, or around[1]).
+__device__ __forceinline__ int mla_bwd_first_copies(int (&key)[4], const int (&around)[2], const MlaBwdThread& th) {
+  int up[4], down[4], several = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    up[j] = __shfl_sync(0xffffffffu, key[j], (th.lane + 28) % 32);   // slot 8j + g - 1 (g = 0: 8j + 7)
+    down[j] = __shfl_sync(0xffffffffu, key[j], (th.lane + 4) % 32);  // slot 8j + g + 1 (g = 7: 8j)
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int before = th.g > 0 ? up[j] : j > 0 ? up[j - 1] : around[0];
+    const int after = th.g < 7 ? down[j] : j < 3 ? down[j + 1] : around[1];
+    if (key[j] >= 0 && after == key[j] && before != key[j]) several |= 1 << j;
+    if (before == key[j]) key[j] = -1;
+  }
+  return several;
 }
 
 // A consumer group's walk over the tiles (kGroup: its share, above; kMode: what it does with dkv's
@@ -244,6 +268,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   const float sl2 = a.scale * kLog2e;
   const int32_t* sel = a.indices + th.t * a.topk;
   int* const progress = kMode == DkvMode::kOrdered ? a.progress + 8 * th.u + 4 * kGroup + th.warp : nullptr;
+  int seen = th.u >= a.classes ? 0 : a.Tk;  // the ordered path's (mla_bwd_publish)
   const int c = th.c, r0 = th.r0;
   float dq[128], dq_rope[32];
 #pragma unroll
@@ -254,19 +279,17 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   for (int i = 0; i < th.tiles; ++i) {
     const int64_t k0 = int64_t{i} * M::kKeys;
     const uint32_t kb = s.keys + M::Ring::stage(i) * M::kTileBytes;
-    // This lane's four keys in dkv (slots 8j + g, mla_bwd_scatter), read before the GEMMs wait.
-    // The ordered path adds a key repeated within the query once, by its first copy, times its
-    // copies (the copies' terms are equal, and the adds of one instruction to one address may be
-    // summed among themselves first, in no fixed order): the later copies' keys are taken as -1.
-    int key[4], several = 0;
+    // This lane's four keys in dkv (slots 8j + g, mla_bwd_scatter), read before the GEMMs wait; the
+    // ordered path's keys next to the tile's (mla_bwd_first_copies).
+    int key[4], around[2];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t slot = k0 + 8 * j + th.g;
       key[j] = slot < a.topk ? sel[slot] : -1;
-      if constexpr (kMode == DkvMode::kOrdered) {
-        if (slot > 0 && slot < a.topk && sel[slot - 1] == key[j]) key[j] = -1;
-        if (key[j] >= 0 && slot + 1 < a.topk && sel[slot + 1] == key[j]) several |= 1 << j;
-      }
+    }
+    if constexpr (kMode == DkvMode::kOrdered) {
+      around[0] = k0 > 0 ? sel[k0 - 1] : -1;
+      around[1] = k0 + M::kKeys < a.topk ? sel[k0 + M::kKeys] : -1;
     }
     // S (group 0) or dP (group 1) for the tile's 32 keys.
     float x[16];
@@ -301,6 +324,8 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
                                       : make_float4(v[0] - sh.delta[r0], v[1] - sh.delta[r0],
                                                     v[2] - sh.delta[r0 + 8], v[3] - sh.delta[r0 + 8]);
     }
+    // the ordered path: the last tile's adds published here, late enough that the fence seldom waits
+    if constexpr (kMode == DkvMode::kOrdered) mla_bwd_publish(progress, sel[k0], seen);
     named_barrier_sync(1, 256);  // the trade is written, and both groups are done with the last tile
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
@@ -338,6 +363,8 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
       }
     }
     wgmma_commit();
+    int several = 0;
+    if constexpr (kMode == DkvMode::kOrdered) several = mla_bwd_first_copies(key, around, th);
     float* dst[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -367,12 +394,17 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
         fence_accumulators(dq);
         fence_accumulators(dq_rope);
         if (th.lane == 0) sh.ring.release(i);
-        if constexpr (kMode == DkvMode::kOrdered) mla_bwd_take_turn(a, th, progress, sel, k0, M::kKeys);
+        if constexpr (kMode == DkvMode::kOrdered) {  // the tile's keys, sorted, end with its last slot's
+          seen = mla_bwd_take_turn(a, th, progress, sel[min(k0 + M::kKeys, int64_t{a.topk}) - 1], seen);
+        }
       }
       mla_bwd_scatter<kMode>(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst, several, sel, k0, a.topk);
     }
   }
-  if constexpr (kMode == DkvMode::kOrdered) mla_bwd_publish(progress, a.Tk);
+  if constexpr (kMode == DkvMode::kOrdered) {  // done once the turn before is
+    seen = mla_bwd_take_turn(a, th, progress, a.Tk - 1, seen);
+    mla_bwd_publish(progress, a.Tk, seen);
+  }
   T* out = static_cast<T*>(a.dq);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
