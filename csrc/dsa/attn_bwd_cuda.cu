@@ -263,9 +263,8 @@ __global__ void ordered_sum_kernel(const SumArgs a) {
 }
 
 // The deterministic dkv of the Hopper MLA backward without stored terms (AttnBwdArgs::ticket): each
-// query's keys sorted (an out-of-range key -1), kOrderedClasses classes of turns, the copies of the
-// classes past the first added to dkv at the end. A key repeated within a query adds the same
-// term each time, so its adds need no order among themselves. `run` launches the kernel.
+// query's keys sorted (an out-of-range key -1), kOrderedClasses classes of turns, the dkv copies of
+// the classes past the first added to dkv at the end. `run` launches the kernel.
 constexpr int kOrderedClasses = 4;
 
 template <typename Run>
@@ -322,8 +321,8 @@ void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tens
         ordered_dkv(p, pk.indices, a, dkv, [&](const AttnBwdArgs& b) { run(b, p.T); });
         return;
       }
-      // Deterministic: each (query, slot) contribution is stored, then summed into dkv in index
-      // order (ordered_sum_kernel), a chunk of queries at a time: up to 2^28 floats of
+      // Deterministic, otherwise (packed blocks, the portable kernel): each (query, slot)
+      // contribution is stored, then summed into dkv in index order (ordered_sum_kernel), a chunk of queries at a time: up to 2^28 floats of
       // contributions, a whole number of waves of blocks (a block an SM) where one fits. dkv has
       // one extra row for the slots without a key.
       const int64_t per_query = p.Hkv * a.head_blocks * p.topk * p.Dqk;

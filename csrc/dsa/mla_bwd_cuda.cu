@@ -19,8 +19,9 @@ namespace {
 //            dP - delta traded through shared memory (mla_bwd_consume);
 //            dq += dS K over half of the columns each (m64n256k16, group 1 adds the rope columns at
 //            576), then dkv^T = Q^T dS^T + dA^T P^T in 64-column tiles (m64n32k16, Q and dA read
-//            M-major from their own tiles), each added to dkv with 16-byte atomics (or stored per
-//            (query, slot) for the deterministic sum) while the next is computed.
+//            M-major from their own tiles), each added to dkv with 16-byte atomics while the next
+//            is computed. Deterministic: packed blocks store them per (query, slot) for the ordered
+//            sum; blocks of one query add them in turn order (mla_bwd_publish).
 // dS and P are kept [heads x keys]: dS is dq's A (K-major), and both are dkv's B (read MN-major).
 template <int Dqk>
 struct MlaBwd : sm90::WarpSpecialized<2, 40, 232> {
