@@ -562,8 +562,8 @@ def test_sparse_attention_cuda_deterministic_dkv(layout, G, T, topk):
     """deterministic=True: dkv bitwise equal over repeated runs, and equal to the atomic path
     within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters,
     and repeated within a query. The Hopper MLA blocks of 64 heads add in turn order (two head
-    blocks a query at 128); with 8 heads (MLA) the queries are packed 4 or 8 to a block and store
-    their contributions for the ordered sum, 300 queries of 4096 keys in several chunks."""
+    blocks a query at 128); with 8 heads (MLA) the queries are packed 8 to a block and store their
+    contributions for the ordered sum, 300 queries of 4096 keys in several chunks."""
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, 40, Hkv * G, Hkv, D, dv, topk, torch.bfloat16, True)
     q, kv, idx, gate = q.cuda().requires_grad_(), kv.cuda().requires_grad_(), idx.cuda(), gate.cuda()

@@ -322,9 +322,9 @@ void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tens
         return;
       }
       // Deterministic, otherwise (packed blocks, the portable kernel): each (query, slot)
-      // contribution is stored, then summed into dkv in index order (ordered_sum_kernel), a chunk of queries at a time: up to 2^28 floats of
-      // contributions, a whole number of waves of blocks (a block an SM) where one fits. dkv has
-      // one extra row for the slots without a key.
+      // contribution is stored, then summed into dkv in index order (ordered_sum_kernel), a chunk
+      // of queries at a time: up to 2^28 floats of contributions, a whole number of waves of blocks
+      // (a block an SM) where one fits. dkv has one extra row for the slots without a key.
       const int64_t per_query = p.Hkv * a.head_blocks * p.topk * p.Dqk;
       const int64_t wave = std::max<int64_t>(1, num_sms(q.get_device()) / (p.Hkv * a.head_blocks));
       int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 28) / std::max<int64_t>(per_query, 1));

@@ -194,7 +194,7 @@ struct AttnBwdArgs : AttnArgs {
   // ascending (indices sorted). Turn u adds to the dkv of its class u % classes (class 0: dkv, the
   // others their copy in dkv_more). Its warp w adds a tile's terms once turn u - classes has
   // passed the tile's last key (progress[u - classes, w] above it), and publishes in progress[u, w]
-  // the key below which its own adds are done.
+  // the key below which its adds and those of the earlier turns of its class are done.
   unsigned* ticket;
   int* progress;    // [T head_blocks, 8]
   float* dkv_more;  // [classes - 1, Tk, Dqk]
