@@ -217,7 +217,8 @@ __device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaB
 __device__ __forceinline__ void mla_bwd_publish(int* progress, int key, int seen) {
   __syncwarp();
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(progress), "r"(min(key, seen)) : "memory");  // one store a warp
+  // every lane stores the same word: one store a warp, and no branch beside the wgmmas
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(progress), "r"(min(key, seen)) : "memory");
 }
 
 __device__ __forceinline__ int mla_bwd_take_turn(const AttnBwdArgs& a, const MlaBwdThread& th, const int* progress,
@@ -371,7 +372,9 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     for (int j = 0; j < 4; ++j) {
       const int slot = 8 * j + th.g;
       if constexpr (kMode == DkvMode::kStore) {
-        dst[j] = slot_rows[slot] == 0 ? nullptr : a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk};
+        dst[j] = slot_rows[slot] == 0
+                     ? nullptr
+                     : a.contrib + (((th.t - a.t0) * a.head_blocks + blockIdx.z) * a.topk + k0 + slot) * int64_t{M::kDqk};
       } else if constexpr (kMode == DkvMode::kOrdered) {
         const int64_t cls = th.u % a.classes;
         dst[j] = slot_rows[slot] == 0 || key[j] < 0
@@ -445,7 +448,8 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   }
   const int64_t u = kOrdered ? a.t0 * a.head_blocks + sh.turn : 0;
   const int64_t t = kOrdered ? u / a.head_blocks : a.t0 + blockIdx.x;
-  const int head0 = static_cast<int>(kOrdered ? u % a.head_blocks : blockIdx.z) * M::kRows, rows = mla_block_rows(a, t, head0);
+  const int head0 = static_cast<int>(kOrdered ? u % a.head_blocks : blockIdx.z) * M::kRows;
+  const int rows = mla_block_rows(a, t, head0);
   const T* q = static_cast<const T*>(a.q);
   // the consumers bring Q (cp.async) while the producer starts
   if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
