@@ -272,14 +272,14 @@ void ordered_dkv(const AttnProblem& p, const at::Tensor& indices, AttnBwdArgs a,
   const at::Tensor idx = indices.view({p.T, p.topk});
   const at::Tensor sorted =
       std::get<0>(at::where(idx.ge(0).logical_and(idx.lt(p.Tk)), idx, at::full({}, -1, idx.options())).sort(-1));
-  at::Tensor progress = at::zeros({p.T * a.head_blocks * 8 + 1}, idx.options());  // + the ticket
+  at::Tensor progress = at::zeros({p.T * a.head_blocks + 1}, idx.options());  // + the ticket
   at::Tensor dkv_more = at::zeros({kOrderedClasses - 1, p.Tk, p.Dqk}, dkv.options());
   a.indices = sorted.data_ptr<int32_t>();
   a.dkv = dkv.data_ptr<float>();
   a.dkv_more = dkv_more.data_ptr<float>();
   a.classes = kOrderedClasses;
   a.progress = progress.data_ptr<int32_t>();
-  a.ticket = reinterpret_cast<unsigned*>(a.progress + p.T * a.head_blocks * 8);
+  a.ticket = reinterpret_cast<unsigned*>(a.progress + p.T * a.head_blocks);
   run(a);
   for (int c = 0; c < kOrderedClasses - 1; ++c) dkv.narrow(0, 0, p.Tk).add_(dkv_more[c]);
 }

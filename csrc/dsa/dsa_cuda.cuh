@@ -192,11 +192,11 @@ struct AttnBwdArgs : AttnArgs {
   // The ordered deterministic path (Hopper MLA, unpacked; ticket nullptr: not taken). Blocks take
   // turns u = t head_blocks + head block from *ticket in the order they start, each query's keys
   // ascending (indices sorted). Turn u adds to the dkv of its class u % classes (class 0: dkv, the
-  // others their copy in dkv_more). Its warp w adds a tile's terms once turn u - classes has
-  // passed the tile's last key (progress[u - classes, w] above it), and publishes in progress[u, w]
+  // others their copy in dkv_more). It adds a tile's terms once turn u - classes has
+  // passed the tile's last key (progress[u - classes] above it), and publishes in progress[u]
   // the key below which its adds and those of the earlier turns of its class are done.
   unsigned* ticket;
-  int* progress;    // [T head_blocks, 8]
+  int* progress;    // [T head_blocks]
   float* dkv_more;  // [classes - 1, Tk, Dqk]
   int classes;
 };
@@ -373,10 +373,10 @@ __device__ __forceinline__ int mla_block_rows(const AttnArgs& a, int64_t t, int 
   return static_cast<int>(min(int64_t{min(64, a.G - head0)}, a.rows_total - (t * a.H + head0)));
 }
 
-template <typename T, int kKeys, int kDqk>
+template <typename T, int kKeys, int kDqk, int kGroups = 16>
 struct KeyTile {
-  static constexpr int kPer = kKeys / 16, kChunkBytes = kKeys * 128;
-  int key[kPer];  // this thread's keys, rows g + 16 m of the tile (-1: none)
+  static constexpr int kPer = kKeys / kGroups, kChunkBytes = kKeys * 128;
+  int key[kPer];  // this thread's keys, rows g + kGroups m of the tile (-1: none)
 
   __device__ static int piece() { return threadIdx.x % 8; }
   __device__ static int g() { return (threadIdx.x - 256) / 8; }
@@ -384,7 +384,7 @@ struct KeyTile {
     const int32_t* sel = a.indices + t * a.topk;
 #pragma unroll
     for (int m = 0; m < kPer; ++m) {
-      const int64_t j = k0 + g() + 16 * m;
+      const int64_t j = k0 + g() + kGroups * m;
       const int k = j < a.topk ? sel[j] : -1;
       key[m] = k >= 0 && k < a.Tk ? k : -1;
     }
@@ -394,8 +394,8 @@ struct KeyTile {
     if (piece() != 0) return;
 #pragma unroll
     for (int m = 0; m < kPer; ++m) {
-      const int64_t j = k0 + g() + 16 * m;
-      atomicExch(rows + g() + 16 * m, key[m] < 0 ? 0u : a.member != nullptr ? a.member[t * a.topk + j] : 1u);
+      const int64_t j = k0 + g() + kGroups * m;
+      atomicExch(rows + g() + kGroups * m, key[m] < 0 ? 0u : a.member != nullptr ? a.member[t * a.topk + j] : 1u);
     }
   }
   // The 64-column chunks [kFrom, kTo) of the thread's rows, without a branch (kv's first row, zero
@@ -407,19 +407,19 @@ struct KeyTile {
       const T* src = static_cast<const T*>(a.kv) + int64_t{max(key[m], 0)} * kDqk + piece() * 8;
 #pragma unroll
       for (int ch = kFrom; ch < kTo; ++ch) {
-        cp_async_16_zfill(tile + ch * kChunkBytes + sm90::sw128_offset(g() + 16 * m, piece()), src + ch * 64,
+        cp_async_16_zfill(tile + ch * kChunkBytes + sm90::sw128_offset(g() + kGroups * m, piece()), src + ch * 64,
                           key[m] >= 0);
       }
     }
   }
 };
 
-template <typename T, int kKeys, int kDqk, int kSplit, typename Ring>
+template <typename T, int kKeys, int kDqk, int kSplit, int kGroups, typename Ring>
 __device__ __forceinline__ void produce_key_tile(Ring& ring, int i, uint8_t* tile, const AttnArgs& a,
                                                  int64_t t, int64_t k0, uint32_t* rows) {
   using namespace sm90;
   ring.wait_empty(i);
-  const KeyTile<T, kKeys, kDqk> keys(a, t, k0);
+  const KeyTile<T, kKeys, kDqk, kGroups> keys(a, t, k0);
   keys.store_rows(a, t, k0, rows);
   keys.template copy<0, kSplit>(tile, a);
   cp_async_commit();

@@ -21,7 +21,7 @@ namespace {
 //            576), then dkv^T = Q^T dS^T + dA^T P^T in 64-column tiles (m64n32k16, Q and dA read
 //            M-major from their own tiles), each added to dkv with 16-byte atomics while the next
 //            is computed. Deterministic: packed blocks store them per (query, slot) for the ordered
-//            sum; blocks of one query add them in turn order (mla_bwd_publish).
+//            sum; blocks of one query add them in turn order (mla_bwd_herald).
 // dS and P are kept [heads x keys]: dS is dq's A (K-major), and both are dkv's B (read MN-major).
 template <int Dqk>
 struct MlaBwd : sm90::WarpSpecialized<2, 40, 232> {
@@ -50,6 +50,7 @@ struct MlaBwdShared {
   float delta[64];                // rowsum(dO * o)
   float lse2[64];                 // lse in log2 units; +inf for a row without a key or past `rows`
   unsigned turn;                  // the block's turn (AttnBwdArgs::ticket)
+  uint64_t cleared, added;        // the ordered path's (mla_bwd_herald)
 };
 
 template <int Dqk>
@@ -74,13 +75,13 @@ struct MlaBwdThread : MlaPlace {
 // (no dkv), or adds them in turn order (AttnBwdArgs::ticket).
 enum class DkvMode { kAdd, kStore, kOrdered };
 
-// Producer warpgroup: the tiles in order (produce_key_tile).
-template <typename T, typename M>
+// Producer warpgroup: the tiles in order (produce_key_tile), by kGroups x 8 of its threads.
+template <typename T, typename M, int kGroups>
 __device__ __forceinline__ void mla_bwd_produce(const AttnBwdArgs& a, MlaBwdShared& sh, uint8_t* sK, int64_t t,
                                                 int tiles) {
   for (int i = 0; i < tiles; ++i) {
-    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit>(sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, t,
-                                                      int64_t{i} * M::kKeys, sh.rows[M::Ring::stage(i)]);
+    produce_key_tile<T, M::kKeys, M::kDqk, M::kSplit, kGroups>(
+        sh.ring, i, sK + M::Ring::stage(i) * M::kTileBytes, a, t, int64_t{i} * M::kKeys, sh.rows[M::Ring::stage(i)]);
   }
 }
 
@@ -209,30 +210,42 @@ __device__ __forceinline__ void mla_bwd_dkv(float (&acc)[16], int mt, const MlaB
   wgmma_commit();
 }
 
-// The ordered path (AttnBwdArgs::ticket). A warp's word in `progress` holds a key below which its
-// adds are done and so are those of every turn before it in its class: the lesser of the key its
-// own adds have passed and the word of the turn before it when last read (`seen`; Tk: there is no
-// turn before it). mla_bwd_publish stores it (its fence orders the adds before it);
-// mla_bwd_take_turn waits until the turn before has passed `last`, and returns the word it read.
-__device__ __forceinline__ void mla_bwd_publish(int* progress, int key, int seen) {
-  __syncwarp();
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  // every lane stores the same word: one store a warp, and no branch beside the wgmmas
-  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(progress), "r"(min(key, seen)) : "memory");
-}
-
-__device__ __forceinline__ int mla_bwd_take_turn(const AttnBwdArgs& a, const MlaBwdThread& th, const int* progress,
-                                                 int last, int seen) {
-  int read = seen;
-  if (th.lane == 0 && seen <= last) {
-    const int* before = progress - 8 * a.classes;
+// The ordered path (AttnBwdArgs::ticket): one thread of the producer warpgroup, the herald, keeps
+// the block's turn. Per tile i it waits until the turn before it in its class has passed the
+// tile's last key (its word in `progress` above it), then clears the consumers' adds (`cleared`,
+// phase i); once their adds are issued (`added`, phase i) it publishes the block's word: the key
+// below which its adds and those of every turn before it in its class are done, the lesser of the
+// next tile's first key and the word of the turn before when last read (`seen`; Tk: there is no
+// turn before). The fences release the consumers' adds (ordered before them by `added`) and
+// acquire the turn before's; the consumers never wait on a fence or a poll of their own.
+template <int kKeys>
+__device__ __forceinline__ void mla_bwd_herald(const AttnBwdArgs& a, MlaBwdShared& sh, int64_t t, int64_t u,
+                                               int tiles) {
+  const int32_t* sel = a.indices + t * a.topk;
+  const int* before = a.progress + u - a.classes;
+  int* const mine = a.progress + u;
+  int seen = u >= a.classes ? 0 : static_cast<int>(a.Tk);
+  const auto wait_past = [&](int last) {
+    if (seen > last) return;
     do {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(read) : "l"(before) : "memory");
-    } while (read <= last);
+      asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(before) : "memory");
+    } while (seen <= last);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  };
+  for (int i = 0; i < tiles; ++i) {
+    const int64_t next = int64_t{i + 1} * kKeys;
+    wait_past(sel[min(next, int64_t{a.topk}) - 1]);  // the tile's keys, sorted, end with its last slot's
+    sm90::mbar_arrive(&sh.cleared);
+    sm90::mbar_wait(&sh.added, i & 1);
+    if (u >= a.classes && seen < a.Tk) {  // a later word of the turn before, read on the way
+      asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(before) : "memory");
+    }
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    const int word = next < a.topk ? min(sel[next], seen) : seen;
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(mine), "r"(word) : "memory");
   }
-  read = __shfl_sync(0xffffffffu, read, 0);
-  if (read != seen) asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the warp's adds after lane 0's read
-  return read;
+  wait_past(static_cast<int>(a.Tk) - 1);  // done once the turn before is
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(mine), "r"(static_cast<int>(a.Tk)) : "memory");
 }
 
 // The ordered path adds a key repeated within the query once, by its first copy, times its copies
@@ -269,8 +282,6 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   constexpr int kTiles = M::template dkv_tiles<kGroup>();
   const float sl2 = a.scale * kLog2e;
   const int32_t* sel = a.indices + th.t * a.topk;
-  int* const progress = kMode == DkvMode::kOrdered ? a.progress + 8 * th.u + 4 * kGroup + th.warp : nullptr;
-  int seen = th.u >= a.classes ? 0 : a.Tk;  // the ordered path's (mla_bwd_publish)
   const int c = th.c, r0 = th.r0;
   float dq[128], dq_rope[32];
 #pragma unroll
@@ -326,8 +337,6 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
                                       : make_float4(v[0] - sh.delta[r0], v[1] - sh.delta[r0],
                                                     v[2] - sh.delta[r0 + 8], v[3] - sh.delta[r0 + 8]);
     }
-    // the ordered path: the last tile's adds published here, late enough that the fence seldom waits
-    if constexpr (kMode == DkvMode::kOrdered) mla_bwd_publish(progress, sel[k0], seen);
     named_barrier_sync(1, 256);  // the trade is written, and both groups are done with the last tile
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
@@ -367,6 +376,7 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
     wgmma_commit();
     int several = 0;
     if constexpr (kMode == DkvMode::kOrdered) several = mla_bwd_first_copies(key, around, th);
+    const bool counted = kMode == DkvMode::kOrdered && __any_sync(0xffffffffu, several != 0);  // repeats
     float* dst[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -398,16 +408,15 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
         fence_accumulators(dq);
         fence_accumulators(dq_rope);
         if (th.lane == 0) sh.ring.release(i);
-        if constexpr (kMode == DkvMode::kOrdered) {  // the tile's keys, sorted, end with its last slot's
-          seen = mla_bwd_take_turn(a, th, progress, sel[min(k0 + M::kKeys, int64_t{a.topk}) - 1], seen);
-        }
+        if constexpr (kMode == DkvMode::kOrdered) sm90::mbar_wait(&sh.cleared, i & 1);  // the herald's
       }
-      mla_bwd_scatter<kMode>(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst, several, sel, k0, a.topk);
+      if (counted) {  // warp-uniform: the adds with counts on a path of their own
+        mla_bwd_scatter<kMode>(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst, several, sel, k0, a.topk);
+      } else {
+        mla_bwd_scatter<kMode>(acc[m % 2], M::template dkv_tile<kGroup>(m), th, dst, 0, sel, k0, a.topk);
+      }
     }
-  }
-  if constexpr (kMode == DkvMode::kOrdered) {  // done once the turn before is
-    seen = mla_bwd_take_turn(a, th, progress, a.Tk - 1, seen);
-    mla_bwd_publish(progress, a.Tk, seen);
+    if constexpr (kMode == DkvMode::kOrdered) mbar_arrive(&sh.added);  // the tile's adds are issued
   }
   T* out = static_cast<T*>(a.dq);
 #pragma unroll
@@ -428,8 +437,8 @@ __device__ __forceinline__ void mla_bwd_consume(const AttnBwdArgs& a, MlaBwdShar
   }
 }
 
-// kOrdered: the ordered deterministic path (a kernel of its own: its fences make ptxas keep every
-// add of a kernel as an atom that returns).
+// kOrdered: the ordered deterministic path (a kernel of its own: 64 of the producer threads gather,
+// one is the herald).
 template <typename T, typename M, bool kOrdered>
 __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_constant__ AttnBwdArgs a) {
 #ifdef KDA_SM90A_ENABLED
@@ -453,13 +462,26 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
   const T* q = static_cast<const T*>(a.q);
   // the consumers bring Q (cp.async) while the producer starts
   if (threadIdx.x < 256) load_rows64<T, M::kDqk>(sQ, q + (t * a.H + head0) * M::kDqk, rows);
-  if (threadIdx.x == 0) sh.ring.init(128, 8);  // every producer thread; every consumer warp
+  // the gathering producer threads (64 on the ordered path: one of the others is its herald); every
+  // consumer warp
+  constexpr int kGroups = kOrdered ? 8 : 16;
+  if (threadIdx.x == 0) {
+    if constexpr (kOrdered) {
+      mbar_init(&sh.cleared, 1);
+      mbar_init(&sh.added, 256);
+    }
+    sh.ring.init(8 * kGroups, 8);
+  }
   __syncthreads();
   const int tiles = mla_block_tiles<M::kKeys>(a, t);
 
   if (M::is_producer()) {
     M::producer_registers();
-    mla_bwd_produce<T, M>(a, sh, sK, t, tiles);
+    if (threadIdx.x >= 256 + 8 * kGroups) {
+      if (kOrdered && threadIdx.x == 256 + 8 * kGroups) mla_bwd_herald<M::kKeys>(a, sh, t, u, tiles);
+      return;
+    }
+    mla_bwd_produce<T, M, kGroups>(a, sh, sK, t, tiles);
     return;
   }
   M::consumer_registers();
