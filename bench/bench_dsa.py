@@ -129,10 +129,31 @@ def bench_attention(quick: bool) -> list[Result]:
     return results
 
 
-# (H, Dqk, window); dv 512. window: each query's keys drawn from the `window` keys up to its own
-# position (a query t of the T at the end of the context sits at key Tk - T + t); None: from all Tk.
-HEAD_CASES = [(8, 576, None), (16, 576, None), (32, 576, None), (64, 576, None), (128, 576, None), (16, 512, None),
-              (64, 512, None), (8, 576, 4096), (16, 576, 4096), (32, 576, 4096)]
+# (H, Dqk, window, shared); dv 512. window: each query's keys drawn from the `window` keys up to its
+# own position (a query t of the T at the end of the context sits at key Tk - T + t); None: from all
+# Tk. shared: the share of its keys that a query has in common with the 64 / H queries of its packed
+# block (drawn from the window before the block's first query; the rest its own, from the same
+# window), the overlap a trained indexer gives neighbouring queries in some measure.
+HEAD_CASES = [(8, 576, None, None), (16, 576, None, None), (32, 576, None, None), (64, 576, None, None),
+              (128, 576, None, None), (16, 512, None, None), (64, 512, None, None), (8, 576, 4096, None),
+              (16, 576, 4096, None), (32, 576, 4096, None), (8, 576, 4096, 0.5), (8, 576, 4096, 0.75),
+              (8, 576, 4096, 0.9), (16, 576, 4096, 0.5), (16, 576, 4096, 0.75), (16, 576, 4096, 0.9)]
+
+
+def index_sets(T: int, Tk: int, topk: int, window, shared, group: int) -> torch.Tensor:
+    """[T, 1, topk] distinct keys per query for a HEAD_CASES case (its window and shared share)."""
+    if window is None:
+        return torch.rand(T, Tk, device="cuda").topk(topk, dim=-1).indices.int()[:, None]
+    t = torch.arange(T, device="cuda")[:, None]
+    if shared is None:
+        first = Tk - T + t - window + 1
+        return (torch.rand(T, window, device="cuda").topk(topk, dim=-1).indices + first).int()[:, None]
+    first = Tk - T + t // group * group - window + 1
+    common = int(shared * topk)
+    score = torch.rand(T // group, window, device="cuda").repeat_interleave(group, 0)
+    mine = score.topk(common, dim=-1).indices
+    own = torch.rand(T, window, device="cuda").scatter_(1, mine, -1.0).topk(topk - common, dim=-1).indices
+    return (torch.cat([mine, own], 1) + first).int()[:, None]
 
 
 def union_share(idx: torch.Tensor, group: int) -> float:
@@ -146,30 +167,27 @@ def union_share(idx: torch.Tensor, group: int) -> float:
 def bench_heads() -> list[Result]:
     """SFA forward and SFAG (atomic dkv) at every head count of HEAD_CASES, T 4096, Tk 8192, topk 2048,
     gated, distinct keys per query drawn at random (from all keys, or from a window before the
-    query: neighbouring queries then share more keys); each case's TFLOP/s printed beside its
+    query: neighbouring queries then share more keys, or with a set share of their keys in common
+    with their packed block's queries: index_sets); each case's TFLOP/s printed beside its
     layout's H 64 on random sets. Below 64 heads the MLA kernels pack 64 / H queries a block: the
     share of the block's slots that its union keeps (1/group: every query chose the same keys; 1:
     no key shared) is printed with it."""
     T, Tk, dv, topk = 4096, 8192, 512, 2048
     ops = torch.ops.kda_dsa_ops
     results, at64 = [], {}
-    for H, Dqk, window in HEAD_CASES:
+    for H, Dqk, window, shared in HEAD_CASES:
         torch.manual_seed(0)
         q = torch.randn(T, H, Dqk, device="cuda", dtype=BF16)
         kv = torch.randn(Tk, 1, Dqk, device="cuda", dtype=BF16)
         gate = torch.randn(T, H, dv, device="cuda", dtype=BF16)
-        if window is None:
-            idx = torch.rand(T, Tk, device="cuda").topk(topk, dim=-1).indices.int()[:, None]
-        else:
-            first = Tk - T + torch.arange(T, device="cuda")[:, None] - window + 1
-            idx = (torch.rand(T, window, device="cuda").topk(topk, dim=-1).indices + first).int()[:, None]
+        idx = index_sets(T, Tk, topk, window, shared, max(64 // H, 1))
         scale = Dqk ** -0.5
         o, lse, _ = K.sparse_attention(q, kv, idx, scale, dv, gate)
         do = torch.randn_like(o)
-        shape = dict(T=T, Tk=Tk, H=H, Dqk=Dqk, dv=dv, topk=topk, window=window)
+        shape = dict(T=T, Tk=Tk, H=H, Dqk=Dqk, dv=dv, topk=topk, window=window, shared=shared)
         fwd = bench_ms(lambda: ops.sparse_attn_fwd(q, kv, idx, scale, dv, gate, False))
         bwd = bench_ms(lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, False))
-        sets = "" if window is None else f" window {window}"
+        sets = ("" if window is None else f" window {window}") + ("" if shared is None else f" shared {shared}")
         for name, ms, flops in ((f"SFA fwd H{H} {Dqk}/{dv}{sets}", fwd, 2 * T * topk * H * (Dqk + dv)),
                                 (f"SFAG H{H} {Dqk}/{dv}{sets}", bwd, 2 * T * topk * H * (2 * dv + 3 * Dqk))):
             r = Result("dsa", name, shape, ms, flops, extra={"union": round(union_share(idx, 64 // H), 3)} if H < 64 else {})
