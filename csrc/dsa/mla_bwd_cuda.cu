@@ -224,12 +224,18 @@ __device__ __forceinline__ void mla_bwd_herald(const AttnBwdArgs& a, MlaBwdShare
   const int32_t* sel = a.indices + t * a.topk;
   const int* before = a.progress + u - a.classes;
   int* const mine = a.progress + u;
-  int seen = u >= a.classes ? 0 : static_cast<int>(a.Tk);
+  const int Tk = static_cast<int>(a.Tk);
+  int seen = u >= a.classes ? 0 : Tk;
+  const auto read_before = [&] {
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(before) : "memory");
+  };
+  const auto publish = [&](int word) {  // after a fence
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(mine), "r"(word) : "memory");
+  };
   const auto wait_past = [&](int last) {
     if (seen > last) return;
-    do {
-      asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(before) : "memory");
-    } while (seen <= last);
+    do read_before();
+    while (seen <= last);
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
   };
   for (int i = 0; i < tiles; ++i) {
@@ -237,15 +243,12 @@ __device__ __forceinline__ void mla_bwd_herald(const AttnBwdArgs& a, MlaBwdShare
     wait_past(sel[min(next, int64_t{a.topk}) - 1]);  // the tile's keys, sorted, end with its last slot's
     sm90::mbar_arrive(&sh.cleared);
     sm90::mbar_wait(&sh.added, i & 1);
-    if (u >= a.classes && seen < a.Tk) {  // a later word of the turn before, read on the way
-      asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(before) : "memory");
-    }
+    if (seen < Tk) read_before();  // a later word of the turn before, on the way
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    const int word = next < a.topk ? min(sel[next], seen) : seen;
-    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(mine), "r"(word) : "memory");
+    publish(next < a.topk ? min(sel[next], seen) : seen);
   }
-  wait_past(static_cast<int>(a.Tk) - 1);  // done once the turn before is
-  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(mine), "r"(static_cast<int>(a.Tk)) : "memory");
+  wait_past(Tk - 1);  // done once the turn before is
+  publish(Tk);
 }
 
 // The ordered path adds a key repeated within the query once, by its first copy, times its copies
