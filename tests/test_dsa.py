@@ -172,10 +172,17 @@ def test_lightning_indexer_bwd_matches_reference(seed, lens, topk, dtype):
         assert_close(a, b, dtype, name, scale=dw_terms(q, k, idx, g) if name == "dw" else None)
 
 
-def attn_case(T, Tk, H, Hkv, D, dv, topk, dtype, gated, empty_rows=True):
+def attn_case(T, Tk, H, Hkv, D, dv, topk, dtype, gated, empty_rows=True, repeats=True):
+    """repeats=False: each query's keys distinct (as an indexer's top-k are), but for query T // 3,
+    which chooses key 0 twice."""
     q = torch.randn(T, H, D).to(dtype)
     kv = torch.randn(Tk, Hkv, D).to(dtype)
-    idx = torch.randint(-1, Tk, (T, Hkv, topk), dtype=torch.int32)  # repeats and -1 entries included
+    if repeats:
+        idx = torch.randint(-1, Tk, (T, Hkv, topk), dtype=torch.int32)  # repeats and -1 entries included
+    else:  # the first topk of a random order of the keys and topk -1 entries
+        idx = torch.rand(T, Hkv, Tk + topk).argsort(-1)[..., :topk].int()
+        idx[idx >= Tk] = -1
+        idx[T // 3, :, :2] = 0
     if empty_rows and T > 1:
         idx[T // 2] = -1  # a query with no key at all
     gate = torch.randn(T, H, dv).to(dtype) if gated else None
@@ -488,11 +495,11 @@ MLA = (1, 576, 512)
 NOPE = (1, 512, 512)  # GLM-5.3's MLA without rope dims
 
 
-def check_cuda_attention(seed, T, Tk, layout, G, topk, gated, return_p, portable, dtype):
+def check_cuda_attention(seed, T, Tk, layout, G, topk, gated, return_p, portable, dtype, repeats=True):
     """The CUDA op's o, lse, p and gradients against the float64 reference on the same inputs."""
     torch.manual_seed(seed)
     Hkv, D, dv = layout
-    q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated)
+    q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated, repeats=repeats)
     ins = [t.cuda().requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
     poison("cuda")
     with portable_sfa(portable):
@@ -535,12 +542,14 @@ def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, g
 @pytest.mark.parametrize("layout", [MLA, NOPE])
 @pytest.mark.parametrize("G", [8, 16, 32])
 @pytest.mark.parametrize("T, Tk, topk", [(13, 30, 64), (9, 2000, 100), (17, 5000, 2063)])
-def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, topk):
+@pytest.mark.parametrize("repeats", [True, False])
+def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, topk, repeats):
     """With 8, 16 or 32 heads the Hopper MLA kernels take 64 / G queries a block: the union of their
     selections, each row masked to its own query's keys, as many copies of a key as its query has.
-    Keys shared by most of a block's queries and repeated (Tk 30), by few (Tk 2000, 5000); T not a
-    multiple of the block (a short last block); a query without keys; gated, with p."""
-    check_cuda_attention(T + G, T, Tk, layout, G, topk, True, True, False, torch.bfloat16)
+    Keys shared by most of a block's queries (Tk 30), by few (Tk 2000, 5000); T not a multiple of
+    the block (a short last block); a query without keys; gated, with p. Keys repeated within a
+    query (the blocks' entries sorted), or distinct but in one query (the other blocks counted)."""
+    check_cuda_attention(T + G, T, Tk, layout, G, topk, True, True, False, torch.bfloat16, repeats)
 
 
 @pytest.mark.cuda

@@ -27,15 +27,19 @@ def main():
         torch.autograd.grad(sc.masked_fill(idx < 0, 0).sum(), (q, k, w))
     # sparse attention: MLA with two head blocks, GLM-5.3's NoPE MLA with more keys than the
     # indexer's 2048 (its pooled selection's tail), MLA with 8 heads (8 queries packed in a block,
-    # the last block short), MLA with more items than SMs (the forward's blocks take several), GQA
-    # with padded head dims; -1 entries, repeats
+    # the last block short; with 16 heads and distinct keys per query, 4 packed by counting), MLA
+    # with more items than SMs (the forward's blocks take several), GQA with padded head dims; -1
+    # entries, repeats
     for T, Tk, H, Hkv, D, dv, topk in ((3, 70, 128, 1, 576, 512, 100), (2, 90, 40, 1, 512, 512, 2063),
-                                       (11, 50, 8, 1, 576, 512, 70), (150, 200, 128, 1, 576, 512, 150),
-                                       (5, 9, 6, 2, 40, 24, 33)):
+                                       (11, 50, 8, 1, 576, 512, 70), (11, 300, 16, 1, 576, 512, 70),
+                                       (150, 200, 128, 1, 576, 512, 150), (5, 9, 6, 2, 40, 24, 33)):
         q = torch.randn(T, H, D, device=dev, dtype=bf16, requires_grad=True)
         kv = torch.randn(Tk, Hkv, D, device=dev, dtype=bf16, requires_grad=True)
         gate = torch.randn(T, H, dv, device=dev, dtype=bf16, requires_grad=True)
-        idx = torch.randint(-1, Tk, (T, Hkv, topk), device=dev, dtype=torch.int32)
+        if H == 16:
+            idx = torch.rand(T, Hkv, Tk, device=dev).argsort(-1)[..., :topk].int()
+        else:
+            idx = torch.randint(-1, Tk, (T, Hkv, topk), device=dev, dtype=torch.int32)
         # MLA: the Hopper forward (with and without p) and backward (atomic and deterministic
         # dkv; 8, 40 and 128 heads), and the portable ones
         for det, want_p, portable in ((False, True, False), (True, False, False), (False, True, True)):

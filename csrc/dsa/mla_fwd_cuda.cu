@@ -662,6 +662,27 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
 #endif
 }
 
+// The packed blocks' deal (AttnFwdArgs::order): item i's rank among the lengths, longest first (in
+// index order among equals), and its place in the order: rank, in reverse within each odd round of
+// `blocks` ranks. A warp an item.
+constexpr int kDealThreads = 256;
+struct DealArgs {
+  const int32_t* lengths;
+  int items, blocks;
+  int32_t* order;
+};
+
+__global__ void __launch_bounds__(kDealThreads) deal_kernel(const DealArgs a) {
+  const int i = blockIdx.x * (kDealThreads / 32) + threadIdx.x / 32;
+  if (i >= a.items) return;
+  const int32_t mine = a.lengths[i];
+  int rank = 0;
+  for (int j = threadIdx.x % 32; j < a.items; j += 32) rank += a.lengths[j] > mine || (a.lengths[j] == mine && j < i);
+  rank = __reduce_add_sync(~0u, rank);
+  const int first = rank / a.blocks * a.blocks, last = min(first + a.blocks, a.items) - 1;
+  if (threadIdx.x % 32 == 0) a.order[rank / a.blocks % 2 == 1 ? first + last - rank : rank] = i;
+}
+
 }  // namespace
 
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q) {
@@ -686,12 +707,11 @@ void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
       // Packed blocks' unions differ in length: they are dealt longest first, each round of
       // `blocks` items in the direction opposite to the last, so that the blocks' shares even out.
       at::Tensor order;
-      if (pk.lengths.defined()) {
-        const at::Tensor k = at::arange(items, pk.lengths.options().dtype(at::kLong));  // one head block each
-        const at::Tensor round = k.div(blocks, "floor"), first = round * blocks;
-        const at::Tensor last = at::clamp_max(first + blocks, items) - 1;
-        const at::Tensor dealt = at::where(round.remainder(2).eq(1), first + last - k, k);
-        order = std::get<1>(pk.lengths.sort(false, 0, true)).index_select(0, dealt).to(at::kInt);
+      if (pk.lengths.defined()) {  // one head block each
+        order = at::empty({items}, pk.lengths.options());
+        const DealArgs deal{pk.lengths.data_ptr<int32_t>(), static_cast<int>(items), static_cast<int>(blocks),
+                            order.data_ptr<int32_t>()};
+        kda_dsa_ops::dsa::launch(deal_kernel, dim3(ceil_div(items, kDealThreads / 32)), kDealThreads, 0, deal);
         a.order = order.data_ptr<int32_t>();
       }
       const auto kernel = mla_fwd_kernel<scalar_t, M>;

@@ -1,6 +1,8 @@
-// Queries packed into the Hopper MLA kernels' blocks (QueryPack, dsa_cuda.cuh): one CTA per block of
-// `group` queries sorts their group x topk entries (key, query) in shared memory and lays out the
-// union of their selections, with each slot's queries and each entry's slot.
+// Queries packed into the Hopper MLA kernels' blocks (QueryPack, dsa_cuda.cuh): the union of a block
+// of `group` queries' selections, with each slot's queries and each entry's slot. Where the keys fit
+// in shared memory one CTA a block marks each key's queries in a word per key and numbers the
+// marked keys (count_kernel); a block in which a query chose a key twice, or any block past that
+// many keys, sorts its group x topk entries (key, query) instead (sort_kernel).
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cub/block/block_discontinuity.cuh>
@@ -19,16 +21,103 @@ namespace {
 // for 8 and 16 entries a thread take the smaller blocks).
 constexpr int kPackThreads = 512;
 constexpr int64_t kPackEntries = kPackThreads * 32;
+// count_kernel's words (one a key, 32 a warp at least): 192 KB of shared memory at most; the entries
+// a thread loads at once.
+constexpr int64_t kCountWords = 48 * 1024;
+constexpr int kBatch = 16;
 
 struct PackArgs {
   const int32_t* indices;  // [T, topk]
   int64_t T, Tk;
   int topk, group, bits;  // bits: of the largest sort key, group x Tk (an entry without a key)
+  int chunk;              // count_kernel: keys a warp numbers (a multiple of 32)
+  bool repeats_only;      // sort_kernel: only the blocks count_kernel left (lengths -1)
   int32_t* union_idx;     // [blocks, group x topk]
   uint8_t* member;        // [blocks, group x topk]
   int32_t* lengths;       // [blocks]
   int64_t* slot_of;       // [blocks x group, topk], nullptr: not asked for
 };
+
+// Entry `place` (query g, slot s as g topk + s) of block b: its key, -1 without one.
+__device__ __forceinline__ int32_t key_of(const PackArgs& a, int64_t b, uint32_t place) {
+  const int64_t t = b * a.group + place / a.topk;
+  const int32_t k = place < static_cast<uint32_t>(a.group * a.topk) && t < a.T ? a.indices[t * a.topk + place % a.topk]
+                                                                               : -1;
+  return k >= 0 && k < a.Tk ? k : -1;
+}
+
+// words[k]: bits 0-7 the block's queries that chose key k (group <= 8), from bit 8 the key's slot.
+// The slots go in key order, as sort_kernel lays them out: warp w numbers keys w chunk .., 32 at a
+// time, so that its stores of a run of slots are one request.
+__global__ void __launch_bounds__(kPackThreads) count_kernel(const PackArgs a) {
+  constexpr int kWarps = kPackThreads / 32;
+  __shared__ int marked_by[kWarps];  // marked keys per warp
+  extern __shared__ uint4 words4[];
+  uint32_t* words = reinterpret_cast<uint32_t*>(words4);
+  const int64_t b = blockIdx.x, row = b * a.group * a.topk;
+  const int n = a.group * a.topk, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < a.chunk * kWarps / 4; i += kPackThreads) words4[i] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  // f(entry, its query, its key) over the block's entries (entry g topk + j: query g's j-th key),
+  // kBatch loads a thread in flight at once
+  const auto each_entry = [&](auto&& f) {
+    int g = threadIdx.x / a.topk, j = threadIdx.x % a.topk;
+    for (int e0 = threadIdx.x; e0 < n; e0 += kBatch * kPackThreads) {
+      int32_t k[kBatch];
+      int gk[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int64_t t = b * a.group + g;
+        k[i] = e0 + i * kPackThreads < n && t < a.T ? a.indices[t * a.topk + j] : -1;
+        gk[i] = g;
+        for (j += kPackThreads; j >= a.topk; j -= a.topk) ++g;
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) f(e0 + i * kPackThreads, gk[i], k[i] >= 0 && k[i] < a.Tk ? k[i] : -1);
+    }
+  };
+  bool repeat = false;
+  each_entry([&](int, int g, int32_t k) {
+    if (k >= 0) repeat |= (atomicOr(words + k, 1u << g) >> g & 1u) != 0;
+  });
+  if (__syncthreads_or(repeat)) {
+    if (threadIdx.x == 0) a.lengths[b] = -1;
+    return;
+  }
+  const int k0 = warp * a.chunk;
+  int count = 0;
+  for (int k = k0 + lane; k < k0 + a.chunk; k += 32) count += words[k] != 0;
+  count = __reduce_add_sync(~0u, count);
+  if (lane == 0) marked_by[warp] = count;
+  __syncthreads();
+  int slot = 0, length = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    slot += w < warp ? marked_by[w] : 0;
+    length += marked_by[w];
+  }
+  for (int k = k0 + lane; k < k0 + a.chunk; k += 32) {
+    const uint32_t w = words[k], marked = __ballot_sync(~0u, w != 0);
+    if (w != 0) {
+      const int s = slot + __popc(marked & ((1u << lane) - 1));
+      a.union_idx[row + s] = k;
+      a.member[row + s] = static_cast<uint8_t>(w);
+      words[k] = w | static_cast<uint32_t>(s) << 8;
+    }
+    slot += __popc(marked);
+  }
+  __syncthreads();
+  if (a.slot_of != nullptr) {
+    each_entry([&](int e, int, int32_t k) {
+      if (e < n) a.slot_of[row + e] = k >= 0 ? static_cast<int64_t>(words[k] >> 8) : -1;
+    });
+  }
+  for (int s = length + threadIdx.x; s < n; s += kPackThreads) {
+    a.union_idx[row + s] = -1;
+    a.member[row + s] = 0;
+  }
+  if (threadIdx.x == 0) a.lengths[b] = length;
+}
 
 // Each entry as key x group + query (group x Tk: no key), sorted: a key's entries are consecutive,
 // and among them one query's copies of it. Per entry, in the sorted order: copy, which of its
@@ -47,7 +136,8 @@ union PackShared {
 };
 
 template <int kItems>
-__global__ void __launch_bounds__(kPackThreads, 1) pack_kernel(const PackArgs a) {
+__global__ void __launch_bounds__(kPackThreads, 1) sort_kernel(const PackArgs a) {
+  if (a.repeats_only && a.lengths[blockIdx.x] >= 0) return;
   using Heads = cub::BlockDiscontinuity<uint32_t, kPackThreads>;
   using Scan = cub::BlockScan<int, kPackThreads>;
   extern __shared__ uint8_t smem_raw[];
@@ -56,15 +146,10 @@ __global__ void __launch_bounds__(kPackThreads, 1) pack_kernel(const PackArgs a)
   const int64_t b = blockIdx.x;
   const int n = a.group * a.topk, pos0 = threadIdx.x * kItems;
   const uint32_t none = static_cast<uint32_t>(a.group * a.Tk);
-  const auto key_of = [&](uint32_t place) {  // the entry's key, -1 without one
-    const int64_t t = b * a.group + place / a.topk;
-    const int32_t k = place < static_cast<uint32_t>(n) && t < a.T ? a.indices[t * a.topk + place % a.topk] : -1;
-    return k >= 0 && k < a.Tk ? k : -1;
-  };
   uint32_t key[kItems], word[kItems];
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
-    const int32_t k = key_of(pos0 + i);
+    const int32_t k = key_of(a, b, pos0 + i);
     key[i] = k >= 0 ? static_cast<uint32_t>(k) * a.group + (pos0 + i) / a.topk : none;
     word[i] = pos0 + i;
   }
@@ -124,7 +209,7 @@ __global__ void __launch_bounds__(kPackThreads, 1) pack_kernel(const PackArgs a)
     const int slot = x[i] + static_cast<int>((word[i] >> 14) & kPlace);
     if (has) {
       atomicOr(sh.member + slot, 1u << (place / a.topk));
-      if (word[i] & kOpens) a.union_idx[row + slot] = key_of(place);
+      if (word[i] & kOpens) a.union_idx[row + slot] = key_of(a, b, place);
     }
     if (a.slot_of != nullptr && place < static_cast<uint32_t>(n)) a.slot_of[row + place] = has ? slot : -1;
   }
@@ -154,28 +239,35 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
   pk.member = at::empty({blocks, n}, opt.dtype(at::kByte));
   pk.lengths = at::empty({blocks}, opt);
   if (slots) pk.slot_of = at::empty({blocks * group, p.topk}, opt.dtype(at::kLong));
+  const int chunk = static_cast<int>(ceil_div(p.Tk, kPackThreads) * 32);
   PackArgs a{indices.data_ptr<int32_t>(),
              p.T,
              p.Tk,
              static_cast<int>(p.topk),
              static_cast<int>(group),
              0,
+             chunk,
+             false,
              pk.indices.data_ptr<int32_t>(),
              pk.member.data_ptr<uint8_t>(),
              pk.lengths.data_ptr<int32_t>(),
              slots ? pk.slot_of.data_ptr<int64_t>() : nullptr};
   while ((uint64_t{1} << a.bits) <= static_cast<uint64_t>(group * p.Tk)) ++a.bits;
   const c10::cuda::CUDAGuard guard(q.device());
-  const auto run = [&](auto items) {
+  if (int64_t{chunk} * (kPackThreads / 32) <= kCountWords) {
+    launch(count_kernel, dim3(blocks), kPackThreads, sizeof(uint32_t) * chunk * (kPackThreads / 32), a);
+    a.repeats_only = true;
+  }
+  const auto sort = [&](auto items) {
     constexpr int kItems = decltype(items)::value;
-    launch(pack_kernel<kItems>, dim3(blocks), kPackThreads, sizeof(PackShared<kItems>), a);
+    launch(sort_kernel<kItems>, dim3(blocks), kPackThreads, sizeof(PackShared<kItems>), a);
   };
   if (n <= kPackThreads * 8) {
-    run(std::integral_constant<int, 8>{});
+    sort(std::integral_constant<int, 8>{});
   } else if (n <= kPackThreads * 16) {
-    run(std::integral_constant<int, 16>{});
+    sort(std::integral_constant<int, 16>{});
   } else {
-    run(std::integral_constant<int, 32>{});
+    sort(std::integral_constant<int, 32>{});
   }
   if (slots) pk.slot_of = pk.slot_of.narrow(0, 0, p.T);
   pk.group = group;
