@@ -7,10 +7,12 @@ SFA      T = 4096, Tk = 8192, H = 64 and 128, Dqk = 576, dv = 512 (MLA), topk = 
          and backward (SFAG, atomic and deterministic dkv) vs gather + einsum + softmax in chunks.
 heads    the same shape at H = 8, 16, 32, 64, 128 (MLA 576/512) and GLM-5.3's NoPE 512/512 at H = 16
          and 64: SFA forward and SFAG TFLOP/s, random index sets (the small head counts' share of H 64).
+gqa      4 kv heads of 128 / 128 with G = 8, 16, 32, 64, 128 query heads each, random index sets: SFA
+         forward and SFAG TFLOP/s (each G's share of G 64).
 shared   GLM-5.3-Flash's sparse attention layer (its layer group's config), 8192 tokens, forward +
          backward: with its own indexer and as a shared-indexer layer (the indices of an earlier one).
 
-    python bench/bench_dsa.py [--quick] [--parts li sfa heads shared] [--out DIR]
+    python bench/bench_dsa.py [--quick] [--parts li sfa heads gqa shared] [--out DIR]
 """
 
 from __future__ import annotations
@@ -164,6 +166,31 @@ def union_share(idx: torch.Tensor, group: int) -> float:
     return float(((rows[:, 1:] != rows[:, :-1]).sum(1) + 1).float().mean()) / (group * topk)
 
 
+def fwd_and_sfag(q, kv, idx, gate, label: str, shape: dict, extra: dict) -> list[Result]:
+    """SFA forward and SFAG (atomic dkv) of one case, timed: "SFA fwd <label>", "SFAG <label>"."""
+    ops = torch.ops.kda_dsa_ops
+    (T, H, Dqk), dv, topk = q.shape, gate.shape[-1], idx.shape[-1]
+    scale = Dqk ** -0.5
+    o, lse, _ = K.sparse_attention(q, kv, idx, scale, dv, gate)
+    do = torch.randn_like(o)
+    fwd = bench_ms(lambda: ops.sparse_attn_fwd(q, kv, idx, scale, dv, gate, False))
+    bwd = bench_ms(lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, False))
+    return [Result("dsa", f"SFA fwd {label}", shape, fwd, 2 * T * topk * H * (Dqk + dv), extra=extra),
+            Result("dsa", f"SFAG {label}", shape, bwd, 2 * T * topk * H * (2 * dv + 3 * Dqk), extra=extra)]
+
+
+def print_beside(results: list[Result], layout, full) -> None:
+    """Each result's TFLOP/s and its share of the same kind's (forward, SFAG) on the same layout(r)
+    where full(r) (64 heads a kv head, random sets), with the packed block's union share where
+    measured."""
+    at = {(r.name.split(" ")[0], layout(r)): r.tflops() for r in results if full(r)}
+    for r in results:
+        key = (r.name.split(" ")[0], layout(r))
+        share = f", {r.tflops() / at[key]:.0%} of 64 heads" if key in at and not full(r) else ""
+        union = f", union {r.extra['union']:.2f}" if "union" in r.extra else ""
+        print(f"{r.name}: {r.ms:.3f} ms, {r.tflops():.0f} TFLOP/s{share}{union}", flush=True)
+
+
 def bench_heads() -> list[Result]:
     """SFA forward and SFAG (atomic dkv) at every head count of HEAD_CASES, T 4096, Tk 8192, topk 2048,
     gated, distinct keys per query drawn at random (from all keys, or from a window before the
@@ -173,35 +200,40 @@ def bench_heads() -> list[Result]:
     share of the block's slots that its union keeps (1/group: every query chose the same keys; 1:
     no key shared) is printed with it."""
     T, Tk, dv, topk = 4096, 8192, 512, 2048
-    ops = torch.ops.kda_dsa_ops
-    results, at64 = [], {}
+    results = []
     for H, Dqk, window, shared in HEAD_CASES:
         torch.manual_seed(0)
         q = torch.randn(T, H, Dqk, device="cuda", dtype=BF16)
         kv = torch.randn(Tk, 1, Dqk, device="cuda", dtype=BF16)
         gate = torch.randn(T, H, dv, device="cuda", dtype=BF16)
         idx = index_sets(T, Tk, topk, window, shared, max(64 // H, 1))
-        scale = Dqk ** -0.5
-        o, lse, _ = K.sparse_attention(q, kv, idx, scale, dv, gate)
-        do = torch.randn_like(o)
         shape = dict(T=T, Tk=Tk, H=H, Dqk=Dqk, dv=dv, topk=topk, window=window, shared=shared)
-        fwd = bench_ms(lambda: ops.sparse_attn_fwd(q, kv, idx, scale, dv, gate, False))
-        bwd = bench_ms(lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, False))
         sets = ("" if window is None else f" window {window}") + ("" if shared is None else f" shared {shared}")
-        for name, ms, flops in ((f"SFA fwd H{H} {Dqk}/{dv}{sets}", fwd, 2 * T * topk * H * (Dqk + dv)),
-                                (f"SFAG H{H} {Dqk}/{dv}{sets}", bwd, 2 * T * topk * H * (2 * dv + 3 * Dqk))):
-            r = Result("dsa", name, shape, ms, flops, extra={"union": round(union_share(idx, 64 // H), 3)} if H < 64 else {})
-            results.append(r)
-            kind = name.split(" H")[0]
-            if H == 64:
-                at64[(kind, Dqk)] = r.tflops()
-        del q, kv, gate, idx, o, lse, do
+        results += fwd_and_sfag(q, kv, idx, gate, f"H{H} {Dqk}/{dv}{sets}", shape,
+                                {"union": round(union_share(idx, 64 // H), 3)} if H < 64 else {})
+        del q, kv, gate, idx
         torch.cuda.empty_cache()
-    for r in results:
-        kind, Dqk = r.name.split(" H")[0], r.shape["Dqk"]
-        share = f", {r.tflops() / at64[(kind, Dqk)]:.0%} of H 64" if (kind, Dqk) in at64 else ""
-        union = f", union {r.extra['union']:.2f}" if r.extra else ""
-        print(f"{r.name}: {r.ms:.3f} ms, {r.tflops():.0f} TFLOP/s{share}{union}", flush=True)
+    print_beside(results, lambda r: r.shape["Dqk"], lambda r: r.shape["H"] == 64 and r.shape["window"] is None)
+    return results
+
+
+def bench_gqa() -> list[Result]:
+    """GQA on the mma.sync kernels: 4 kv heads of Dqk = dv = 128, G = 8 .. 128 query heads each, T 4096,
+    Tk 8192, topk 2048 per kv head, random index sets, gated: SFA forward and SFAG TFLOP/s beside
+    G 64's."""
+    T, Tk, topk, Hkv, D = 4096, 8192, 2048, 4, 128
+    results = []
+    for G in (8, 16, 32, 64, 128):
+        torch.manual_seed(0)
+        q = torch.randn(T, Hkv * G, D, device="cuda", dtype=BF16)
+        kv = torch.randn(Tk, Hkv, D, device="cuda", dtype=BF16)
+        gate = torch.randn(T, Hkv * G, D, device="cuda", dtype=BF16)
+        idx = torch.rand(T, Hkv, Tk, device="cuda").topk(topk, dim=-1).indices.int()
+        shape = dict(T=T, Tk=Tk, Hkv=Hkv, G=G, Dqk=D, dv=D, topk=topk)
+        results += fwd_and_sfag(q, kv, idx, gate, f"GQA {Hkv}x{G} {D}/{D}", shape, {})
+        del q, kv, gate, idx
+        torch.cuda.empty_cache()
+    print_beside(results, lambda r: "gqa", lambda r: r.shape["G"] == 64)
     return results
 
 
@@ -253,7 +285,7 @@ def bench_shared() -> list[Result]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half the sequence lengths, H = 64 only")
-    parser.add_argument("--parts", nargs="+", choices=["li", "sfa", "heads", "shared"], default=["li", "sfa"],
+    parser.add_argument("--parts", nargs="+", choices=["li", "sfa", "heads", "gqa", "shared"], default=["li", "sfa"],
                         help="which ops to time (default li and sfa)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
@@ -262,6 +294,7 @@ def main():
     results = ((bench_indexer(args.quick) if "li" in args.parts else []) +
                (bench_attention(args.quick) if "sfa" in args.parts else []) +
                (bench_heads() if "heads" in args.parts else []) +
+               (bench_gqa() if "gqa" in args.parts else []) +
                (bench_shared() if "shared" in args.parts else []))
     print(write_results("dsa", results, ceilings, args.out))
 
