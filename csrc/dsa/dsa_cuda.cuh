@@ -19,7 +19,7 @@
 //   mla_bwd_cuda.cu       SFA backward for the MLA layout on sm_90a: a gathering producer warpgroup
 //                         and two wgmma consumer warpgroups, dkv by 16-byte atomics per 64 columns
 //   pack_cuda.cu          the MLA kernels' packed queries at 8, 16 or 32 heads (QueryPack): a block's
-//                         selections' union, sorted in shared memory
+//                         selections' union, counted (a word per key) or sorted in shared memory
 // The mma.sync kernels' warps are 16-row groups x 2 halves of the columns (keys or values).
 #pragma once
 
