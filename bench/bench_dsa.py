@@ -7,8 +7,9 @@ SFA      T = 4096, Tk = 8192, H = 64 and 128, Dqk = 576, dv = 512 (MLA), topk = 
          and backward (SFAG, atomic and deterministic dkv) vs gather + einsum + softmax in chunks.
 heads    the same shape at H = 8, 16, 32, 64, 128 (MLA 576/512) and GLM-5.3's NoPE 512/512 at H = 16
          and 64: SFA forward and SFAG TFLOP/s, random index sets (the small head counts' share of H 64).
-gqa      4 kv heads of 128 / 128 with G = 8, 16, 32, 64, 128 query heads each, random index sets: SFA
-         forward and SFAG TFLOP/s (each G's share of G 64).
+gqa      4 kv heads of 128 / 128 with G = 8, 16, 32, 64, 128 query heads each, random index sets, and
+         at G = 8, 16, 32 sets from a window and with shared keys: SFA forward and SFAG TFLOP/s (each
+         case's share of G 64 on random sets).
 shared   GLM-5.3-Flash's sparse attention layer (its layer group's config), 8192 tokens, forward +
          backward: with its own indexer and as a shared-indexer layer (the indices of an earlier one).
 
@@ -159,10 +160,11 @@ def index_sets(T: int, Tk: int, topk: int, window, shared, group: int) -> torch.
 
 
 def union_share(idx: torch.Tensor, group: int) -> float:
-    """The mean size of the union of `group` consecutive queries' index sets (distinct keys), over
-    `group` x topk: the share of a packed block's slots that are not a repeat of another query's."""
+    """The mean size of the union of `group` consecutive queries' index sets (distinct keys) on a kv
+    head, over `group` x topk: the share of a packed block's slots that are not a repeat of another
+    query's."""
     T, topk = idx.shape[0] // group * group, idx.shape[-1]
-    rows = idx[:T].reshape(T // group, group * topk).sort(1).values
+    rows = idx[:T].transpose(0, 1).reshape(-1, group * topk).sort(1).values
     return float(((rows[:, 1:] != rows[:, :-1]).sum(1) + 1).float().mean()) / (group * topk)
 
 
@@ -217,23 +219,31 @@ def bench_heads() -> list[Result]:
     return results
 
 
+# (G, window, shared) of the gqa part, as in HEAD_CASES.
+GQA_CASES = [(8, None, None), (16, None, None), (32, None, None), (64, None, None), (128, None, None),
+             (8, 4096, None), (16, 4096, None), (32, 4096, None), (8, 4096, 0.9), (16, 4096, 0.9)]
+
+
 def bench_gqa() -> list[Result]:
     """GQA on the mma.sync kernels: 4 kv heads of Dqk = dv = 128, G = 8 .. 128 query heads each, T 4096,
-    Tk 8192, topk 2048 per kv head, random index sets, gated: SFA forward and SFAG TFLOP/s beside
-    G 64's."""
+    Tk 8192, topk 2048 per kv head, gated, index sets as in bench_heads (each kv head its own): SFA
+    forward and SFAG TFLOP/s beside G 64's on random sets. Below 64 the kernels pack 64 / G queries
+    a block on each kv head: the union share is printed with it."""
     T, Tk, topk, Hkv, D = 4096, 8192, 2048, 4, 128
     results = []
-    for G in (8, 16, 32, 64, 128):
+    for G, window, shared in GQA_CASES:
         torch.manual_seed(0)
         q = torch.randn(T, Hkv * G, D, device="cuda", dtype=BF16)
         kv = torch.randn(Tk, Hkv, D, device="cuda", dtype=BF16)
         gate = torch.randn(T, Hkv * G, D, device="cuda", dtype=BF16)
-        idx = torch.rand(T, Hkv, Tk, device="cuda").topk(topk, dim=-1).indices.int()
-        shape = dict(T=T, Tk=Tk, Hkv=Hkv, G=G, Dqk=D, dv=D, topk=topk)
-        results += fwd_and_sfag(q, kv, idx, gate, f"GQA {Hkv}x{G} {D}/{D}", shape, {})
+        idx = torch.cat([index_sets(T, Tk, topk, window, shared, max(64 // G, 1)) for _ in range(Hkv)], 1)
+        shape = dict(T=T, Tk=Tk, Hkv=Hkv, G=G, Dqk=D, dv=D, topk=topk, window=window, shared=shared)
+        sets = ("" if window is None else f" window {window}") + ("" if shared is None else f" shared {shared}")
+        results += fwd_and_sfag(q, kv, idx, gate, f"GQA {Hkv}x{G} {D}/{D}{sets}", shape,
+                                {"union": round(union_share(idx, 64 // G), 3)} if G < 64 else {})
         del q, kv, gate, idx
         torch.cuda.empty_cache()
-    print_beside(results, lambda r: "gqa", lambda r: r.shape["G"] == 64)
+    print_beside(results, lambda r: "gqa", lambda r: r.shape["G"] == 64 and r.shape["window"] is None)
     return results
 
 

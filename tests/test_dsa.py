@@ -539,17 +539,37 @@ def test_sparse_attention_cuda_matches_reference(seed, T, Tk, layout, G, topk, g
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layout", [MLA, NOPE])
+@pytest.mark.parametrize("layout", [MLA, NOPE, (2, 128, 128), (4, 64, 48)])
 @pytest.mark.parametrize("G", [8, 16, 32])
 @pytest.mark.parametrize("T, Tk, topk", [(13, 30, 64), (9, 2000, 100), (17, 5000, 2063)])
 @pytest.mark.parametrize("repeats", [True, False])
 def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, topk, repeats):
-    """With 8, 16 or 32 heads the Hopper MLA kernels take 64 / G queries a block: the union of their
-    selections, each row masked to its own query's keys, as many copies of a key as its query has.
-    Keys shared by most of a block's queries (Tk 30), by few (Tk 2000, 5000); T not a multiple of
-    the block (a short last block); a query without keys; gated, with p. Keys repeated within a
-    query (the blocks' entries sorted), or distinct but in one query (the other blocks counted)."""
-    check_cuda_attention(T + G, T, Tk, layout, G, topk, True, True, False, torch.bfloat16, repeats)
+    """With 8, 16 or 32 heads a kv head the kernels take 64 / G queries a block on each kv head (the
+    Hopper MLA ones with p, the mma.sync ones without): the union of their selections, each row
+    masked to its own query's keys, as many copies of a key as its query has. Keys shared by most of
+    a block's queries (Tk 30), by few (Tk 2000, 5000); T not a multiple of the block (a short last
+    block); a query without keys; gated. Keys repeated within a query (the blocks' entries sorted),
+    or distinct but in one query (the other blocks counted)."""
+    mla = layout[0] == 1
+    check_cuda_attention(T + G, T, Tk, layout, G, topk, True, mla, False, torch.bfloat16, repeats)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout, G, return_p, portable, packed",
+                         [((2, 128, 128), 8, False, False, True), ((2, 128, 128), 32, False, False, True),
+                          ((2, 128, 128), 64, False, False, False), ((2, 128, 128), 16, True, False, False),
+                          (MLA, 16, True, False, True), (MLA, 16, False, True, True),
+                          (MLA, 16, True, True, False)])
+def test_sparse_attention_cuda_packs_where_it_should(layout, G, return_p, portable, packed):
+    """The pack runs (its kernels appear in the profile) with 8, 16 or 32 heads a kv head, except on
+    the mma.sync kernels when the probabilities are asked for."""
+    Hkv, D, dv = layout
+    q, kv, idx, _ = attn_case(6, 50, Hkv * G, Hkv, D, dv, 16, torch.bfloat16, False, repeats=False)
+    with portable_sfa(portable), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        K.sparse_attention(q.cuda(), kv.cuda(), idx.cuda(), 0.1, dv, return_p=return_p)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("count_kernel" in n for n in names) == packed, names
 
 
 @pytest.mark.cuda
@@ -566,13 +586,15 @@ def test_sparse_attention_cuda_blocks_take_several_items(layout, G, return_p):
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout, G, T, topk", [(MLA, 64, 64, 256), (NOPE, 64, 64, 256), ((2, 128, 128), 64, 64, 256),
                                                 (MLA, 128, 64, 256), (MLA, 8, 64, 256), (MLA, 64, 300, 4096),
-                                                (MLA, 8, 300, 4096)])
+                                                (MLA, 8, 300, 4096), ((2, 128, 128), 8, 64, 256),
+                                                ((2, 128, 128), 16, 300, 4096)])
 def test_sparse_attention_cuda_deterministic_dkv(layout, G, T, topk):
     """deterministic=True: dkv bitwise equal over repeated runs, and equal to the atomic path
     within rounding. Keys are chosen by many queries (Tk small) so the order of the sums matters,
     and repeated within a query. The Hopper MLA blocks of 64 heads add in turn order (two head
     blocks a query at 128); with 8 heads (MLA) the queries are packed 8 to a block and store their
-    contributions for the ordered sum, 300 queries of 4096 keys in several chunks."""
+    contributions for the ordered sum, 300 queries of 4096 keys in several chunks; so do GQA's
+    packed blocks (8 and 16 heads a kv head) on the mma.sync kernels."""
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, 40, Hkv * G, Hkv, D, dv, topk, torch.bfloat16, True)
     q, kv, idx, gate = q.cuda().requires_grad_(), kv.cuda().requires_grad_(), idx.cuda(), gate.cuda()

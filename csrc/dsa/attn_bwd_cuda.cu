@@ -2,7 +2,7 @@
 // the attention output and delta = rowsum(dO * o) (the gate folded in):
 //   dS = scale P * (dA V^T - delta) (elementwise),  dq = dS K,
 //   dkv[s] += dS^T q (key columns) + P^T dA (value columns),  dgate = dO * o * (1 - sigmoid(gate)).
-// The forward's blocks, key tiles of 32: dq in registers, dkv added to an fp32 buffer with 16-byte
+// The forward's blocks (packed queries included), key tiles of 32: dq in registers, dkv added to an fp32 buffer with 16-byte
 // atomics, or, deterministic, stored per (query, slot) and summed in index order afterwards.
 // The MLA layouts above 16 heads per kv head take mla_bwd_cuda.cu's kernel on sm_90a instead.
 #include <c10/cuda/CUDAGuard.h>
@@ -41,18 +41,18 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   float* delta = reinterpret_cast<float*>(sDS + kRows * S::kLdP);
   float* lse2 = delta + kRows;
   int* sIdx = reinterpret_cast<int*>(lse2 + kRows);  // [kStages][kKeys]
+  uint8_t* sHas = reinterpret_cast<uint8_t*>(sIdx + S::kStages * S::kKeys);  // [kStages][kKeys]
 
-  const T* kv = static_cast<const T*>(a.kv);
   const T* gate = static_cast<const T*>(a.gate);
   const T* grad_o = static_cast<const T*>(a.grad_o);
   const T* o = static_cast<const T*>(a.o_in);
-  const auto [t, kvh, head0, rows, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] =
-      attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
+  const AttnBlock blk = attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
+  const auto [t, kvh, head0, rows, length, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] = blk;
   const int kdv = round16(a.dv);
   // delta = sum(grad_o * o) (o gated), dgate = grad_o * o * (1 - sigmoid(gate)).
   for (int r = warp; r < kRows; r += S::kWarps) {
-    const bool valid = r < rows;
-    const int64_t row = t * a.H + head0 + r;
+    const int64_t qrow = blk.q_row(a, r);
+    const bool valid = qrow >= 0;
     float dsum = 0.f;
     // Every load of the row before the first store (dgate could alias them as far as the compiler
     // knows: loads after a store would each wait for the previous round trip).
@@ -62,9 +62,9 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     for (int k = 0; k < kPer; ++k) {
       const int d = lane + 32 * k;
       const bool in = valid && d < a.dv;
-      dd[k] = in ? to_float(grad_o[row * a.dv + d]) : 0.f;
-      od[k] = in ? to_float(o[row * a.dv + d]) : 0.f;
-      sg[k] = in && gate != nullptr ? to_float(gate[row * a.dv + d]) : 0.f;
+      dd[k] = in ? to_float(grad_o[qrow * a.dv + d]) : 0.f;
+      od[k] = in ? to_float(o[qrow * a.dv + d]) : 0.f;
+      sg[k] = in && gate != nullptr ? to_float(gate[qrow * a.dv + d]) : 0.f;
     }
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
       float s = 1.f;
       if (gate != nullptr) {
         s = sigmoidf(sg[k]);
-        if (valid && d < a.dv) static_cast<T*>(a.dgate)[row * a.dv + d] = from_float<T>(dd[k] * od[k] * (1.f - s));
+        if (valid && d < a.dv) static_cast<T*>(a.dgate)[qrow * a.dv + d] = from_float<T>(dd[k] * od[k] * (1.f - s));
       }
       dsum += dd[k] * od[k];
       sO[r * S::kLdO + d] = from_float<T>(dd[k] * s);
@@ -80,20 +80,20 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     dsum = warp_reduce(dsum, SumOp{});
     if (lane == 0) {
       delta[r] = dsum;
-      const float l = valid ? a.lse_in[row] : -INFINITY;
+      const float l = valid ? a.lse_in[qrow] : -INFINITY;
       lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // no key: every p = 0; NaN stays NaN
     }
   }
 
   float dq[S::kQTiles][4] = {};
-  KeyTiles<T, S::kStages, S::kKeys, SelectedRows<T, S::kKeys>> tiles{
-      sK, S::kLd, a.Dqk, kDqk, a.topk, SelectedRows<T, S::kKeys>{sIdx, idx, a.topk, a.Tk, a.Hkv, kvh, a.Dqk, kv}};
+  AttnTiles<T, S::kStages, S::kKeys> tiles = attn_tiles<T, S::kStages, S::kKeys, kDqk>(a, blk, sK, S::kLd, sIdx, sHas);
   tiles.start();
   int it = 0;
-  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys, ++it) {
+  for (int k0 = 0; k0 < length; k0 += S::kKeys, ++it) {
     const int b = tiles.ready(it, k0);
     const T* sKt = tiles.tile(b);
     const int* sIdxt = sIdx + b * S::kKeys;
+    const uint8_t* has = sHas + b * S::kKeys;
 
     // Logits and dP = dO V^T for rows wr * 16.., keys wc * 16...
     float s[2][4] = {}, dp[2][4] = {};
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int rr = r0 + 8 * (e / 2);
-        p[e] = sIdxt[col + (e & 1)] >= 0 ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
+        p[e] = has[col + (e & 1)] >> ((2 * wr + e / 2) >> a.row_shift) & 1 ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
         ds[e] = p[e] * (dp[j][e] - delta[rr]) * a.scale;
       }
       *reinterpret_cast<uint32_t*>(sP + r0 * S::kLdP + col) = pack2<T>(p[0], p[1]);
@@ -202,9 +202,9 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   T* dq_out = static_cast<T*>(a.dq);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int rr = r0 + 8 * h;
-    if (rr >= rows) continue;
-    T* dst = dq_out + (t * a.H + head0 + rr) * a.Dqk;
+    const int64_t row = blk.q_row(a, r0 + 8 * h);
+    if (row < 0) continue;
+    T* dst = dq_out + row * a.Dqk;
 #pragma unroll
     for (int n = 0; n < S::kQTiles; ++n) {
       store_pair_within(dst, wc * (kDqk / 2) + n * 8 + 2 * c, a.Dqk, dq[n][2 * h], dq[n][2 * h + 1]);

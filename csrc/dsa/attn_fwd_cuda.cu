@@ -2,8 +2,9 @@
 // mla_fwd_cuda.cu):
 //   o[t, h] = sigmoid(gate[t, h]) * sum_{s in sel(t)} softmax_s(scale q[t, h] . kv[s]) kv[s, :dv],
 //   lse[t, h], and with return_p the probabilities summed over the heads of each kv head.
-// One block per (query, kv head, block of up to 64 heads), key tiles of 64 (two in flight where
-// shared memory holds them), the online softmax in registers, P through shared memory into P V.
+// One block per (query or packed queries, kv head, block of up to 64 heads), key tiles of 64 (two in
+// flight where shared memory holds them), the online softmax in registers, P through shared memory
+// into P V.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/dispatch.h"
@@ -35,33 +36,36 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   float* red_sum = red_max + 2 * kRows;                             // [2][kRows]
   float* colsum = red_sum + 2 * kRows;                              // [kRows / 16][kKeys]
   int* sIdx = reinterpret_cast<int*>(colsum + kRows / 16 * S::kKeys);  // [kStages][kKeys]
+  uint8_t* sHas = reinterpret_cast<uint8_t*>(sIdx + S::kStages * S::kKeys);  // [kStages][kKeys]
 
-  const T* kv = static_cast<const T*>(a.kv);
-  const auto [t, kvh, head0, rows, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] =
-      attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
-  using Tiles = KeyTiles<T, S::kStages, S::kKeys, SelectedRows<T, S::kKeys>>;
-  const Tiles tiles0{sK, S::kLd, a.Dqk, kDqk, a.topk,
-                     SelectedRows<T, S::kKeys>{sIdx, idx, a.topk, a.Tk, a.Hkv, kvh, a.Dqk, kv}};
-  // Logits in log2 units for rows r0, r0 + 8 and keys wc * 32.. of tile buffer b (masked keys -inf).
+  const AttnBlock blk = attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
+  const auto [t, kvh, head0, rows, length, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] = blk;
+  using Tiles = AttnTiles<T, S::kStages, S::kKeys>;
+  const auto key_tiles = [&] { return attn_tiles<T, S::kStages, S::kKeys, kDqk>(a, blk, sK, S::kLd, sIdx, sHas); };
+  // Logits in log2 units for rows r0, r0 + 8 and keys wc * 32.. of tile buffer b (-inf where the
+  // row's query does not have the slot's key).
   const auto logits = [&](float (&s)[4][4], const Tiles& tiles, int b) {
     for (int j = 0; j < 4; ++j) {
       for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
     }
     warp_qk_16x32(s, sQ, tiles.tile(b), S::kLd, wr * 16, wc * 32, kd);
-    const int* slot = sIdx + b * S::kKeys;
+    const uint8_t* has = sHas + b * S::kKeys;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = slot[wc * 32 + j * 8 + 2 * c + (e & 1)] >= 0 ? s[j][e] * sl2 : -INFINITY;
+      for (int e = 0; e < 4; ++e) {
+        const bool in = has[wc * 32 + j * 8 + 2 * c + (e & 1)] >> ((2 * wr + e / 2) >> a.row_shift) & 1;
+        s[j][e] = in ? s[j][e] * sl2 : -INFINITY;
+      }
     }
   };
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   float o_acc[S::kVTiles][4] = {};
-  Tiles tiles = tiles0;
+  Tiles tiles = key_tiles();
   tiles.start();
   int it = 0;
-  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys, ++it) {
+  for (int k0 = 0; k0 < length; k0 += S::kKeys, ++it) {
     const int b = tiles.ready(it, k0);
     const T* sKt = tiles.tile(b);
     float s[4][4];
@@ -139,10 +143,9 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   float lse2[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int rr = r0 + 8 * h;
     lse2[h] = l_run[h] != 0.f ? m_run[h] + log2f(l_run[h]) : INFINITY;
-    if (rr >= rows) continue;
-    const int64_t row = t * a.H + head0 + rr;
+    const int64_t row = blk.q_row(a, r0 + 8 * h);
+    if (row < 0) continue;
     const float inv = l_run[h] != 0.f ? 1.f / l_run[h] : 0.f;
     // The gate eight value tiles at a time, loaded before their stores (which could alias it, as
     // far as the compiler knows; sigmoid(inf) = 1 where there is no gate).
@@ -169,11 +172,11 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   }
   if (a.probs == nullptr) return;
 
-  // Second pass: the final probabilities summed over the block's heads.
-  Tiles again = tiles0;
+  // Second pass: the final probabilities summed over the block's heads (unpacked: QueryPack).
+  Tiles again = key_tiles();
   again.start();
   it = 0;
-  for (int k0 = 0; k0 < a.topk; k0 += S::kKeys, ++it) {
+  for (int k0 = 0; k0 < length; k0 += S::kKeys, ++it) {
     const int b = again.ready(it, k0);
     float s[4][4];
     logits(s, again, b);

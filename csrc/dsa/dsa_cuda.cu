@@ -37,12 +37,12 @@ void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) 
               "got Dqk = ", p.Dqk, ", dv = ", p.dv);
 }
 
-// The (query, slot) probabilities of a packed forward ([blocks, group, group x topk], by union
-// slot) in the call's slots: [T, 1, topk], 0 where a slot has no key.
+// The (query, slot) probabilities of a packed Hopper MLA forward ([blocks, group, group x topk], by
+// union slot) in the call's slots: [T, 1, topk], 0 where a slot has no key.
 at::Tensor unpack_probs(const QueryPack& pk, const at::Tensor& packed) {
-  const int64_t T = pk.slot_of.size(0);
-  const at::Tensor rows = packed.view({-1, packed.size(2)}).narrow(0, 0, T);
-  return rows.gather(1, pk.slot_of.clamp_min(0)).masked_fill_(pk.slot_of.lt(0), 0.).unsqueeze(1);
+  const at::Tensor slot = pk.slot_of.squeeze(1);
+  const at::Tensor rows = packed.view({-1, packed.size(2)}).narrow(0, 0, slot.size(0));
+  return rows.gather(1, slot.clamp_min(0)).masked_fill_(slot.lt(0), 0.).unsqueeze(1);
 }
 
 }  // namespace

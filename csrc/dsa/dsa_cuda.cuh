@@ -18,7 +18,7 @@
 //                         buffer (atomically, or stored per (query, slot) and summed in index order)
 //   mla_bwd_cuda.cu       SFA backward for the MLA layout on sm_90a: a gathering producer warpgroup
 //                         and two wgmma consumer warpgroups, dkv by 16-byte atomics per 64 columns
-//   pack_cuda.cu          the MLA kernels' packed queries at 8, 16 or 32 heads (QueryPack): a block's
+//   pack_cuda.cu          packed queries at 8, 16 or 32 heads a kv head (QueryPack): a block's
 //                         selections' union, counted (a word per key) or sorted in shared memory
 // The mma.sync kernels' warps are 16-row groups x 2 halves of the columns (keys or values).
 #pragma once
@@ -150,6 +150,23 @@ struct SelectedRows {
   }
 };
 
+// The attention blocks' selected rows with the queries that have each slot's key in has[b][slot]:
+// bit g for the packed block's query g (its member row, AttnArgs::member), every bit unpacked, 0
+// without a key. The block's rows 8 o .. 8 o + 7 are one query's, query o >> AttnArgs::row_shift.
+template <typename T, int kKeys>
+struct AttnRows {
+  SelectedRows<T, kKeys> keys;
+  uint8_t* has;           // [stages][kKeys], shared
+  const uint8_t* member;  // the block's member row, nullptr unpacked
+  __device__ void slots(int b, int64_t k0) {
+    keys.slots(b, k0);
+    for (int i = threadIdx.x; i < kKeys; i += blockDim.x) {
+      has[b * kKeys + i] = keys.idx[b * kKeys + i] < 0 ? 0 : member != nullptr ? member[k0 + i] : 0xff;
+    }
+  }
+  __device__ const T* row(int b, int r) const { return keys.row(b, r); }
+};
+
 constexpr int kIdxRows = 64;  // indexer heads (Hi <= 64, padded)
 constexpr int kIdxKeys = 64;  // keys per tile
 constexpr int kIdxDim = 128;  // Di <= 128
@@ -166,13 +183,15 @@ struct AttnArgs {
   int Dqk, dv, topk, G, head_blocks;
   float scale;
   int64_t t0;
-  // The Hopper MLA kernels' packed queries (QueryPack): bit g of member[t, slot] says that the
-  // block's query g (rows query_rows g ..) chose the slot; nullptr: every row has the slot's key
-  // (query_rows 64). Rows from rows_total on (of q's T x H) are a packed block's padding.
-  // lengths[t]: block t's union length (its slots from there on are -1; nullptr: topk).
+  // Packed queries (QueryPack): `group` queries a block; bit g of member[t, kvh, slot] says that the
+  // block's query g (rows query_rows g .. of the kv head's) chose the slot; nullptr: every row has
+  // the slot's key (query_rows 64 for the Hopper MLA kernels). Rows from rows_total on (of q's
+  // T x H) are a packed block's padding. lengths[t, kvh]: the union's length (its slots from there
+  // on are -1; nullptr: topk).
   const uint8_t* member;
   const int32_t* lengths;
-  int query_rows;
+  int group, query_rows;
+  int row_shift;  // the mma.sync kernels' rows 8 o .. are packed query o >> row_shift's
   int64_t rows_total;
 };
 struct AttnFwdArgs : AttnArgs {
@@ -201,15 +220,29 @@ struct AttnBwdArgs : AttnArgs {
   int classes;
 };
 
-// One block's share of the attention: query t, kv head kvh, query heads head0.. (rows of them
-// valid), the selected keys sel of (t, kvh); the thread's place: warp, lane, accumulator row g
-// and column pair c of its fragments, row group wr, column half wc, rows r0 and r0 + 8; kd the
-// head dim rounded up to 16, sl2 the scale in log2 units.
+// q's row (of T x H) that row r of (query or packed block) t's kv head kvh holds: unpacked query
+// t's head kvh G + r; packed query t group + r / heads's head kvh heads + r % heads, with heads =
+// G / group the call's query heads a kv head (rows_total or more: padding).
+__device__ __forceinline__ int64_t attn_row(const AttnArgs& a, int64_t t, int kvh, int r) {
+  const int heads = a.G / a.group, stride = static_cast<int>(a.H) / a.group;
+  return (t * a.group + r / heads) * stride + int64_t{kvh} * heads + r % heads;
+}
+
+// One block's share of the attention: (query or packed block) t, kv head kvh, its rows head0.. of
+// the kv head's G (rows of them valid), the selected keys sel of (t, kvh), length of them used; the
+// thread's place: warp, lane, accumulator row g and column pair c of its fragments, row group wr,
+// column half wc, rows r0 and r0 + 8 (their queries' bits in a slot's has byte: (2 wr + h) >>
+// row_shift for row r0 + 8 h); kd the head dim rounded up to 16, sl2 the scale in log2 units.
 struct AttnBlock {
   int64_t t;
-  int kvh, head0, rows, warp, lane, g, c, wr, wc, r0, kd;
+  int kvh, head0, rows, length, warp, lane, g, c, wr, wc, r0, kd;
   float sl2;
   const int32_t* sel;
+  // q's row that the block's row r holds, -1 for none.
+  __device__ int64_t q_row(const AttnArgs& a, int r) const {
+    const int64_t row = attn_row(a, t, kvh, head0 + r);
+    return r < rows && row < a.rows_total ? row : -1;
+  }
 };
 
 // The block's place, and its query rows sent to shared memory (cp.async, committed with the first
@@ -219,8 +252,9 @@ __device__ AttnBlock attn_block(const AttnArgs& a, T* sQ, int ld) {
   AttnBlock b;
   b.t = a.t0 + blockIdx.x;
   b.kvh = blockIdx.y;
-  b.head0 = b.kvh * a.G + blockIdx.z * kRows;
-  b.rows = min(kRows, a.G - static_cast<int>(blockIdx.z) * kRows);
+  b.head0 = blockIdx.z * kRows;
+  b.rows = min(kRows, a.G - b.head0);
+  b.length = a.lengths != nullptr ? a.lengths[b.t * a.Hkv + b.kvh] : a.topk;
   b.warp = threadIdx.x / 32;
   b.lane = threadIdx.x % 32;
   b.g = b.lane / 4;
@@ -233,9 +267,23 @@ __device__ AttnBlock attn_block(const AttnArgs& a, T* sQ, int ld) {
   b.sel = a.indices + (b.t * a.Hkv + b.kvh) * a.topk;
   const T* q = static_cast<const T*>(a.q);
   gather_rows(sQ, ld, kRows, a.Dqk, kCols, [&](int r) {
-    return r < b.rows ? q + (b.t * a.H + b.head0 + r) * a.Dqk : static_cast<const T*>(nullptr);
+    const int64_t row = b.q_row(a, r);
+    return row >= 0 ? q + row * a.Dqk : static_cast<const T*>(nullptr);
   });
   return b;
+}
+
+// The block's key tiles: its selection's first `length` slots, the slots' keys in idx and rows in
+// has ([kStages][kKeys] each, shared).
+template <typename T, int kStages, int kKeys>
+using AttnTiles = KeyTiles<T, kStages, kKeys, AttnRows<T, kKeys>>;
+
+template <typename T, int kStages, int kKeys, int kCols>
+__device__ AttnTiles<T, kStages, kKeys> attn_tiles(const AttnArgs& a, const AttnBlock& b, T* sK, int ld, int* idx,
+                                                   uint8_t* has) {
+  const uint8_t* member = a.member != nullptr ? a.member + (b.t * a.Hkv + b.kvh) * a.topk : nullptr;
+  return {sK, ld, a.Dqk, kCols, b.length,
+          AttnRows<T, kKeys>{{idx, b.sel, a.topk, a.Tk, a.Hkv, b.kvh, a.Dqk, static_cast<const T*>(a.kv)}, has, member}};
 }
 
 // What the forward and backward blocks share: kRows query heads in 16-row groups x 2 column
@@ -249,9 +297,9 @@ struct AttnShape {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kLd = kDqk + 8;
   static constexpr int kLdP = kKeys + 8;
-  // Q, the key tiles and their slots (16-bit operands).
+  // Q, the key tiles and their slots' keys and queries (16-bit operands).
   static constexpr size_t tile_bytes(int stages) {
-    return (kRows + stages * kKeys) * kLd * 2 + stages * kKeys * sizeof(int);
+    return (kRows + stages * kKeys) * kLd * 2 + stages * kKeys * (sizeof(int) + 1);
   }
   static constexpr int stages_for(size_t extra) { return tile_bytes(2) + extra <= kMaxSmem ? 2 : 1; }
 };
@@ -275,28 +323,30 @@ void with_attn_instance(const AttnProblem& p, F&& f) {
   }
 }
 
-// Queries packed into the Hopper MLA kernels' 64-row blocks. With 8, 16 or 32 query heads on one kv
-// head a block of one query would leave most of the wgmma tiles' rows empty and add its dkv terms
-// one query at a time; packed, group = 64 / H consecutive queries share a block (fewer where
-// group x topk would pass 16,384 entries). The block's selection is the union of its queries' (a
-// key that several of them chose once, a key one query chose n times n times), member[block, slot]
-// has bit g set where query g chose the slot, and each query's rows attend over its own slots
-// only. The kernels see problem: ceil(T / group) queries of group x H heads (q, o, lse, gate and
-// dq are the same memory: query t's rows are block t / group's rows (t % group) H ..) over
-// selections of group x topk slots, of which block t uses lengths[t] (no host sync sizes them).
-// Unpacked (group 1), problem is the call's and indices its own.
+// Queries packed into 64-row blocks. With G = 8, 16 or 32 query heads on a kv head a block of one
+// query would leave most of the Hopper MLA kernels' wgmma tiles' rows empty, and every kernel would
+// gather its keys and add its dkv terms one query at a time; packed, group = 64 / G consecutive
+// queries share a block on each kv head (fewer where group x topk would pass 16,384 entries). The
+// block's selection is the union of its queries' (a key that several of them chose once, a key one
+// query chose n times n times), member[block, kvh, slot] has bit g set where query g chose the slot,
+// and each query's rows attend over its own slots only. The kernels see problem: ceil(T / group)
+// queries of group x H heads (a kv head's rows g G .. hold query t group + g's heads on it: for one
+// kv head q, o, lse, gate and dq are the same memory, query t's rows block t / group's rows
+// (t % group) H ..) over selections of group x topk slots, of which block t uses lengths[t, kvh]
+// (no host sync sizes them). Unpacked (group 1), problem is the call's and indices its own.
 struct QueryPack {
   AttnProblem problem;
   int64_t group = 1;  // queries per block
   int query_rows = 64;
   int64_t rows_total = 0;  // T x H of the call
-  at::Tensor indices;  // [problem.T, 1, group x topk] int32, -1 padded
-  at::Tensor member;   // [problem.T, group x topk] uint8 (undefined unpacked)
-  at::Tensor lengths;  // [problem.T] int32 (undefined unpacked)
-  at::Tensor slot_of;  // [T, topk] int64: each (query, slot)'s place in its block's union, -1 without a key
-                       // (asked for with the probabilities: they come back in the call's slots)
+  at::Tensor indices;  // [problem.T, Hkv, group x topk] int32, -1 padded
+  at::Tensor member;   // [problem.T, Hkv, group x topk] uint8 (undefined unpacked)
+  at::Tensor lengths;  // [problem.T, Hkv] int32 (undefined unpacked)
+  at::Tensor slot_of;  // [T, Hkv, topk] int64: each (query, slot)'s place in its block's union, -1 without a
+                       // key (asked for with the probabilities: they come back in the call's slots)
 };
-// The pack for a call (pack_cuda.cu): packed on the Hopper MLA path with H in {8, 16, 32} and T > 1.
+// The pack for a call (pack_cuda.cu): packed with G in {8, 16, 32} and T > 1, on the Hopper MLA path
+// or, without the probabilities, on the mma.sync kernels.
 QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots);
 
 // The shared fields of the attention kernels' arguments, for blocks of `rows` heads.
@@ -320,7 +370,9 @@ inline AttnArgs attn_args(const QueryPack& pk, const at::Tensor& q, const at::Te
   a.scale = static_cast<float>(p.scale);
   a.member = pk.member.defined() ? pk.member.data_ptr<uint8_t>() : nullptr;
   a.lengths = pk.lengths.defined() ? pk.lengths.data_ptr<int32_t>() : nullptr;
+  a.group = static_cast<int>(pk.group);
   a.query_rows = pk.query_rows;
+  while (8 << a.row_shift < pk.query_rows) ++a.row_shift;
   a.rows_total = pk.rows_total;
   return a;
 }

@@ -1,5 +1,5 @@
-// Queries packed into the Hopper MLA kernels' blocks (QueryPack, dsa_cuda.cuh): the union of a block
-// of `group` queries' selections, with each slot's queries and each entry's slot. Where the keys fit
+// Queries packed into the attention kernels' blocks (QueryPack, dsa_cuda.cuh): the union of a block
+// of `group` queries' selections on a kv head, with each slot's queries and each entry's slot. Where the keys fit
 // in shared memory one CTA a block marks each key's queries in a word per key and numbers the
 // marked keys (count_kernel); a block in which a query chose a key twice, or any block past that
 // many keys, sorts its group x topk entries (key, query) instead (sort_kernel).
@@ -27,22 +27,40 @@ constexpr int64_t kCountWords = 48 * 1024;
 constexpr int kBatch = 16;
 
 struct PackArgs {
-  const int32_t* indices;  // [T, topk]
+  const int32_t* indices;  // [T, Hkv, topk]
   int64_t T, Tk;
-  int topk, group, bits;  // bits: of the largest sort key, group x Tk (an entry without a key)
+  int Hkv, topk, group, bits;  // bits: of the largest sort key, group x Tk (an entry without a key)
   int chunk;              // count_kernel: keys a warp numbers (a multiple of 32)
   bool repeats_only;      // sort_kernel: only the blocks count_kernel left (lengths -1)
-  int32_t* union_idx;     // [blocks, group x topk]
-  uint8_t* member;        // [blocks, group x topk]
-  int32_t* lengths;       // [blocks]
-  int64_t* slot_of;       // [blocks x group, topk], nullptr: not asked for
+  // per CTA b: block b / Hkv's queries on kv head b % Hkv
+  int32_t* union_idx;     // [blocks x Hkv, group x topk]
+  uint8_t* member;        // [blocks x Hkv, group x topk]
+  int32_t* lengths;       // [blocks x Hkv]
+  int64_t* slot_of;       // [T, Hkv, topk], nullptr: not asked for
 };
 
-// Entry `place` (query g, slot s as g topk + s) of block b: its key, -1 without one.
-__device__ __forceinline__ int32_t key_of(const PackArgs& a, int64_t b, uint32_t place) {
-  const int64_t t = b * a.group + place / a.topk;
-  const int32_t k = place < static_cast<uint32_t>(a.group * a.topk) && t < a.T ? a.indices[t * a.topk + place % a.topk]
-                                                                               : -1;
+// CTA b's entries in indices (and slot_of): query g's j-th at base + g stride + j, for the
+// queries g < queries (the last block's may be fewer than group).
+struct Entries {
+  int64_t base;
+  int stride, queries;
+  __device__ __forceinline__ Entries(const PackArgs& a, int64_t b) {
+    const int64_t t0 = b / a.Hkv * a.group;
+    base = (t0 * a.Hkv + b % a.Hkv) * a.topk;
+    stride = a.Hkv * a.topk;
+    queries = static_cast<int>(min(int64_t{a.group}, a.T - t0));
+  }
+  // Entry `place` (query g, slot s as g topk + s): its offset, -1 for none.
+  __device__ __forceinline__ int64_t at(const PackArgs& a, uint32_t place) const {
+    const int g = place / a.topk;
+    return g < queries ? base + g * stride + place % a.topk : -1;
+  }
+};
+
+// Entry `place` of CTA b: its key, -1 without one.
+__device__ __forceinline__ int32_t key_of(const PackArgs& a, const Entries& es, uint32_t place) {
+  const int64_t e = es.at(a, place);
+  const int32_t k = e >= 0 ? a.indices[e] : -1;
   return k >= 0 && k < a.Tk ? k : -1;
 }
 
@@ -55,25 +73,27 @@ __global__ void __launch_bounds__(kPackThreads) count_kernel(const PackArgs a) {
   extern __shared__ uint4 words4[];
   uint32_t* words = reinterpret_cast<uint32_t*>(words4);
   const int64_t b = blockIdx.x, row = b * a.group * a.topk;
+  const Entries es(a, b);
+  const int32_t* first = a.indices + es.base;
   const int n = a.group * a.topk, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = threadIdx.x; i < a.chunk * kWarps / 4; i += kPackThreads) words4[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
-  // f(entry, its query, its key) over the block's entries (entry g topk + j: query g's j-th key),
-  // kBatch loads a thread in flight at once
+  // f(its offset from es.base, its query, its key) over the block's entries (g topk + j: query g's
+  // j-th key; offset -1: past the last query), kBatch loads a thread in flight at once
   const auto each_entry = [&](auto&& f) {
     int g = threadIdx.x / a.topk, j = threadIdx.x % a.topk;
     for (int e0 = threadIdx.x; e0 < n; e0 += kBatch * kPackThreads) {
       int32_t k[kBatch];
-      int gk[kBatch];
+      int at[kBatch], gk[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int64_t t = b * a.group + g;
-        k[i] = e0 + i * kPackThreads < n && t < a.T ? a.indices[t * a.topk + j] : -1;
+        at[i] = e0 + i * kPackThreads < n && g < es.queries ? g * es.stride + j : -1;
+        k[i] = at[i] >= 0 ? first[at[i]] : -1;
         gk[i] = g;
         for (j += kPackThreads; j >= a.topk; j -= a.topk) ++g;
       }
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) f(e0 + i * kPackThreads, gk[i], k[i] >= 0 && k[i] < a.Tk ? k[i] : -1);
+      for (int i = 0; i < kBatch; ++i) f(at[i], gk[i], k[i] >= 0 && k[i] < a.Tk ? k[i] : -1);
     }
   };
   bool repeat = false;
@@ -108,8 +128,8 @@ __global__ void __launch_bounds__(kPackThreads) count_kernel(const PackArgs a) {
   }
   __syncthreads();
   if (a.slot_of != nullptr) {
-    each_entry([&](int e, int, int32_t k) {
-      if (e < n) a.slot_of[row + e] = k >= 0 ? static_cast<int64_t>(words[k] >> 8) : -1;
+    each_entry([&](int at, int, int32_t k) {
+      if (at >= 0) a.slot_of[es.base + at] = k >= 0 ? static_cast<int64_t>(words[k] >> 8) : -1;
     });
   }
   for (int s = length + threadIdx.x; s < n; s += kPackThreads) {
@@ -144,12 +164,13 @@ __global__ void __launch_bounds__(kPackThreads, 1) sort_kernel(const PackArgs a)
   PackShared<kItems>& sh = *reinterpret_cast<PackShared<kItems>*>(smem_raw);
   constexpr uint32_t kPlace = (1u << 14) - 1, kOpens = 1u << 28, kHasKey = 1u << 29;
   const int64_t b = blockIdx.x;
+  const Entries es(a, b);
   const int n = a.group * a.topk, pos0 = threadIdx.x * kItems;
   const uint32_t none = static_cast<uint32_t>(a.group * a.Tk);
   uint32_t key[kItems], word[kItems];
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
-    const int32_t k = key_of(a, b, pos0 + i);
+    const int32_t k = key_of(a, es, pos0 + i);
     key[i] = k >= 0 ? static_cast<uint32_t>(k) * a.group + (pos0 + i) / a.topk : none;
     word[i] = pos0 + i;
   }
@@ -209,9 +230,10 @@ __global__ void __launch_bounds__(kPackThreads, 1) sort_kernel(const PackArgs a)
     const int slot = x[i] + static_cast<int>((word[i] >> 14) & kPlace);
     if (has) {
       atomicOr(sh.member + slot, 1u << (place / a.topk));
-      if (word[i] & kOpens) a.union_idx[row + slot] = key_of(a, b, place);
+      if (word[i] & kOpens) a.union_idx[row + slot] = key_of(a, es, place);
     }
-    if (a.slot_of != nullptr && place < static_cast<uint32_t>(n)) a.slot_of[row + place] = has ? slot : -1;
+    const int64_t at = es.at(a, place);
+    if (a.slot_of != nullptr && at >= 0) a.slot_of[at] = has ? slot : -1;
   }
   __syncthreads();
   for (int s = threadIdx.x; s < n; s += kPackThreads) {
@@ -228,21 +250,25 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
   pk.problem = p;
   pk.rows_total = p.T * p.H;
   pk.indices = indices;
-  const int64_t group = p.topk > 0 ? std::min<int64_t>(64 / std::max<int64_t>(p.H, 1), kPackEntries / p.topk) : 0;
-  if (!mla_fwd_takes(p, q) || (p.H != 8 && p.H != 16 && p.H != 32) || p.T < 2 || group < 2 ||
+  const int64_t G = p.Hkv > 0 ? p.H / p.Hkv : 0;
+  const int64_t group = p.topk > 0 && G > 0 ? std::min<int64_t>(64 / G, kPackEntries / p.topk) : 0;
+  // (the portable forward sums p over a block's rows, not per query: unpacked when p is asked for)
+  const bool mla = mla_fwd_takes(p, q);
+  if ((G != 8 && G != 16 && G != 32) || p.T < 2 || group < 2 || (slots && !mla) ||
       (p.Tk + 1) * group > std::numeric_limits<uint32_t>::max()) {
     return pk;
   }
   const int64_t n = group * p.topk, blocks = ceil_div(p.T, group);
   const at::TensorOptions opt = indices.options();
-  pk.indices = at::empty({blocks, 1, n}, opt);
-  pk.member = at::empty({blocks, n}, opt.dtype(at::kByte));
-  pk.lengths = at::empty({blocks}, opt);
-  if (slots) pk.slot_of = at::empty({blocks * group, p.topk}, opt.dtype(at::kLong));
+  pk.indices = at::empty({blocks, p.Hkv, n}, opt);
+  pk.member = at::empty({blocks, p.Hkv, n}, opt.dtype(at::kByte));
+  pk.lengths = at::empty({blocks, p.Hkv}, opt);
+  if (slots) pk.slot_of = at::empty({p.T, p.Hkv, p.topk}, opt.dtype(at::kLong));
   const int chunk = static_cast<int>(ceil_div(p.Tk, kPackThreads) * 32);
   PackArgs a{indices.data_ptr<int32_t>(),
              p.T,
              p.Tk,
+             static_cast<int>(p.Hkv),
              static_cast<int>(p.topk),
              static_cast<int>(group),
              0,
@@ -255,12 +281,12 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
   while ((uint64_t{1} << a.bits) <= static_cast<uint64_t>(group * p.Tk)) ++a.bits;
   const c10::cuda::CUDAGuard guard(q.device());
   if (int64_t{chunk} * (kPackThreads / 32) <= kCountWords) {
-    launch(count_kernel, dim3(blocks), kPackThreads, sizeof(uint32_t) * chunk * (kPackThreads / 32), a);
+    launch(count_kernel, dim3(blocks * p.Hkv), kPackThreads, sizeof(uint32_t) * chunk * (kPackThreads / 32), a);
     a.repeats_only = true;
   }
   const auto sort = [&](auto items) {
     constexpr int kItems = decltype(items)::value;
-    launch(sort_kernel<kItems>, dim3(blocks), kPackThreads, sizeof(PackShared<kItems>), a);
+    launch(sort_kernel<kItems>, dim3(blocks * p.Hkv), kPackThreads, sizeof(PackShared<kItems>), a);
   };
   if (n <= kPackThreads * 8) {
     sort(std::integral_constant<int, 8>{});
@@ -269,9 +295,8 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
   } else {
     sort(std::integral_constant<int, 32>{});
   }
-  if (slots) pk.slot_of = pk.slot_of.narrow(0, 0, p.T);
   pk.group = group;
-  pk.query_rows = static_cast<int>(p.H);
+  pk.query_rows = static_cast<int>(G);
   pk.problem.T = blocks;
   pk.problem.H = group * p.H;
   pk.problem.topk = n;
