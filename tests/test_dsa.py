@@ -495,11 +495,13 @@ MLA = (1, 576, 512)
 NOPE = (1, 512, 512)  # GLM-5.3's MLA without rope dims
 
 
-def check_cuda_attention(seed, T, Tk, layout, G, topk, gated, return_p, portable, dtype, repeats=True):
-    """The CUDA op's o, lse, p and gradients against the float64 reference on the same inputs."""
+def check_cuda_attention(seed, T, Tk, layout, G, topk, gated, return_p, portable, dtype, repeats=True, crowded=0):
+    """The CUDA op's o, lse, p and gradients against the float64 reference on the same inputs; the
+    first `crowded` queries choose among the first 2 topk keys (distinct)."""
     torch.manual_seed(seed)
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated, repeats=repeats)
+    idx[:crowded] = torch.rand(crowded, Hkv, 2 * topk).argsort(-1)[..., :topk].int()
     ins = [t.cuda().requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
     poison("cuda")
     with portable_sfa(portable):
@@ -552,6 +554,15 @@ def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, 
     or distinct but in one query (the other blocks counted)."""
     mla = layout[0] == 1
     check_cuda_attention(T + G, T, Tk, layout, G, topk, True, mla, False, torch.bfloat16, repeats)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("G", [8, 16])
+def test_sparse_attention_cuda_splits_packed_and_unpacked_blocks(G):
+    """On the mma.sync kernels at 8 and 16 heads a kv head a packed block whose union keeps more than
+    half of its slots runs unpacked, in a second launch: in one call, the first 20 queries choose
+    among few keys (their blocks packed), the others among many (their blocks unpacked)."""
+    check_cuda_attention(0, 41, 3000, (2, 128, 128), G, 64, True, False, False, torch.bfloat16, False, crowded=20)
 
 
 @pytest.mark.cuda

@@ -29,9 +29,10 @@ struct BwdShape : AttnShape<kDqk, kRows, 32> {
   static constexpr size_t kSmem = Base::tile_bytes(kStages) + kExtra;
 };
 
-template <typename T, int kDqk, int kDv, int kRows>
+template <typename T, int kDqk, int kDv, int kRows, bool kPacked>
 __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd_kernel(AttnBwdArgs a) {
   using S = BwdShape<kDqk, kDv, kRows>;
+  if (attn_skips(a, a.t0 + blockIdx.x, blockIdx.y)) return;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + kRows * S::kLd;                // kStages key tiles
@@ -46,12 +47,12 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   const T* gate = static_cast<const T*>(a.gate);
   const T* grad_o = static_cast<const T*>(a.grad_o);
   const T* o = static_cast<const T*>(a.o_in);
-  const AttnBlock blk = attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
+  const AttnBlock blk = attn_block<T, kRows, kDqk, kPacked>(a, sQ, S::kLd);
   const auto [t, kvh, head0, rows, length, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] = blk;
   const int kdv = round16(a.dv);
   // delta = sum(grad_o * o) (o gated), dgate = grad_o * o * (1 - sigmoid(gate)).
   for (int r = warp; r < kRows; r += S::kWarps) {
-    const int64_t qrow = blk.q_row(a, r);
+    const int64_t qrow = attn_q_row<kPacked>(a, blk, r);
     const bool valid = qrow >= 0;
     float dsum = 0.f;
     // Every load of the row before the first store (dgate could alias them as far as the compiler
@@ -86,14 +87,14 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   }
 
   float dq[S::kQTiles][4] = {};
-  AttnTiles<T, S::kStages, S::kKeys> tiles = attn_tiles<T, S::kStages, S::kKeys, kDqk>(a, blk, sK, S::kLd, sIdx, sHas);
+  AttnTiles<T, S::kStages, S::kKeys, kPacked> tiles =
+      attn_tiles<T, S::kStages, S::kKeys, kDqk, kPacked>(a, blk, sK, S::kLd, sIdx, sHas);
   tiles.start();
   int it = 0;
   for (int k0 = 0; k0 < length; k0 += S::kKeys, ++it) {
     const int b = tiles.ready(it, k0);
     const T* sKt = tiles.tile(b);
     const int* sIdxt = sIdx + b * S::kKeys;
-    const uint8_t* has = sHas + b * S::kKeys;
 
     // Logits and dP = dO V^T for rows wr * 16.., keys wc * 16...
     float s[2][4] = {}, dp[2][4] = {};
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int rr = r0 + 8 * (e / 2);
-        p[e] = has[col + (e & 1)] >> ((2 * wr + e / 2) >> a.row_shift) & 1 ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
+        p[e] = attn_has<kPacked>(a, sIdxt, sHas + b * S::kKeys, col + (e & 1), wr, e / 2) ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
         ds[e] = p[e] * (dp[j][e] - delta[rr]) * a.scale;
       }
       *reinterpret_cast<uint32_t*>(sP + r0 * S::kLdP + col) = pack2<T>(p[0], p[1]);
@@ -202,7 +203,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   T* dq_out = static_cast<T*>(a.dq);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t row = blk.q_row(a, r0 + 8 * h);
+    const int64_t row = attn_q_row<kPacked>(a, blk, r0 + 8 * h);
     if (row < 0) continue;
     T* dst = dq_out + row * a.Dqk;
 #pragma unroll
@@ -284,16 +285,14 @@ void ordered_dkv(const AttnProblem& p, const at::Tensor& indices, AttnBwdArgs a,
   for (int c = 0; c < kOrderedClasses - 1; ++c) dkv.narrow(0, 0, p.Tk).add_(dkv_more[c]);
 }
 
-}  // namespace
-
-void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
-                   const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate, bool deterministic,
-                   at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate) {
+// One launch of the backward (QueryPack: each_launch).
+void bwd_launch(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
+                const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate, bool deterministic, at::Tensor& dq,
+                at::Tensor& dkv, at::Tensor& dgate) {
   const AttnProblem& p = pk.problem;
-  const c10::cuda::CUDAGuard guard(q.device());
   const bool hopper = mla_bwd_takes(p, q);
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_bwd", [&] {
-    with_attn_instance(p, [&](auto dqk, auto dv, auto rows) {
+    with_attn_instance(p, pk.group > 1, [&](auto dqk, auto dv, auto rows, auto packed) {
       constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
       using S = BwdShape<kDqk, kDv, kRows>;
       // The queries t0 .. t0 + n on this problem's kernel (the Hopper one's blocks have 64 heads too).
@@ -301,7 +300,8 @@ void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tens
         if (hopper) {
           mla_bwd_launch<scalar_t>(a, n);
         } else {
-          launch(attn_bwd_kernel<scalar_t, kDqk, kDv, kRows>, dim3(n, p.Hkv, a.head_blocks), S::kThreads, S::kSmem, a);
+          launch(attn_bwd_kernel<scalar_t, kDqk, kDv, kRows, decltype(packed)::value>, dim3(n, p.Hkv, a.head_blocks),
+                 S::kThreads, S::kSmem, a);
         }
       };
       AttnBwdArgs a{attn_args(pk, q, kv, gate, kRows),
@@ -331,7 +331,8 @@ void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tens
       if (chunk >= wave) chunk -= chunk % wave;
       at::Tensor contrib = at::empty({std::min(chunk, p.T) * per_query}, q.options().dtype(at::kFloat));
       const at::Tensor& indices = pk.indices;
-      const at::Tensor rows_of = at::where(indices.ge(0).logical_and(indices.lt(p.Tk)), indices * p.Hkv + at::arange(p.Hkv, indices.options()).view({1, -1, 1}),
+      const at::Tensor rows_of = at::where(indices.ge(0).logical_and(indices.lt(p.Tk)),
+                                           indices * p.Hkv + at::arange(p.Hkv, indices.options()).view({1, -1, 1}),
                                            at::full({}, p.Tk * p.Hkv, indices.options()))
                                      .to(at::kInt);
       at::Tensor dkv_rows = dkv.view({-1, p.Dqk});
@@ -353,6 +354,17 @@ void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tens
                0, sum);
       }
     });
+  });
+}
+
+}  // namespace
+
+void attn_bwd_cuda(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& kv,
+                   const at::Tensor& o, const at::Tensor& lse, const at::Tensor& gate, bool deterministic,
+                   at::Tensor& dq, at::Tensor& dkv, at::Tensor& dgate) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  each_launch(pk, [&](const QueryPack& part) {
+    bwd_launch(part, grad_o, q, kv, o, lse, gate, deterministic, dq, dkv, dgate);
   });
 }
 

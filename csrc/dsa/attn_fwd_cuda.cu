@@ -25,9 +25,10 @@ struct FwdShape : AttnShape<kDqk, kRows, 64> {
   static constexpr size_t kSmem = Base::tile_bytes(kStages) + kExtra;
 };
 
-template <typename T, int kDqk, int kDv, int kRows>
+template <typename T, int kDqk, int kDv, int kRows, bool kPacked>
 __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd_kernel(AttnFwdArgs a) {
   using S = FwdShape<kDqk, kDv, kRows>;
+  if (attn_skips(a, a.t0 + blockIdx.x, blockIdx.y)) return;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + kRows * S::kLd;  // kStages key tiles
@@ -38,10 +39,12 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   int* sIdx = reinterpret_cast<int*>(colsum + kRows / 16 * S::kKeys);  // [kStages][kKeys]
   uint8_t* sHas = reinterpret_cast<uint8_t*>(sIdx + S::kStages * S::kKeys);  // [kStages][kKeys]
 
-  const AttnBlock blk = attn_block<T, kRows, kDqk>(a, sQ, S::kLd);
+  const AttnBlock blk = attn_block<T, kRows, kDqk, kPacked>(a, sQ, S::kLd);
   const auto [t, kvh, head0, rows, length, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] = blk;
-  using Tiles = AttnTiles<T, S::kStages, S::kKeys>;
-  const auto key_tiles = [&] { return attn_tiles<T, S::kStages, S::kKeys, kDqk>(a, blk, sK, S::kLd, sIdx, sHas); };
+  using Tiles = AttnTiles<T, S::kStages, S::kKeys, kPacked>;
+  const auto key_tiles = [&] {
+    return attn_tiles<T, S::kStages, S::kKeys, kDqk, kPacked>(a, blk, sK, S::kLd, sIdx, sHas);
+  };
   // Logits in log2 units for rows r0, r0 + 8 and keys wc * 32.. of tile buffer b (-inf where the
   // row's query does not have the slot's key).
   const auto logits = [&](float (&s)[4][4], const Tiles& tiles, int b) {
@@ -49,12 +52,12 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
       for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
     }
     warp_qk_16x32(s, sQ, tiles.tile(b), S::kLd, wr * 16, wc * 32, kd);
-    const uint8_t* has = sHas + b * S::kKeys;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const bool in = has[wc * 32 + j * 8 + 2 * c + (e & 1)] >> ((2 * wr + e / 2) >> a.row_shift) & 1;
+        const bool in = attn_has<kPacked>(a, sIdx + b * S::kKeys, sHas + b * S::kKeys,
+                                          wc * 32 + j * 8 + 2 * c + (e & 1), wr, e / 2);
         s[j][e] = in ? s[j][e] * sl2 : -INFINITY;
       }
     }
@@ -144,7 +147,7 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     lse2[h] = l_run[h] != 0.f ? m_run[h] + log2f(l_run[h]) : INFINITY;
-    const int64_t row = blk.q_row(a, r0 + 8 * h);
+    const int64_t row = attn_q_row<kPacked>(a, blk, r0 + 8 * h);
     if (row < 0) continue;
     const float inv = l_run[h] != 0.f ? 1.f / l_run[h] : 0.f;
     // The gate eight value tiles at a time, loaded before their stores (which could alias it, as
@@ -215,13 +218,16 @@ void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& k
     return;
   }
   const c10::cuda::CUDAGuard guard(q.device());
-  KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
-    with_attn_instance(p, [&](auto dqk, auto dv, auto rows) {
-      constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
-      using S = FwdShape<kDqk, kDv, kRows>;
-      const AttnFwdArgs a{attn_args(pk, q, kv, gate, kRows), o.data_ptr(), lse.data_ptr<float>(),
-                          probs.defined() ? probs.data_ptr<float>() : nullptr, nullptr};
-      launch(attn_fwd_kernel<scalar_t, kDqk, kDv, kRows>, dim3(p.T, p.Hkv, a.head_blocks), S::kThreads, S::kSmem, a);
+  each_launch(pk, [&](const QueryPack& part) {
+    KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
+      with_attn_instance(part.problem, part.group > 1, [&](auto dqk, auto dv, auto rows, auto packed) {
+        constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
+        using S = FwdShape<kDqk, kDv, kRows>;
+        const AttnFwdArgs a{attn_args(part, q, kv, gate, kRows), o.data_ptr(), lse.data_ptr<float>(),
+                            probs.defined() ? probs.data_ptr<float>() : nullptr, nullptr};
+        launch(attn_fwd_kernel<scalar_t, kDqk, kDv, kRows, decltype(packed)::value>,
+               dim3(part.problem.T, part.problem.Hkv, a.head_blocks), S::kThreads, S::kSmem, a);
+      });
     });
   });
 }

@@ -150,18 +150,18 @@ struct SelectedRows {
   }
 };
 
-// The attention blocks' selected rows with the queries that have each slot's key in has[b][slot]:
-// bit g for the packed block's query g (its member row, AttnArgs::member), every bit unpacked, 0
-// without a key. The block's rows 8 o .. 8 o + 7 are one query's, query o >> AttnArgs::row_shift.
+// A packed block's selected rows with the queries that have each slot's key in has[b][slot]: bit g
+// for the block's query g (its member row, AttnArgs::member), 0 without a key. The block's rows
+// 8 o .. 8 o + 7 are one query's, query o >> AttnArgs::row_shift.
 template <typename T, int kKeys>
 struct AttnRows {
   SelectedRows<T, kKeys> keys;
   uint8_t* has;           // [stages][kKeys], shared
-  const uint8_t* member;  // the block's member row, nullptr unpacked
+  const uint8_t* member;  // the block's member row
   __device__ void slots(int b, int64_t k0) {
     keys.slots(b, k0);
     for (int i = threadIdx.x; i < kKeys; i += blockDim.x) {
-      has[b * kKeys + i] = keys.idx[b * kKeys + i] < 0 ? 0 : member != nullptr ? member[k0 + i] : 0xff;
+      has[b * kKeys + i] = keys.idx[b * kKeys + i] < 0 ? 0 : member[k0 + i];
     }
   }
   __device__ const T* row(int b, int r) const { return keys.row(b, r); }
@@ -193,6 +193,11 @@ struct AttnArgs {
   int group, query_rows;
   int row_shift;  // the mma.sync kernels' rows 8 o .. are packed query o >> row_shift's
   int64_t rows_total;
+  // The mma.sync kernels' split (QueryPack::limit): a packed block whose union is longer than
+  // split_limit runs on the unpacked launch. Packed launch: split_lengths = lengths, split_group 1;
+  // unpacked: the pack's lengths and group (nullptr: no split).
+  const int32_t* split_lengths;
+  int split_group, split_limit;
 };
 struct AttnFwdArgs : AttnArgs {
   void* o;
@@ -220,41 +225,50 @@ struct AttnBwdArgs : AttnArgs {
   int classes;
 };
 
-// q's row (of T x H) that row r of (query or packed block) t's kv head kvh holds: unpacked query
-// t's head kvh G + r; packed query t group + r / heads's head kvh heads + r % heads, with heads =
-// G / group the call's query heads a kv head (rows_total or more: padding).
-__device__ __forceinline__ int64_t attn_row(const AttnArgs& a, int64_t t, int kvh, int r) {
-  const int heads = a.G / a.group, stride = static_cast<int>(a.H) / a.group;
-  return (t * a.group + r / heads) * stride + int64_t{kvh} * heads + r % heads;
-}
-
 // One block's share of the attention: (query or packed block) t, kv head kvh, its rows head0.. of
 // the kv head's G (rows of them valid), the selected keys sel of (t, kvh), length of them used; the
 // thread's place: warp, lane, accumulator row g and column pair c of its fragments, row group wr,
-// column half wc, rows r0 and r0 + 8 (their queries' bits in a slot's has byte: (2 wr + h) >>
-// row_shift for row r0 + 8 h); kd the head dim rounded up to 16, sl2 the scale in log2 units.
+// column half wc, rows r0 and r0 + 8; kd the head dim rounded up to 16, sl2 the scale in log2 units.
 struct AttnBlock {
   int64_t t;
   int kvh, head0, rows, length, warp, lane, g, c, wr, wc, r0, kd;
   float sl2;
   const int32_t* sel;
-  // q's row that the block's row r holds, -1 for none.
-  __device__ int64_t q_row(const AttnArgs& a, int r) const {
-    const int64_t row = attn_row(a, t, kvh, head0 + r);
-    return r < rows && row < a.rows_total ? row : -1;
-  }
 };
+
+// q's row (of T x H) that the block's row r holds, -1 for none: unpacked query t's head kvh G +
+// head0 + r; packed query t group + r / heads's head kvh heads + r % heads, with heads = G / group
+// the call's query heads a kv head (rows_total or more: padding).
+template <bool kPacked>
+__device__ __forceinline__ int64_t attn_q_row(const AttnArgs& a, const AttnBlock& b, int r) {
+  if (r >= b.rows) return -1;
+  if constexpr (!kPacked) {
+    return b.t * a.H + int64_t{b.kvh} * a.G + b.head0 + r;
+  } else {
+    const int heads = a.G / a.group, stride = static_cast<int>(a.H) / a.group;
+    const int64_t row = (b.t * a.group + r / heads) * stride + int64_t{b.kvh} * heads + r % heads;
+    return row < a.rows_total ? row : -1;
+  }
+}
+
+// Whether the packed launch (lengths) or the unpacked one (split_lengths) leaves query or block t
+// on kv head kvh to the other (AttnArgs::split_limit).
+__device__ __forceinline__ bool attn_skips(const AttnArgs& a, int64_t t, int kvh) {
+  if (a.split_lengths == nullptr) return false;
+  const bool packed = a.split_lengths[t / a.split_group * a.Hkv + kvh] <= a.split_limit;
+  return packed != (a.split_group == 1);
+}
 
 // The block's place, and its query rows sent to shared memory (cp.async, committed with the first
 // key tile).
-template <typename T, int kRows, int kCols>
+template <typename T, int kRows, int kCols, bool kPacked>
 __device__ AttnBlock attn_block(const AttnArgs& a, T* sQ, int ld) {
   AttnBlock b;
   b.t = a.t0 + blockIdx.x;
   b.kvh = blockIdx.y;
   b.head0 = blockIdx.z * kRows;
   b.rows = min(kRows, a.G - b.head0);
-  b.length = a.lengths != nullptr ? a.lengths[b.t * a.Hkv + b.kvh] : a.topk;
+  b.length = kPacked ? a.lengths[b.t * a.Hkv + b.kvh] : a.topk;
   b.warp = threadIdx.x / 32;
   b.lane = threadIdx.x % 32;
   b.g = b.lane / 4;
@@ -267,23 +281,37 @@ __device__ AttnBlock attn_block(const AttnArgs& a, T* sQ, int ld) {
   b.sel = a.indices + (b.t * a.Hkv + b.kvh) * a.topk;
   const T* q = static_cast<const T*>(a.q);
   gather_rows(sQ, ld, kRows, a.Dqk, kCols, [&](int r) {
-    const int64_t row = b.q_row(a, r);
+    const int64_t row = attn_q_row<kPacked>(a, b, r);
     return row >= 0 ? q + row * a.Dqk : static_cast<const T*>(nullptr);
   });
   return b;
 }
 
-// The block's key tiles: its selection's first `length` slots, the slots' keys in idx and rows in
-// has ([kStages][kKeys] each, shared).
-template <typename T, int kStages, int kKeys>
-using AttnTiles = KeyTiles<T, kStages, kKeys, AttnRows<T, kKeys>>;
+// The block's key tiles: its selection's first `length` slots, the slots' keys in idx and, packed,
+// their queries in has ([kStages][kKeys] each, shared).
+template <typename T, int kStages, int kKeys, bool kPacked>
+using AttnTiles = KeyTiles<T, kStages, kKeys, std::conditional_t<kPacked, AttnRows<T, kKeys>, SelectedRows<T, kKeys>>>;
 
-template <typename T, int kStages, int kKeys, int kCols>
-__device__ AttnTiles<T, kStages, kKeys> attn_tiles(const AttnArgs& a, const AttnBlock& b, T* sK, int ld, int* idx,
-                                                   uint8_t* has) {
-  const uint8_t* member = a.member != nullptr ? a.member + (b.t * a.Hkv + b.kvh) * a.topk : nullptr;
-  return {sK, ld, a.Dqk, kCols, b.length,
-          AttnRows<T, kKeys>{{idx, b.sel, a.topk, a.Tk, a.Hkv, b.kvh, a.Dqk, static_cast<const T*>(a.kv)}, has, member}};
+template <typename T, int kStages, int kKeys, int kCols, bool kPacked>
+__device__ AttnTiles<T, kStages, kKeys, kPacked> attn_tiles(const AttnArgs& a, const AttnBlock& b, T* sK, int ld,
+                                                            int* idx, uint8_t* has) {
+  const SelectedRows<T, kKeys> keys{idx, b.sel, a.topk, a.Tk, a.Hkv, b.kvh, a.Dqk, static_cast<const T*>(a.kv)};
+  if constexpr (kPacked) {
+    return {sK, ld, a.Dqk, kCols, b.length, AttnRows<T, kKeys>{keys, has, a.member + (b.t * a.Hkv + b.kvh) * a.topk}};
+  } else {
+    return {sK, ld, a.Dqk, kCols, b.length, keys};
+  }
+}
+
+// Whether the thread's row r0 + 8 h has slot s of the tile whose keys are idx (and, packed, whose
+// queries are has).
+template <bool kPacked>
+__device__ __forceinline__ bool attn_has(const AttnArgs& a, const int* idx, const uint8_t* has, int s, int wr, int h) {
+  if constexpr (kPacked) {
+    return has[s] >> ((2 * wr + h) >> a.row_shift) & 1;
+  } else {
+    return idx[s] >= 0;
+  }
 }
 
 // What the forward and backward blocks share: kRows query heads in 16-row groups x 2 column
@@ -304,22 +332,31 @@ struct AttnShape {
   static constexpr int stages_for(size_t extra) { return tile_bytes(2) + extra <= kMaxSmem ? 2 : 1; }
 };
 
-// f(Dqk, dv, rows) as integral constants for the problem's kernel instance: head dims padded to
-// 128, to 512 / 512 (GLM-5.3's NoPE MLA) or to 576 / 512 (MLA), 16 or 64 heads per block.
+// f(Dqk, dv, rows, packed) as integral constants for the problem's mma.sync kernel instance: head
+// dims padded to 128, to 512 / 512 (GLM-5.3's NoPE MLA) or to 576 / 512 (MLA), 16 or 64 heads per
+// block (packed: 64).
 template <typename F>
-void with_attn_instance(const AttnProblem& p, F&& f) {
+void with_attn_instance(const AttnProblem& p, bool packed, F&& f) {
   using I128 = std::integral_constant<int, 128>;
   using I576 = std::integral_constant<int, 576>;
   using I512 = std::integral_constant<int, 512>;
   using R16 = std::integral_constant<int, 16>;
   using R64 = std::integral_constant<int, 64>;
-  const bool tall = p.H / p.Hkv > 16;
+  const auto rows = [&](auto dqk, auto dv) {
+    if (packed) {
+      f(dqk, dv, R64{}, std::true_type{});
+    } else if (p.H / p.Hkv > 16) {
+      f(dqk, dv, R64{}, std::false_type{});
+    } else {
+      f(dqk, dv, R16{}, std::false_type{});
+    }
+  };
   if (p.Dqk > 512) {
-    tall ? f(I576{}, I512{}, R64{}) : f(I576{}, I512{}, R16{});
+    rows(I576{}, I512{});
   } else if (p.Dqk > 128) {
-    tall ? f(I512{}, I512{}, R64{}) : f(I512{}, I512{}, R16{});
+    rows(I512{}, I512{});
   } else {
-    tall ? f(I128{}, I128{}, R64{}) : f(I128{}, I128{}, R16{});
+    rows(I128{}, I128{});
   }
 }
 
@@ -334,6 +371,10 @@ void with_attn_instance(const AttnProblem& p, F&& f) {
 // kv head q, o, lse, gate and dq are the same memory, query t's rows block t / group's rows
 // (t % group) H ..) over selections of group x topk slots, of which block t uses lengths[t, kvh]
 // (no host sync sizes them). Unpacked (group 1), problem is the call's and indices its own.
+// On the mma.sync kernels a block of 16 rows does one query's work at about half the cost of a
+// block of 64: at 8 and 16 heads a packed block whose union keeps more than a share `split` of its
+// slots (split_limit) is left to a second, unpacked launch over its queries (rest()), so that the
+// queries that share few keys cost what they did unpacked.
 struct QueryPack {
   AttnProblem problem;
   int64_t group = 1;  // queries per block
@@ -344,10 +385,35 @@ struct QueryPack {
   at::Tensor lengths;  // [problem.T, Hkv] int32 (undefined unpacked)
   at::Tensor slot_of;  // [T, Hkv, topk] int64: each (query, slot)'s place in its block's union, -1 without a
                        // key (asked for with the probabilities: they come back in the call's slots)
+  // The split (AttnArgs::split_lengths): the pack's lengths (undefined: none), the queries a block
+  // of them, the longest union a packed block keeps; the call's problem and indices.
+  at::Tensor split_lengths;
+  int64_t split_group = 1, split_limit = 0;
+  AttnProblem call{};
+  at::Tensor call_indices;
+  // The unpacked launch of a split pack: the call's queries whose packed block is longer than
+  // split_limit.
+  QueryPack rest() const {
+    QueryPack r;
+    r.problem = call;
+    r.rows_total = rows_total;
+    r.indices = call_indices;
+    r.split_lengths = split_lengths;
+    r.split_group = group;
+    r.split_limit = split_limit;
+    return r;
+  }
 };
+// f(pack) for each launch of the mma.sync kernels: the pack's, then, split, its rest().
+template <typename F>
+void each_launch(const QueryPack& pk, F&& f) {
+  f(pk);
+  if (pk.split_lengths.defined()) f(pk.rest());
+}
 // The pack for a call (pack_cuda.cu): packed with G in {8, 16, 32} and T > 1, on the Hopper MLA path
-// or, without the probabilities, on the mma.sync kernels.
-QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots);
+// or, without the probabilities, on the mma.sync kernels (split at 8 and 16 heads where split > 0).
+QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots,
+                       double split);
 
 // The shared fields of the attention kernels' arguments, for blocks of `rows` heads.
 inline AttnArgs attn_args(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
@@ -374,6 +440,9 @@ inline AttnArgs attn_args(const QueryPack& pk, const at::Tensor& q, const at::Te
   a.query_rows = pk.query_rows;
   while (8 << a.row_shift < pk.query_rows) ++a.row_shift;
   a.rows_total = pk.rows_total;
+  a.split_lengths = pk.split_lengths.defined() ? pk.split_lengths.data_ptr<int32_t>() : nullptr;
+  a.split_group = static_cast<int>(pk.split_group);
+  a.split_limit = static_cast<int>(pk.split_limit);
   return a;
 }
 

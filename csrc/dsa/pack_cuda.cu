@@ -245,7 +245,8 @@ __global__ void __launch_bounds__(kPackThreads, 1) sort_kernel(const PackArgs a)
 
 }  // namespace
 
-QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots) {
+QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots,
+                       double split) {
   QueryPack pk;
   pk.problem = p;
   pk.rows_total = p.T * p.H;
@@ -297,6 +298,12 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
   }
   pk.group = group;
   pk.query_rows = static_cast<int>(G);
+  if (split > 0 && !mla && G < 32) {
+    pk.split_lengths = pk.lengths;
+    pk.split_limit = static_cast<int64_t>(split * n);
+    pk.call = p;
+    pk.call_indices = indices;
+  }
   pk.problem.T = blocks;
   pk.problem.H = group * p.H;
   pk.problem.topk = n;
