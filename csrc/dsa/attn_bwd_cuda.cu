@@ -2,9 +2,10 @@
 // the attention output and delta = rowsum(dO * o) (the gate folded in):
 //   dS = scale P * (dA V^T - delta) (elementwise),  dq = dS K,
 //   dkv[s] += dS^T q (key columns) + P^T dA (value columns),  dgate = dO * o * (1 - sigmoid(gate)).
-// The forward's blocks (packed queries included), key tiles of 32: dq in registers, dkv added to an fp32 buffer with 16-byte
-// atomics, or, deterministic, stored per (query, slot) and summed in index order afterwards.
-// The MLA layouts above 16 heads per kv head take mla_bwd_cuda.cu's kernel on sm_90a instead.
+// The forward's blocks (packed queries included), key tiles of 32: dq in registers, dkv added to
+// an fp32 buffer with 16-byte atomics, or, deterministic, stored per (query, slot) and summed in
+// index order afterwards. The MLA layouts above 16 heads per kv head take mla_bwd_cuda.cu's
+// kernel on sm_90a instead.
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
@@ -52,8 +53,8 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   const int kdv = round16(a.dv);
   // delta = sum(grad_o * o) (o gated), dgate = grad_o * o * (1 - sigmoid(gate)).
   for (int r = warp; r < kRows; r += S::kWarps) {
-    const int64_t qrow = attn_q_row<kPacked>(a, blk, r);
-    const bool valid = qrow >= 0;
+    const int64_t row = attn_q_row<kPacked>(a, blk, r);
+    const bool valid = row >= 0;
     float dsum = 0.f;
     // Every load of the row before the first store (dgate could alias them as far as the compiler
     // knows: loads after a store would each wait for the previous round trip).
@@ -63,9 +64,9 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     for (int k = 0; k < kPer; ++k) {
       const int d = lane + 32 * k;
       const bool in = valid && d < a.dv;
-      dd[k] = in ? to_float(grad_o[qrow * a.dv + d]) : 0.f;
-      od[k] = in ? to_float(o[qrow * a.dv + d]) : 0.f;
-      sg[k] = in && gate != nullptr ? to_float(gate[qrow * a.dv + d]) : 0.f;
+      dd[k] = in ? to_float(grad_o[row * a.dv + d]) : 0.f;
+      od[k] = in ? to_float(o[row * a.dv + d]) : 0.f;
+      sg[k] = in && gate != nullptr ? to_float(gate[row * a.dv + d]) : 0.f;
     }
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
       float s = 1.f;
       if (gate != nullptr) {
         s = sigmoidf(sg[k]);
-        if (valid && d < a.dv) static_cast<T*>(a.dgate)[qrow * a.dv + d] = from_float<T>(dd[k] * od[k] * (1.f - s));
+        if (valid && d < a.dv) static_cast<T*>(a.dgate)[row * a.dv + d] = from_float<T>(dd[k] * od[k] * (1.f - s));
       }
       dsum += dd[k] * od[k];
       sO[r * S::kLdO + d] = from_float<T>(dd[k] * s);
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     dsum = warp_reduce(dsum, SumOp{});
     if (lane == 0) {
       delta[r] = dsum;
-      const float l = valid ? a.lse_in[qrow] : -INFINITY;
+      const float l = valid ? a.lse_in[row] : -INFINITY;
       lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // no key: every p = 0; NaN stays NaN
     }
   }
@@ -119,7 +120,8 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int rr = r0 + 8 * (e / 2);
-        p[e] = attn_has<kPacked>(a, sIdxt, sHas + b * S::kKeys, col + (e & 1), wr, e / 2) ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
+        const bool in = attn_has<kPacked>(a, sIdxt, sHas + b * S::kKeys, col + (e & 1), wr, e / 2);
+        p[e] = in ? exp2f(s[j][e] * sl2 - lse2[rr]) : 0.f;
         ds[e] = p[e] * (dp[j][e] - delta[rr]) * a.scale;
       }
       *reinterpret_cast<uint32_t*>(sP + r0 * S::kLdP + col) = pack2<T>(p[0], p[1]);

@@ -110,8 +110,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd_cuda(const at::Te
   at::Tensor dq = at::empty({p.T, p.H, p.Dqk}, q.options());
   at::Tensor dkv = at::zeros({p.Tk * p.Hkv + 1, p.Dqk}, q.options().dtype(at::kFloat));
   at::Tensor dgate = gate.has_value() ? at::empty({p.T, p.H, dv}, q.options()) : at::Tensor();
-  attn_bwd_cuda(pack_queries(p, q, indices.contiguous(), false, deterministic ? 0. : kBwdSplit), rows16(grad_o.to(half)), rows16(q), rows16(kv),
-                rows16(o.to(half)), lse.to(at::kFloat).contiguous(),
+  const QueryPack pk = pack_queries(p, q, indices.contiguous(), false, deterministic ? 0. : kBwdSplit);
+  attn_bwd_cuda(pk, rows16(grad_o.to(half)), rows16(q), rows16(kv), rows16(o.to(half)), lse.to(at::kFloat).contiguous(),
                 gate.has_value() ? rows16(gate->to(half)) : at::Tensor(), deterministic, dq, dkv, dgate);
   return {dq, dkv.narrow(0, 0, p.Tk * p.Hkv).view({p.Tk, p.Hkv, p.Dqk}).to(kv.scalar_type()),
           gate.has_value() ? dgate.to(gate->scalar_type()) : at::empty({0}, q.options())};

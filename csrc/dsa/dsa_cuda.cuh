@@ -193,7 +193,7 @@ struct AttnArgs {
   int group, query_rows;
   int row_shift;  // the mma.sync kernels' rows 8 o .. are packed query o >> row_shift's
   int64_t rows_total;
-  // The mma.sync kernels' split (QueryPack::limit): a packed block whose union is longer than
+  // The mma.sync kernels' split (QueryPack::split_limit): a packed block whose union is longer than
   // split_limit runs on the unpacked launch. Packed launch: split_lengths = lengths, split_group 1;
   // unpacked: the pack's lengths and group (nullptr: no split).
   const int32_t* split_lengths;
@@ -290,7 +290,8 @@ __device__ AttnBlock attn_block(const AttnArgs& a, T* sQ, int ld) {
 // The block's key tiles: its selection's first `length` slots, the slots' keys in idx and, packed,
 // their queries in has ([kStages][kKeys] each, shared).
 template <typename T, int kStages, int kKeys, bool kPacked>
-using AttnTiles = KeyTiles<T, kStages, kKeys, std::conditional_t<kPacked, AttnRows<T, kKeys>, SelectedRows<T, kKeys>>>;
+using AttnTiles =
+    KeyTiles<T, kStages, kKeys, std::conditional_t<kPacked, AttnRows<T, kKeys>, SelectedRows<T, kKeys>>>;
 
 template <typename T, int kStages, int kKeys, int kCols, bool kPacked>
 __device__ AttnTiles<T, kStages, kKeys, kPacked> attn_tiles(const AttnArgs& a, const AttnBlock& b, T* sK, int ld,
