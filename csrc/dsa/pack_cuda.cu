@@ -1,8 +1,8 @@
 // Queries packed into the attention kernels' blocks (QueryPack, dsa_cuda.cuh): the union of a block
-// of `group` queries' selections on a kv head, with each slot's queries and each entry's slot. Where the keys fit
-// in shared memory one CTA a block marks each key's queries in a word per key and numbers the
-// marked keys (count_kernel); a block in which a query chose a key twice, or any block past that
-// many keys, sorts its group x topk entries (key, query) instead (sort_kernel).
+// of `group` queries' selections on a kv head, with each slot's queries and each entry's slot.
+// Where the keys fit in shared memory one CTA a block marks each key's queries in a word per key
+// and numbers the marked keys (count_kernel); a block in which a query chose a key twice, or any
+// block past that many keys, sorts its group x topk entries (key, query) instead (sort_kernel).
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cub/block/block_discontinuity.cuh>
@@ -30,13 +30,13 @@ struct PackArgs {
   const int32_t* indices;  // [T, Hkv, topk]
   int64_t T, Tk;
   int Hkv, topk, group, bits;  // bits: of the largest sort key, group x Tk (an entry without a key)
-  int chunk;              // count_kernel: keys a warp numbers (a multiple of 32)
-  bool repeats_only;      // sort_kernel: only the blocks count_kernel left (lengths -1)
+  int chunk;                   // count_kernel: keys a warp numbers (a multiple of 32)
+  bool repeats_only;           // sort_kernel: only the blocks count_kernel left (lengths -1)
   // per CTA b: block b / Hkv's queries on kv head b % Hkv
-  int32_t* union_idx;     // [blocks x Hkv, group x topk]
-  uint8_t* member;        // [blocks x Hkv, group x topk]
-  int32_t* lengths;       // [blocks x Hkv]
-  int64_t* slot_of;       // [T, Hkv, topk], nullptr: not asked for
+  int32_t* union_idx;  // [blocks x Hkv, group x topk]
+  uint8_t* member;     // [blocks x Hkv, group x topk]
+  int32_t* lengths;    // [blocks x Hkv]
+  int64_t* slot_of;    // [T, Hkv, topk], nullptr: not asked for
 };
 
 // CTA b's entries in indices (and slot_of): query g's j-th at base + g stride + j, for the
