@@ -10,20 +10,24 @@ heads    the same shape at H = 8, 16, 32, 64, 128 (MLA 576/512) and GLM-5.3's No
 gqa      4 kv heads of 128 / 128 with G = 8, 16, 32, 64, 128 query heads each, random index sets, and
          at G = 8, 16, 32 sets from a window and with shared keys: SFA forward and SFAG TFLOP/s (each
          case's share of G 64 on random sets).
+model    H = 8 .. 128 (MLA 576/512) on index sets a checkpoint's indexers chose over a text
+         (bench/index_sets.py records them): SFA forward and SFAG TFLOP/s beside H 64's on the same sets.
 shared   GLM-5.3-Flash's sparse attention layer (its layer group's config), 8192 tokens, forward +
          backward: with its own indexer and as a shared-indexer layer (the indices of an earlier one).
 
-    python bench/bench_dsa.py [--quick] [--parts li sfa heads gqa shared] [--out DIR]
+    python bench/bench_dsa.py [--quick] [--parts li sfa heads gqa model shared] [--index-sets FILE] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 import kda_dsa_ops as K
 from common import Result, bench_ms, measure_ceilings, rel_rms, write_results
+from index_sets import GROUPS, drawn_sets, load, union_share
 
 BF16 = torch.bfloat16
 CHUNK = 512  # queries per chunk of the compositions (their [chunk, topk, D] gathers must fit)
@@ -143,42 +147,19 @@ HEAD_CASES = [(8, 576, None, None), (16, 576, None, None), (32, 576, None, None)
               (8, 576, 4096, 0.9), (16, 576, 4096, 0.5), (16, 576, 4096, 0.75), (16, 576, 4096, 0.9)]
 
 
-def index_sets(T: int, Tk: int, topk: int, window, shared, group: int) -> torch.Tensor:
-    """[T, 1, topk] distinct keys per query for a HEAD_CASES case (its window and shared share)."""
-    if window is None:
-        return torch.rand(T, Tk, device="cuda").topk(topk, dim=-1).indices.int()[:, None]
-    t = torch.arange(T, device="cuda")[:, None]
-    if shared is None:
-        first = Tk - T + t - window + 1
-        return (torch.rand(T, window, device="cuda").topk(topk, dim=-1).indices + first).int()[:, None]
-    first = Tk - T + t // group * group - window + 1
-    common = int(shared * topk)
-    score = torch.rand(T // group, window, device="cuda").repeat_interleave(group, 0)
-    mine = score.topk(common, dim=-1).indices
-    own = torch.rand(T, window, device="cuda").scatter_(1, mine, -1.0).topk(topk - common, dim=-1).indices
-    return (torch.cat([mine, own], 1) + first).int()[:, None]
-
-
-def union_share(idx: torch.Tensor, group: int) -> float:
-    """The mean size of the union of `group` consecutive queries' index sets (distinct keys) on a kv
-    head, over `group` x topk: the share of a packed block's slots that are not a repeat of another
-    query's."""
-    T, topk = idx.shape[0] // group * group, idx.shape[-1]
-    rows = idx[:T].transpose(0, 1).reshape(-1, group * topk).sort(1).values
-    return float(((rows[:, 1:] != rows[:, :-1]).sum(1) + 1).float().mean()) / (group * topk)
-
-
 def fwd_and_sfag(q, kv, idx, gate, label: str, shape: dict, extra: dict) -> list[Result]:
-    """SFA forward and SFAG (atomic dkv) of one case, timed: "SFA fwd <label>", "SFAG <label>"."""
+    """SFA forward and SFAG (atomic dkv) of one case, timed: "SFA fwd <label>", "SFAG <label>"; the
+    FLOPs those of the entries with a key (-1: none)."""
     ops = torch.ops.kda_dsa_ops
-    (T, H, Dqk), dv, topk = q.shape, gate.shape[-1], idx.shape[-1]
+    (T, H, Dqk), dv = q.shape, gate.shape[-1]
+    pairs = int((idx >= 0).sum()) * (H // idx.shape[1])  # (query head, key) pairs
     scale = Dqk ** -0.5
     o, lse, _ = K.sparse_attention(q, kv, idx, scale, dv, gate)
     do = torch.randn_like(o)
     fwd = bench_ms(lambda: ops.sparse_attn_fwd(q, kv, idx, scale, dv, gate, False))
     bwd = bench_ms(lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, False))
-    return [Result("dsa", f"SFA fwd {label}", shape, fwd, 2 * T * topk * H * (Dqk + dv), extra=extra),
-            Result("dsa", f"SFAG {label}", shape, bwd, 2 * T * topk * H * (2 * dv + 3 * Dqk), extra=extra)]
+    return [Result("dsa", f"SFA fwd {label}", shape, fwd, 2 * pairs * (Dqk + dv), extra=extra),
+            Result("dsa", f"SFAG {label}", shape, bwd, 2 * pairs * (2 * dv + 3 * Dqk), extra=extra)]
 
 
 def print_beside(results: list[Result], layout, full) -> None:
@@ -197,7 +178,7 @@ def bench_heads() -> list[Result]:
     """SFA forward and SFAG (atomic dkv) at every head count of HEAD_CASES, T 4096, Tk 8192, topk 2048,
     gated, distinct keys per query drawn at random (from all keys, or from a window before the
     query: neighbouring queries then share more keys, or with a set share of their keys in common
-    with their packed block's queries: index_sets); each case's TFLOP/s printed beside its
+    with their packed block's queries: index_sets.drawn_sets); each case's TFLOP/s printed beside its
     layout's H 64 on random sets. Below 64 heads the MLA kernels pack 64 / H queries a block: the
     share of the block's slots that its union keeps (1/group: every query chose the same keys; 1:
     no key shared) is printed with it."""
@@ -208,7 +189,7 @@ def bench_heads() -> list[Result]:
         q = torch.randn(T, H, Dqk, device="cuda", dtype=BF16)
         kv = torch.randn(Tk, 1, Dqk, device="cuda", dtype=BF16)
         gate = torch.randn(T, H, dv, device="cuda", dtype=BF16)
-        idx = index_sets(T, Tk, topk, window, shared, max(64 // H, 1))
+        idx = drawn_sets(T, Tk, topk, window, shared, max(64 // H, 1))
         shape = dict(T=T, Tk=Tk, H=H, Dqk=Dqk, dv=dv, topk=topk, window=window, shared=shared)
         sets = ("" if window is None else f" window {window}") + ("" if shared is None else f" shared {shared}")
         results += fwd_and_sfag(q, kv, idx, gate, f"H{H} {Dqk}/{dv}{sets}", shape,
@@ -236,7 +217,7 @@ def bench_gqa() -> list[Result]:
         q = torch.randn(T, Hkv * G, D, device="cuda", dtype=BF16)
         kv = torch.randn(Tk, Hkv, D, device="cuda", dtype=BF16)
         gate = torch.randn(T, Hkv * G, D, device="cuda", dtype=BF16)
-        idx = torch.cat([index_sets(T, Tk, topk, window, shared, max(64 // G, 1)) for _ in range(Hkv)], 1)
+        idx = torch.cat([drawn_sets(T, Tk, topk, window, shared, max(64 // G, 1)) for _ in range(Hkv)], 1)
         shape = dict(T=T, Tk=Tk, Hkv=Hkv, G=G, Dqk=D, dv=D, topk=topk, window=window, shared=shared)
         sets = ("" if window is None else f" window {window}") + ("" if shared is None else f" shared {shared}")
         results += fwd_and_sfag(q, kv, idx, gate, f"GQA {Hkv}x{G} {D}/{D}{sets}", shape,
@@ -244,6 +225,32 @@ def bench_gqa() -> list[Result]:
         del q, kv, gate, idx
         torch.cuda.empty_cache()
     print_beside(results, lambda r: "gqa", lambda r: r.shape["G"] == 64 and r.shape["window"] is None)
+    return results
+
+
+def bench_model(path: str, layers: list[int] | None) -> list[Result]:
+    """SFA forward and SFAG (atomic dkv) at H = 8, 16, 32, 64, 128 (MLA 576/512, gated, random q, kv
+    and gate) on index sets a checkpoint's indexer chose (bench/index_sets.py wrote them to path; T =
+    Tk = the text's tokens, one causal sequence): of `layers` (default the first recorded), each
+    case's TFLOP/s beside H 64's on the same sets and the packed block's union share."""
+    sets = load(path)
+    Dqk, dv, results = 576, 512, []
+    for layer in layers if layers is not None else [min(sets)]:
+        if layer not in sets:
+            raise SystemExit(f"{path}: no index sets of layer {layer} (it has layers {sorted(sets)})")
+        idx = sets[layer].cuda()[:, None]
+        T, topk = idx.shape[0], idx.shape[-1]
+        for H in (8, 16, 32, 64, 128):
+            torch.manual_seed(0)
+            q = torch.randn(T, H, Dqk, device="cuda", dtype=BF16)
+            kv = torch.randn(T, 1, Dqk, device="cuda", dtype=BF16)
+            gate = torch.randn(T, H, dv, device="cuda", dtype=BF16)
+            shape = dict(T=T, Tk=T, H=H, Dqk=Dqk, dv=dv, topk=topk, layer=layer, sets=os.path.basename(path))
+            results += fwd_and_sfag(q, kv, idx, gate, f"H{H} {Dqk}/{dv} model layer {layer}", shape,
+                                    {"union": round(union_share(idx, GROUPS[H]), 3)} if H in GROUPS else {})
+            del q, kv, gate
+            torch.cuda.empty_cache()
+    print_beside(results, lambda r: r.shape["layer"], lambda r: r.shape["H"] == 64)
     return results
 
 
@@ -295,16 +302,22 @@ def bench_shared() -> list[Result]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half the sequence lengths, H = 64 only")
-    parser.add_argument("--parts", nargs="+", choices=["li", "sfa", "heads", "gqa", "shared"], default=["li", "sfa"],
-                        help="which ops to time (default li and sfa)")
+    parser.add_argument("--parts", nargs="+", choices=["li", "sfa", "heads", "gqa", "model", "shared"],
+                        default=["li", "sfa"], help="which ops to time (default li and sfa)")
+    parser.add_argument("--index-sets", default=None, help="the model part's index sets (bench/index_sets.py)")
+    parser.add_argument("--index-layers", type=int, nargs="+", default=None,
+                        help="the model part's layers (default: the first in the file)")
     parser.add_argument("--out", default=None, help="directory for the JSON/markdown/PNG results")
     args = parser.parse_args()
+    if "model" in args.parts and args.index_sets is None:
+        parser.error("--parts model needs --index-sets FILE (written by bench/index_sets.py)")
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
     results = ((bench_indexer(args.quick) if "li" in args.parts else []) +
                (bench_attention(args.quick) if "sfa" in args.parts else []) +
                (bench_heads() if "heads" in args.parts else []) +
                (bench_gqa() if "gqa" in args.parts else []) +
+               (bench_model(args.index_sets, args.index_layers) if "model" in args.parts else []) +
                (bench_shared() if "shared" in args.parts else []))
     print(write_results("dsa", results, ceilings, args.out))
 

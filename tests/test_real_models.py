@@ -371,3 +371,83 @@ def test_bench_train_profile_parts():
         "KDA (ours)": 2.0, "DSA (ours)": 4.0, "MoE (ours)": 3.0, "mHC (ours)": 0.375, "cross-entropy (ours)": 0.0625,
         "fla (Triton)": 0.5, "GEMM": 1.5, "SDPA": 1.0 + 2.0,
         "elementwise": 0.25, "reductions": 0.5, "copies and indexing": 0.75 + 0.25, "other": 0.125}
+
+
+def bench_module(name):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    return __import__(name)
+
+
+def test_index_selections_are_transformers_choices(checkpoint):
+    """HybridModel.index_selections (what bench/index_sets.py records): one [T, width] set per sparse
+    layer with an indexer of its own, -1 past a query's visible keys, its keys distinct and causal;
+    on DeepSeek-V3.2 the keys transformers' indexer chooses in float64."""
+    family, directory, judge = checkpoint
+    model = onboard.from_pretrained(directory, dtype=F64)
+    cfg, T = model.cfg, LENGTHS[0]
+    tokens, _ = tokens_and_bounds(cfg.vocab, family=family)
+    tokens = tokens[:T]
+    sets = model.index_selections(tokens, torch.tensor([0, T], dtype=torch.int32))
+    own = [i for i, kind in enumerate(cfg.kinds()) if kind == "D" and cfg.index_kind(i) == "F"]
+    assert sorted(sets) == own and (family == "kimi_linear") == (not own)
+    # GLM-5.3's pooled choice: topk / kpool pools' keys and the latest incomplete pool's
+    width = cfg.dsa_topk + (cfg.index_kpool - 1 if cfg.index_kpool and cfg.index_kpool_tail else 0)
+    for s in sets.values():
+        assert s.dtype == torch.int32 and s.shape == (T, width)
+        for t, row in enumerate(s.tolist()):
+            keys = [k for k in row if k >= 0]
+            assert len(set(keys)) == len(keys) and all(k <= t for k in keys) and keys, (t, row)
+    if family == "deepseek_v32":
+        chosen = {}
+        hooks = [layer.self_attn.indexer.register_forward_hook(lambda _m, _a, out, i=i: chosen.__setitem__(i, out[0]))
+                 for i, layer in enumerate(judge.model.layers)]
+        try:
+            with torch.no_grad():
+                judge(tokens[None])
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert sorted(chosen) == own
+        for i in own:
+            for t in range(T):  # transformers' first min(t + 1, topk) are the visible keys it chose
+                theirs = set(chosen[i][t, : min(t + 1, cfg.dsa_topk)].tolist())
+                assert set(k for k in sets[i][t].tolist() if k >= 0) == theirs, (i, t)
+
+
+def test_union_share_counts_distinct_keys_per_block():
+    """bench/index_sets.union_share against sets counted one block at a time: the distinct keys of
+    each `group` consecutive queries on a kv head over their entries with a key (-1 entries left out,
+    the last T % group queries too)."""
+    union_share = bench_module("index_sets").union_share
+    g = torch.Generator().manual_seed(0)
+    for T, Hkv, topk, keys in ((10, 2, 4, 20), (9, 1, 6, 8), (16, 3, 5, 200)):
+        idx = torch.randint(-1, keys, (T, Hkv, topk), generator=g, dtype=torch.int32)
+        for group in (1, 2, 3, 4):
+            distinct = valid = 0
+            for h in range(Hkv):
+                for t0 in range(0, T // group * group, group):
+                    block = [k for k in idx[t0:t0 + group, h].flatten().tolist() if k >= 0]
+                    distinct, valid = distinct + len(set(block)), valid + len(block)
+            assert union_share(idx, group) == pytest.approx(distinct / valid), (T, Hkv, topk, group)
+
+
+def test_index_sets_recorded_from_a_checkpoint(tmp_path, capsys):
+    """bench/index_sets.py on a DeepSeek-V3.2 checkpoint and a file of token ids: the sets of its
+    sparse layers, written (no temporary file left) and read back as they were, their union shares
+    printed; a file that is not such sets is refused."""
+    index_sets = bench_module("index_sets")
+    directory = str(tmp_path / "ckpt")
+    real_checkpoints.write("deepseek_v32", directory)
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i) for i in torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()))
+    out = str(tmp_path / "sets.pt")
+    sets = index_sets.main([directory, "--ids", str(ids), "--tokens", "32", "--device", "cpu", "--out", out])
+    assert sorted(sets) == [0, 1, 2] and all(s.shape == (32, 5) for s in sets.values())
+    back = index_sets.load(out)
+    assert sorted(back) == sorted(sets) and all(torch.equal(back[i], sets[i]) for i in sets)
+    assert os.listdir(tmp_path / "") and not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+    printed = capsys.readouterr().out
+    assert printed.count("union share at H 8 / 16 / 32") == 3 and f"wrote {out}" in printed
+    torch.save({"sets": sets}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a file of index sets"):
+        index_sets.load(str(tmp_path / "other.pt"))

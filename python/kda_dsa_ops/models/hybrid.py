@@ -359,6 +359,23 @@ class HybridModel(nn.Module):
         return {"loss": lm + self.cfg.indexer_loss_weight * aux.to(lm.dtype), "lm_loss": lm, "indexer_loss": aux,
                 "accuracy": accuracy}
 
+    @torch.no_grad()
+    def index_selections(self, tokens: Tensor, cu_seqlens: Tensor) -> dict[int, Tensor]:
+        """{layer: its indexer's choice [T, topk] int32 (-1: no key)} for every sparse layer with an
+        indexer of its own, from one forward over tokens packed by cu_seqlens (the key sets the
+        sparse attention kernels are given; bench/index_sets.py records them from a checkpoint)."""
+        chosen, hooks = {}, []
+        for i, block in enumerate(self.blocks):
+            if block.kind == "D" and block.attn.indexer is not None:
+                hooks.append(block.attn.register_forward_hook(
+                    lambda _m, _args, out, i=i: chosen.__setitem__(i, out[2].int())))
+        try:
+            self.hidden_states(tokens, cu_seqlens)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return chosen
+
     def update_router_biases(self) -> None:
         """After an optimizer step: nudge each MoE router's selection bias toward balanced loads."""
         for block in self.blocks:
