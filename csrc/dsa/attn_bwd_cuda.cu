@@ -316,6 +316,13 @@ void bwd_launch(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor&
                     dgate.defined() ? dgate.data_ptr() : nullptr};
       if (!deterministic) {
         a.dkv = dkv.data_ptr<float>();
+        // packed blocks' unions differ in length (with causal sets they grow with t): the longest
+        // start first, so that the last wave's blocks are the shortest
+        at::Tensor order;
+        if (hopper && pk.lengths.defined()) {  // one head block each
+          order = longest_first(pk.lengths, p.T);
+          a.order = order.data_ptr<int32_t>();
+        }
         run(a, p.T);
         return;
       }

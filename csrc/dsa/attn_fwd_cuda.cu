@@ -224,7 +224,7 @@ void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& k
         constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
         using S = FwdShape<kDqk, kDv, kRows>;
         const AttnFwdArgs a{attn_args(part, q, kv, gate, kRows), o.data_ptr(), lse.data_ptr<float>(),
-                            probs.defined() ? probs.data_ptr<float>() : nullptr, nullptr};
+                            probs.defined() ? probs.data_ptr<float>() : nullptr};
         launch(attn_fwd_kernel<scalar_t, kDqk, kDv, kRows, decltype(packed)::value>,
                dim3(part.problem.T, part.problem.Hkv, a.head_blocks), S::kThreads, S::kSmem, a);
       });

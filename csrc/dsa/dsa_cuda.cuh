@@ -198,12 +198,13 @@ struct AttnArgs {
   // unpacked: the pack's lengths and group (nullptr: no split).
   const int32_t* split_lengths;
   int split_group, split_limit;
+  // The Hopper MLA kernels' packed blocks in the order taken (longest_first); nullptr: index order.
+  const int32_t* order;
 };
 struct AttnFwdArgs : AttnArgs {
   void* o;
   float* lse;
-  float* probs;          // nullptr: not asked for
-  const int32_t* order;  // the Hopper MLA forward's items longest first (packed blocks); nullptr: in index order
+  float* probs;  // nullptr: not asked for
 };
 struct AttnBwdArgs : AttnArgs {
   const void* grad_o;
@@ -567,6 +568,10 @@ void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& k
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
 void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
+// The order of the packed blocks whose union lengths are `lengths` (int32, on the GPU) that the
+// Hopper MLA kernels take them in (AttnArgs::order): longest first (index order among equals), each
+// round of `round` blocks after the first in the direction opposite to the last.
+at::Tensor longest_first(const at::Tensor& lengths, int64_t round);
 // The MLA layouts with more than 16 heads per kv head (packed queries included) on sm_90a (unless
 // portable_sfa is on); the launch over `queries` queries from a.t0.
 bool mla_bwd_takes(const AttnProblem& p, const at::Tensor& q);

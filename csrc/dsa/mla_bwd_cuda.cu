@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_bwd_kernel(const __grid_co
     __syncthreads();
   }
   const int64_t u = kOrdered ? a.t0 * a.head_blocks + sh.turn : 0;
-  const int64_t t = kOrdered ? u / a.head_blocks : a.t0 + blockIdx.x;
+  const int64_t t = kOrdered ? u / a.head_blocks : a.order != nullptr ? a.order[blockIdx.x] : a.t0 + blockIdx.x;
   const int head0 = static_cast<int>(kOrdered ? u % a.head_blocks : blockIdx.z) * M::kRows;
   const int rows = mla_block_rows(a, t, head0);
   const T* q = static_cast<const T*>(a.q);
