@@ -10,8 +10,9 @@ heads    the same shape at H = 8, 16, 32, 64, 128 (MLA 576/512) and GLM-5.3's No
 gqa      4 kv heads of 128 / 128 with G = 8, 16, 32, 64, 128 query heads each, random index sets, and
          at G = 8, 16, 32 sets from a window and with shared keys: SFA forward and SFAG TFLOP/s (each
          case's share of G 64 on random sets).
-model    H = 8 .. 128 (MLA 576/512) on index sets a checkpoint's indexers chose over a text
-         (bench/index_sets.py records them): SFA forward and SFAG TFLOP/s beside H 64's on the same sets.
+model    index sets a checkpoint's indexers chose over a text (bench/index_sets.py records them): H = 8
+         .. 128 (MLA 576/512) and GQA 4 x G = 8 .. 64 (128/128), SFA forward and SFAG TFLOP/s beside
+         64 heads' on the same sets.
 shared   GLM-5.3-Flash's sparse attention layer (its layer group's config), 8192 tokens, forward +
          backward: with its own indexer and as a shared-indexer layer (the indices of an earlier one).
 
@@ -27,7 +28,7 @@ import torch
 
 import kda_dsa_ops as K
 from common import Result, bench_ms, measure_ceilings, rel_rms, write_results
-from index_sets import GROUPS, drawn_sets, load, union_share
+from index_sets import drawn_sets, load, union_share
 
 BF16 = torch.bfloat16
 CHUNK = 512  # queries per chunk of the compositions (their [chunk, topk, D] gathers must fit)
@@ -229,28 +230,34 @@ def bench_gqa() -> list[Result]:
 
 
 def bench_model(path: str, layers: list[int] | None) -> list[Result]:
-    """SFA forward and SFAG (atomic dkv) at H = 8, 16, 32, 64, 128 (MLA 576/512, gated, random q, kv
-    and gate) on index sets a checkpoint's indexer chose (bench/index_sets.py wrote them to path; T =
-    Tk = the text's tokens, one causal sequence): of `layers` (default the first recorded), each
-    case's TFLOP/s beside H 64's on the same sets and the packed block's union share."""
+    """SFA forward and SFAG (atomic dkv) on index sets a checkpoint's indexer chose (bench/index_sets.py
+    wrote them to path; T = Tk = the text's tokens, one causal sequence), of `layers` (default the
+    first recorded): at H = 8 .. 128 in the MLA layout (576/512), and as GQA with 4 kv heads of 128 /
+    128 (each given the layer's sets) at G = 8 .. 64; gated, random q, kv and gate. Each case's
+    TFLOP/s beside 64 heads' on the same sets and layout, with the packed block's union share."""
     sets = load(path)
-    Dqk, dv, results = 576, 512, []
+    Hkv, results = 4, []
     for layer in layers if layers is not None else [min(sets)]:
         if layer not in sets:
             raise SystemExit(f"{path}: no index sets of layer {layer} (it has layers {sorted(sets)})")
         idx = sets[layer].cuda()[:, None]
         T, topk = idx.shape[0], idx.shape[-1]
-        for H in (8, 16, 32, 64, 128):
+        cases = ([("mla", H, 1, 576, 512) for H in (8, 16, 32, 64, 128)] +
+                 [("gqa", G, Hkv, 128, 128) for G in (8, 16, 32, 64)])
+        for layout, G, kv_heads, Dqk, dv in cases:
             torch.manual_seed(0)
-            q = torch.randn(T, H, Dqk, device="cuda", dtype=BF16)
-            kv = torch.randn(T, 1, Dqk, device="cuda", dtype=BF16)
-            gate = torch.randn(T, H, dv, device="cuda", dtype=BF16)
-            shape = dict(T=T, Tk=T, H=H, Dqk=Dqk, dv=dv, topk=topk, layer=layer, sets=os.path.basename(path))
-            results += fwd_and_sfag(q, kv, idx, gate, f"H{H} {Dqk}/{dv} model layer {layer}", shape,
-                                    {"union": round(union_share(idx, GROUPS[H]), 3)} if H in GROUPS else {})
-            del q, kv, gate
+            q = torch.randn(T, kv_heads * G, Dqk, device="cuda", dtype=BF16)
+            kv = torch.randn(T, kv_heads, Dqk, device="cuda", dtype=BF16)
+            gate = torch.randn(T, kv_heads * G, dv, device="cuda", dtype=BF16)
+            heads = idx.expand(T, kv_heads, topk).contiguous()
+            shape = dict(T=T, Tk=T, Hkv=kv_heads, G=G, Dqk=Dqk, dv=dv, topk=topk, layer=layer, layout=layout,
+                         sets=os.path.basename(path))
+            label = f"H{G} {Dqk}/{dv}" if layout == "mla" else f"GQA {kv_heads}x{G} {Dqk}/{dv}"
+            results += fwd_and_sfag(q, kv, heads, gate, f"{label} model layer {layer}", shape,
+                                    {"union": round(union_share(heads, 64 // G), 3)} if G < 64 else {})
+            del q, kv, gate, heads
             torch.cuda.empty_cache()
-    print_beside(results, lambda r: r.shape["layer"], lambda r: r.shape["H"] == 64)
+    print_beside(results, lambda r: (r.shape["layer"], r.shape["layout"]), lambda r: r.shape["G"] == 64)
     return results
 
 

@@ -439,13 +439,14 @@ def test_index_sets_recorded_from_a_checkpoint(tmp_path, capsys):
     directory = str(tmp_path / "ckpt")
     real_checkpoints.write("deepseek_v32", directory)
     ids = tmp_path / "ids.txt"
-    ids.write_text(" ".join(str(i) for i in torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()))
+    tokens = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
+    ids.write_text(" ".join(str(i) for i in tokens.tolist()))
     out = str(tmp_path / "sets.pt")
     sets = index_sets.main([directory, "--ids", str(ids), "--tokens", "32", "--device", "cpu", "--out", out])
     assert sorted(sets) == [0, 1, 2] and all(s.shape == (32, 5) for s in sets.values())
     back = index_sets.load(out)
     assert sorted(back) == sorted(sets) and all(torch.equal(back[i], sets[i]) for i in sets)
-    assert os.listdir(tmp_path / "") and not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
     printed = capsys.readouterr().out
     assert printed.count("union share at H 8 / 16 / 32") == 3 and f"wrote {out}" in printed
     torch.save({"sets": sets}, tmp_path / "other.pt")

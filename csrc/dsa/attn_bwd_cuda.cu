@@ -33,7 +33,8 @@ struct BwdShape : AttnShape<kDqk, kRows, 32> {
 template <typename T, int kDqk, int kDv, int kRows, bool kPacked>
 __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd_kernel(AttnBwdArgs a) {
   using S = BwdShape<kDqk, kDv, kRows>;
-  if (attn_skips(a, a.t0 + blockIdx.x, blockIdx.y)) return;
+  const AttnItem item = attn_item<kPacked>(a);
+  if (attn_skips(a, item.t, item.kvh)) return;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + kRows * S::kLd;                // kStages key tiles
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
   const T* gate = static_cast<const T*>(a.gate);
   const T* grad_o = static_cast<const T*>(a.grad_o);
   const T* o = static_cast<const T*>(a.o_in);
-  const AttnBlock blk = attn_block<T, kRows, kDqk, kPacked>(a, sQ, S::kLd);
+  const AttnBlock blk = attn_block<T, kRows, kDqk, kPacked>(a, item, sQ, S::kLd);
   const auto [t, kvh, head0, rows, length, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] = blk;
   const int kdv = round16(a.dv);
   // delta = sum(grad_o * o) (o gated), dgate = grad_o * o * (1 - sigmoid(gate)).
@@ -316,13 +317,7 @@ void bwd_launch(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor&
                     dgate.defined() ? dgate.data_ptr() : nullptr};
       if (!deterministic) {
         a.dkv = dkv.data_ptr<float>();
-        // packed blocks' unions differ in length (with causal sets they grow with t): the longest
-        // start first, so that the last wave's blocks are the shortest
-        at::Tensor order;
-        if (hopper && pk.lengths.defined()) {  // one head block each
-          order = longest_first(pk.lengths, p.T);
-          a.order = order.data_ptr<int32_t>();
-        }
+        const at::Tensor order = with_order(pk, a);
         run(a, p.T);
         return;
       }

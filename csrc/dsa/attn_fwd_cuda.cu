@@ -28,7 +28,8 @@ struct FwdShape : AttnShape<kDqk, kRows, 64> {
 template <typename T, int kDqk, int kDv, int kRows, bool kPacked>
 __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd_kernel(AttnFwdArgs a) {
   using S = FwdShape<kDqk, kDv, kRows>;
-  if (attn_skips(a, a.t0 + blockIdx.x, blockIdx.y)) return;
+  const AttnItem item = attn_item<kPacked>(a);
+  if (attn_skips(a, item.t, item.kvh)) return;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + kRows * S::kLd;  // kStages key tiles
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(FwdShape<kDqk, kDv, kRows>::kThreads) attn_fwd
   int* sIdx = reinterpret_cast<int*>(colsum + kRows / 16 * S::kKeys);  // [kStages][kKeys]
   uint8_t* sHas = reinterpret_cast<uint8_t*>(sIdx + S::kStages * S::kKeys);  // [kStages][kKeys]
 
-  const AttnBlock blk = attn_block<T, kRows, kDqk, kPacked>(a, sQ, S::kLd);
+  const AttnBlock blk = attn_block<T, kRows, kDqk, kPacked>(a, item, sQ, S::kLd);
   const auto [t, kvh, head0, rows, length, warp, lane, g, c, wr, wc, r0, kd, sl2, idx] = blk;
   using Tiles = AttnTiles<T, S::kStages, S::kKeys, kPacked>;
   const auto key_tiles = [&] {
@@ -223,8 +224,9 @@ void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& k
       with_attn_instance(part.problem, part.group > 1, [&](auto dqk, auto dv, auto rows, auto packed) {
         constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;
         using S = FwdShape<kDqk, kDv, kRows>;
-        const AttnFwdArgs a{attn_args(part, q, kv, gate, kRows), o.data_ptr(), lse.data_ptr<float>(),
-                            probs.defined() ? probs.data_ptr<float>() : nullptr};
+        AttnFwdArgs a{attn_args(part, q, kv, gate, kRows), o.data_ptr(), lse.data_ptr<float>(),
+                      probs.defined() ? probs.data_ptr<float>() : nullptr};
+        const at::Tensor order = with_order(part, a);
         launch(attn_fwd_kernel<scalar_t, kDqk, kDv, kRows, decltype(packed)::value>,
                dim3(part.problem.T, part.problem.Hkv, a.head_blocks), S::kThreads, S::kSmem, a);
       });

@@ -198,7 +198,8 @@ struct AttnArgs {
   // unpacked: the pack's lengths and group (nullptr: no split).
   const int32_t* split_lengths;
   int split_group, split_limit;
-  // The Hopper MLA kernels' packed blocks in the order taken (longest_first); nullptr: index order.
+  // Packed blocks in the order taken (longest_first; the atomic backward and the forward):
+  // nullptr: index order.
   const int32_t* order;
 };
 struct AttnFwdArgs : AttnArgs {
@@ -260,13 +261,30 @@ __device__ __forceinline__ bool attn_skips(const AttnArgs& a, int64_t t, int kvh
   return packed != (a.split_group == 1);
 }
 
+// A block's query (or packed block) t and kv head: blockIdx's, or on a packed launch with an order
+// (AttnArgs::order, one head block) the item t Hkv + kvh it names in launch order.
+struct AttnItem {
+  int64_t t;
+  int kvh;
+};
+template <bool kPacked>
+__device__ __forceinline__ AttnItem attn_item(const AttnArgs& a) {
+  if constexpr (kPacked) {
+    if (a.order != nullptr) {
+      const int64_t item = a.order[blockIdx.y * int64_t{gridDim.x} + blockIdx.x];
+      return {item / a.Hkv, static_cast<int>(item % a.Hkv)};
+    }
+  }
+  return {a.t0 + blockIdx.x, static_cast<int>(blockIdx.y)};
+}
+
 // The block's place, and its query rows sent to shared memory (cp.async, committed with the first
 // key tile).
 template <typename T, int kRows, int kCols, bool kPacked>
-__device__ AttnBlock attn_block(const AttnArgs& a, T* sQ, int ld) {
+__device__ AttnBlock attn_block(const AttnArgs& a, AttnItem item, T* sQ, int ld) {
   AttnBlock b;
-  b.t = a.t0 + blockIdx.x;
-  b.kvh = blockIdx.y;
+  b.t = item.t;
+  b.kvh = item.kvh;
   b.head0 = blockIdx.z * kRows;
   b.rows = min(kRows, a.G - b.head0);
   b.length = kPacked ? a.lengths[b.t * a.Hkv + b.kvh] : a.topk;
@@ -569,9 +587,21 @@ bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
 void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
 // The order of the packed blocks whose union lengths are `lengths` (int32, on the GPU) that the
-// Hopper MLA kernels take them in (AttnArgs::order): longest first (index order among equals), each
-// round of `round` blocks after the first in the direction opposite to the last.
+// kernels take them in (AttnArgs::order): longest first (index order among equals), each round of
+// `round` blocks after the first in the direction opposite to the last (the Hopper forward's
+// persistent blocks; one round elsewhere).
 at::Tensor longest_first(const at::Tensor& lengths, int64_t round);
+// A packed launch's order (kept alive by the tensor returned) in a.order: packed blocks' unions
+// differ in length (with causal sets they grow with t), and taken longest first the last wave's
+// blocks are the shortest. Unpacked (no lengths), or past kOrderItems blocks (longest_first ranks
+// each against all: quadratic), none.
+constexpr int64_t kOrderItems = int64_t{1} << 16;
+inline at::Tensor with_order(const QueryPack& pk, AttnArgs& a) {
+  if (!pk.lengths.defined() || pk.lengths.numel() > kOrderItems || a.head_blocks != 1 || a.t0 != 0) return {};
+  at::Tensor order = longest_first(pk.lengths, pk.lengths.numel());
+  a.order = order.data_ptr<int32_t>();
+  return order;
+}
 // The MLA layouts with more than 16 heads per kv head (packed queries included) on sm_90a (unless
 // portable_sfa is on); the launch over `queries` queries from a.t0.
 bool mla_bwd_takes(const AttnProblem& p, const at::Tensor& q);
