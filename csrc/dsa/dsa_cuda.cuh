@@ -19,7 +19,8 @@
 //   mla_bwd_cuda.cu       SFA backward for the MLA layout on sm_90a: a gathering producer warpgroup
 //                         and two wgmma consumer warpgroups, dkv by 16-byte atomics per 64 columns
 //   pack_cuda.cu          packed queries at 8, 16 or 32 heads a kv head (QueryPack): a block's
-//                         selections' union, counted (a word per key) or sorted in shared memory
+//                         selections' union, counted (a word per key) or sorted in shared memory;
+//                         the order the kernels take the packed blocks in (longest_first)
 // The mma.sync kernels' warps are 16-row groups x 2 halves of the columns (keys or values).
 #pragma once
 
@@ -587,18 +588,18 @@ bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
 void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
 // The order of the packed blocks whose union lengths are `lengths` (int32, on the GPU) that the
-// kernels take them in (AttnArgs::order): longest first (index order among equals), each round of
-// `round` blocks after the first in the direction opposite to the last (the Hopper forward's
-// persistent blocks; one round elsewhere).
+// kernels take them in (AttnArgs::order; pack_cuda.cu): longest first (index order among equals),
+// each round of `round` blocks after the first in the direction opposite to the last.
 at::Tensor longest_first(const at::Tensor& lengths, int64_t round);
 // A packed launch's order (kept alive by the tensor returned) in a.order: packed blocks' unions
 // differ in length (with causal sets they grow with t), and taken longest first the last wave's
-// blocks are the shortest. Unpacked (no lengths), or past kOrderItems blocks (longest_first ranks
-// each against all: quadratic), none.
+// blocks are the shortest; `round`: the Hopper forward's persistent blocks, one round elsewhere.
+// Unpacked (no lengths), or past kOrderItems blocks (longest_first ranks each against all:
+// quadratic), none.
 constexpr int64_t kOrderItems = int64_t{1} << 16;
-inline at::Tensor with_order(const QueryPack& pk, AttnArgs& a) {
+inline at::Tensor with_order(const QueryPack& pk, AttnArgs& a, int64_t round = kOrderItems) {
   if (!pk.lengths.defined() || pk.lengths.numel() > kOrderItems || a.head_blocks != 1 || a.t0 != 0) return {};
-  at::Tensor order = longest_first(pk.lengths, pk.lengths.numel());
+  at::Tensor order = longest_first(pk.lengths, round);
   a.order = order.data_ptr<int32_t>();
   return order;
 }

@@ -662,38 +662,7 @@ __global__ void __launch_bounds__(M::kThreads, 1) mla_fwd_kernel(const __grid_co
 #endif
 }
 
-// longest_first's deal: item i's rank among the lengths, longest first (in index order among
-// equals), and its place in the order: rank, in reverse within each odd round of `round` ranks. A
-// warp an item.
-constexpr int kDealThreads = 256;
-struct DealArgs {
-  const int32_t* lengths;
-  int items, round;
-  int32_t* order;
-};
-
-__global__ void __launch_bounds__(kDealThreads) deal_kernel(const DealArgs a) {
-  const int i = blockIdx.x * (kDealThreads / 32) + threadIdx.x / 32;
-  if (i >= a.items) return;
-  const int32_t mine = a.lengths[i];
-  int rank = 0;
-  for (int j = threadIdx.x % 32; j < a.items; j += 32) rank += a.lengths[j] > mine || (a.lengths[j] == mine && j < i);
-  rank = __reduce_add_sync(~0u, rank);
-  const int first = rank / a.round * a.round, last = min(first + a.round, a.items) - 1;
-  if (threadIdx.x % 32 == 0) a.order[rank / a.round % 2 == 1 ? first + last - rank : rank] = i;
-}
-
 }  // namespace
-
-at::Tensor longest_first(const at::Tensor& lengths, int64_t round) {
-  const int64_t items = lengths.numel();
-  at::Tensor order = at::empty({items}, lengths.options());
-  if (items == 0) return order;
-  const DealArgs deal{lengths.data_ptr<int32_t>(), static_cast<int>(items), static_cast<int>(round),
-                      order.data_ptr<int32_t>()};
-  launch(deal_kernel, dim3(ceil_div(items, kDealThreads / 32)), kDealThreads, 0, deal);
-  return order;
-}
 
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q) {
   return (p.Dqk == 576 || p.Dqk == 512) && p.dv == 512 && p.Hkv == 1 && is_sm90(q) &&
@@ -716,11 +685,7 @@ void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
       const auto blocks = std::min<int64_t>(items, num_sms(q.get_device()));
       // Packed blocks' unions differ in length: they are dealt longest first, each round of
       // `blocks` items in the direction opposite to the last, so that the blocks' shares even out.
-      at::Tensor order;
-      if (pk.lengths.defined()) {  // one head block each
-        order = longest_first(pk.lengths, blocks);
-        a.order = order.data_ptr<int32_t>();
-      }
+      const at::Tensor order = with_order(pk, a, blocks);
       const auto kernel = mla_fwd_kernel<scalar_t, M>;
       set_smem(kernel, smem);
       kernel<<<static_cast<unsigned>(blocks), M::kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);

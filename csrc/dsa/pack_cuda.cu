@@ -3,6 +3,7 @@
 // Where the keys fit in shared memory one CTA a block marks each key's queries in a word per key
 // and numbers the marked keys (count_kernel); a block in which a query chose a key twice, or any
 // block past that many keys, sorts its group x topk entries (key, query) instead (sort_kernel).
+// The kernels take the packed blocks longest first (longest_first: deal_kernel).
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cub/block/block_discontinuity.cuh>
@@ -243,7 +244,38 @@ __global__ void __launch_bounds__(kPackThreads, 1) sort_kernel(const PackArgs a)
   if (threadIdx.x == 0) a.lengths[b] = length;
 }
 
+// longest_first's deal: item i's rank among the lengths, longest first (in index order among
+// equals), and its place in the order: rank, in reverse within each odd round of `round` ranks. A
+// warp an item.
+constexpr int kDealThreads = 256;
+struct DealArgs {
+  const int32_t* lengths;
+  int items, round;
+  int32_t* order;
+};
+
+__global__ void __launch_bounds__(kDealThreads) deal_kernel(const DealArgs a) {
+  const int i = blockIdx.x * (kDealThreads / 32) + threadIdx.x / 32;
+  if (i >= a.items) return;
+  const int32_t mine = a.lengths[i];
+  int rank = 0;
+  for (int j = threadIdx.x % 32; j < a.items; j += 32) rank += a.lengths[j] > mine || (a.lengths[j] == mine && j < i);
+  rank = __reduce_add_sync(~0u, rank);
+  const int first = rank / a.round * a.round, last = min(first + a.round, a.items) - 1;
+  if (threadIdx.x % 32 == 0) a.order[rank / a.round % 2 == 1 ? first + last - rank : rank] = i;
+}
+
 }  // namespace
+
+at::Tensor longest_first(const at::Tensor& lengths, int64_t round) {
+  const int64_t items = lengths.numel();
+  at::Tensor order = at::empty({items}, lengths.options());
+  if (items == 0) return order;
+  const DealArgs deal{lengths.data_ptr<int32_t>(), static_cast<int>(items),
+                      static_cast<int>(std::min(round, items)), order.data_ptr<int32_t>()};
+  launch(deal_kernel, dim3(ceil_div(items, kDealThreads / 32)), kDealThreads, 0, deal);
+  return order;
+}
 
 QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tensor& indices, bool slots,
                        double split) {
