@@ -220,6 +220,10 @@ void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& k
   }
   const c10::cuda::CUDAGuard guard(q.device());
   each_launch(pk, [&](const QueryPack& part) {
+    if (part.group == 1 && gqa_fwd_takes(part.problem)) {
+      gqa_fwd_cuda(part, q, kv, gate, o, lse, probs);
+      return;
+    }
     KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
       with_attn_instance(part.problem, part.group > 1, [&](auto dqk, auto dv, auto rows, auto packed) {
         constexpr int kDqk = decltype(dqk)::value, kDv = decltype(dv)::value, kRows = decltype(rows)::value;

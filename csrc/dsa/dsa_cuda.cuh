@@ -14,6 +14,9 @@
 //                         the final probabilities over the heads
 //   mla_fwd_cuda.cu       SFA forward for the MLA layout on sm_90a: a gathering producer
 //                         warpgroup and two wgmma consumer warpgroups
+//   gqa_fwd_cuda.cu       SFA forward at 8 or 16 heads a kv head, Dqk <= 128 (mma.sync): keys
+//                         along the mma's rows, four warps a (query, kv head), each over its own
+//                         tiles, merged at the end
 //   attn_bwd_cuda.cu      SFA backward: the forward's blocks, dq in registers, dkv added to an fp32
 //                         buffer (atomically, or stored per (query, slot) and summed in index order)
 //   mla_bwd_cuda.cu       SFA backward for the MLA layout on sm_90a: a gathering producer warpgroup
@@ -395,7 +398,8 @@ void with_attn_instance(const AttnProblem& p, bool packed, F&& f) {
 // On the mma.sync kernels a block of 16 rows does one query's work at about half the cost of a
 // block of 64: at 8 and 16 heads a packed block whose union keeps more than a share `split` of its
 // slots (split_limit) is left to a second, unpacked launch over its queries (rest()), so that the
-// queries that share few keys cost what they did unpacked.
+// queries that share few keys cost what they did unpacked (at Dqk <= 128 the forward's runs on
+// gqa_fwd_cuda.cu's kernel).
 struct QueryPack {
   AttnProblem problem;
   int64_t group = 1;  // queries per block
@@ -583,6 +587,10 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const at::Tensor& grad_scores, at::Tensor& dq, at::Tensor& dk, at::Tensor& dw);
 void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
                    at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
+// 8 or 16 query heads a kv head with Dqk <= 128 (gqa_fwd_cuda.cu; unpacked queries).
+bool gqa_fwd_takes(const AttnProblem& p);
+void gqa_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
+                  at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
 // The MLA layout (Dqk 576, dv 512, one kv head) on sm_90a, unless the portable_sfa switch is on.
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
 void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
