@@ -85,13 +85,17 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   const int tiles = all_tiles > warp ? (all_tiles - warp + kWarps - 1) / kWarps : 0;
   T* my_ring = ring + warp * kStages * kKeys * kLd;
   const auto slot0 = [&](int i) { return (warp + kWarps * i) * kKeys; };
-  // Tile i's rows into its stage (lanes 16 h .. 16 h + 15 copy row 2 r + h's 16-byte pieces), one
-  // commit group (empty past the last tile); returns the tile's slots that have a key (bit r).
-  const auto issue = [&](int i) -> uint32_t {
+  // This lane's slot of tile i: its key as the selection has it (-1 past the tile or the selection).
+  const auto slot_key = [&](int i) {
+    const int j = slot0(i) + lane;
+    return i < tiles && lane < kKeys && j < a.topk ? sel[j] : -1;
+  };
+  // Tile i's rows into its stage (lanes 16 h .. 16 h + 15 copy row 2 r + h's 16-byte pieces; key:
+  // slot_key(i)), one commit group (empty past the last tile); returns the tile's slots that have a
+  // key (bit r).
+  const auto issue = [&](int i, int key) -> uint32_t {
     uint32_t mask = 0;
     if (i < tiles) {
-      const int j = slot0(i) + lane;
-      const int key = lane < kKeys && j < a.topk ? sel[j] : -1;
       const bool ok = key >= 0 && key < a.Tk;
       mask = __ballot_sync(~0u, ok);
       T* dst = my_ring + (i % kStages) * kKeys * kLd;
@@ -107,14 +111,17 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
     cp_async_commit();
     return mask;
   };
-  // f(tile's rows, its mask, i) for each of the warp's tiles, kStages - 1 of them in flight ahead.
+  // f(tile's rows, its mask, i) for each of the warp's tiles, kStages - 1 of them in flight ahead
+  // and the keys of the next one loaded.
   const auto each_tile = [&](auto&& f) {
     uint32_t masks[kStages];
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) masks[s] = issue(s);
+    for (int s = 0; s < kStages - 1; ++s) masks[s] = issue(s, slot_key(s));
+    int next = slot_key(kStages - 1);
     for (int i = 0; i < tiles; ++i) {
       __syncwarp();  // the stage refilled now was read by the last step
-      masks[kStages - 1] = issue(i + kStages - 1);
+      masks[kStages - 1] = issue(i + kStages - 1, next);
+      next = slot_key(i + kStages);
       cp_async_wait<kStages - 1>();
       __syncwarp();
       f(my_ring + (i % kStages) * kKeys * kLd, masks[0], i);
