@@ -1,8 +1,8 @@
-"""Where a kernel's warps stall, by source line: ncu's per-instruction stall samples summed onto
+r"""Where a kernel's warps stall, by source line: ncu's per-instruction stall samples summed onto
 the lines of the kernel's own files.
 
 On the GPU machine, one profiled step and its source page as CSV:
-    ncu --profile-from-start off -k regex:NAME --section SourceCounters --section WarpStateStats \\
+    ncu --profile-from-start off -k regex:NAME --section SourceCounters --section WarpStateStats \
         -o prof python3 tools/profile_kda.py --ncu
     ncu -i prof.ncu-rep --page source --csv --print-source sass | gzip > src.csv.gz
 Here, a cubin of the same source with line info (nvcc ... -lineinfo -cubin FILE.cu; the build's

@@ -43,8 +43,8 @@ void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) 
 constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
 // The forward at 8 or 16 heads a kv head with Dqk <= 128 runs unpacked queries on gqa_fwd_cuda.cu's
 // kernel, which does a query's work at any overlap in the time a packed block takes at about 0.3 of
-// its slots (H200, 128 / 128, 8 heads; the causal sets of an 8192-token sequence: 2.96 ms at 0.3
-// against 3.27 at 0.4 and 3.73 all unpacked).
+// its slots (H200, 128 / 128, 8 heads, b1dbef1's kernel; the causal sets of an 8192-token sequence:
+// 2.96 ms at 0.3 against 3.27 at 0.4 and 3.73 all unpacked).
 constexpr double kGqaFwdSplit = 0.3;
 
 // The (query, slot) probabilities of a packed Hopper MLA forward ([blocks, group, group x topk], by
