@@ -22,10 +22,10 @@ namespace kda_dsa_ops::dsa {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kKeys = 32;   // slots of a warp's tile
+constexpr int kKeys = 32;       // slots of a warp's tile
 constexpr int kM = kKeys / 16;  // its 16-key tiles of the products
-constexpr int kStages = 2;  // a warp's tiles in flight
-constexpr int kDim = 128;   // Dqk and dv, padded
+constexpr int kStages = 2;      // a warp's tiles in flight
+constexpr int kDim = 128;       // Dqk and dv, padded
 constexpr int kLd = kDim + 8;
 constexpr int kLdO = kDim + 4;  // the merge's rows (fp32, no bank conflicts)
 
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   T* ring = reinterpret_cast<T*>(smem);
   T* sQ = ring;  // until the fragments are loaded
   float* merge_m = reinterpret_cast<float*>(smem + (S::kSmem - S::kMerge));  // [kWarps][kG]
-  float* merge_l = merge_m + kWarps * kG;                    // [kWarps][kG]
+  float* merge_l = merge_m + kWarps * kG;                                     // [kWarps][kG]
   const int64_t t = blockIdx.x;
   if (attn_skips(a, t, blockIdx.y)) return;
   const int kvh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   gather_rows(sQ, kLd, 16, a.Dqk, kDim, [&](int r) { return r < kG ? q + (row0 + r) * a.Dqk : nullptr; });
   cp_async_wait_all();
   __syncthreads();
-  // Q^T as B fragments (dims x heads), for the 16-dim steps the head dim has.
+  // Q^T as B fragments (dims x heads; zeros past Dqk and past the kG heads).
   uint32_t qb[kDim / 16][kN][2];
 #pragma unroll
   for (int kk = 0; kk < kDim / 16; ++kk) {
