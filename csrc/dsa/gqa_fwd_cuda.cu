@@ -268,6 +268,7 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
       const int head = 8 * n + 2 * c + h;
       const float mx = block_max(head), l = block_sum(head, mx);
       lse2[n][h] = l != 0.f ? mx + log2f(l) : INFINITY;
+      if (warp == 0 && g == 0) a.lse[row0 + head] = l != 0.f ? lse2[n][h] * kLn2 : -INFINITY;
       const float f = l != 0.f ? factor(warp, head, mx) / l : 0.f;
 #pragma unroll
       for (int d = 0; d < kDim / 16; ++d) {
@@ -287,11 +288,6 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
     const int64_t row = row0 + head;
     if (gate != nullptr) v *= sigmoidf(to_float(gate[row * a.dv + col]));
     out[row * a.dv + col] = from_float<T>(v);
-  }
-  if (threadIdx.x < kG) {
-    const int head = threadIdx.x;
-    const float mx = block_max(head), l = block_sum(head, mx);
-    a.lse[row0 + head] = l != 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY;
   }
   if (a.probs == nullptr) return;
 
