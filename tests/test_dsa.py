@@ -559,26 +559,28 @@ def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, 
 @pytest.mark.cuda
 @pytest.mark.parametrize("G", [8, 16])
 def test_sparse_attention_cuda_splits_packed_and_unpacked_blocks(G):
-    """On the mma.sync kernels at 8 and 16 heads a kv head a packed block whose union keeps more than
-    30% (forward, on the GQA forward's kernel) or 40% (backward) of its slots runs unpacked, in a
-    second launch: in one call, the first 20 queries choose among few keys (their blocks packed),
-    the others among many (their blocks unpacked)."""
+    """On the mma.sync backward at 8 and 16 heads a kv head a packed block whose union keeps more than
+    40% of its slots runs unpacked, in a second launch: in one call, the first 20 queries choose
+    among few keys (their blocks packed), the others among many (their blocks unpacked). The
+    forward takes both kinds of block packed (the GQA forward's packed kernel)."""
     check_cuda_attention(0, 41, 3000, (2, 128, 128), G, 64, True, False, False, torch.bfloat16, False, crowded=20)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("G", [8, 16])
 @pytest.mark.parametrize("return_p", [False, True])
-def test_sparse_attention_cuda_gqa_forward_takes_unpacked_queries(G, return_p):
-    """At 8 and 16 heads a kv head with Dqk <= 128 the forward's unpacked queries (every query with
-    p; without, those whose packed block keeps more than 30% of its slots) run on gqa_fwd_kernel,
-    and give the reference's o, lse and p: queries that share few keys (Tk 3000), a slot without a
-    key, keys repeated within a query, a head dim below 128, gated."""
+def test_sparse_attention_cuda_gqa_forward_kernels(G, return_p):
+    """At 8 and 16 heads a kv head with Dqk <= 128 the forward runs on gqa_fwd_cuda.cu's kernels:
+    packed blocks (a short one: 6 queries of 64 / G) on gqa_packed_fwd_kernel, and with p the
+    unpacked queries on gqa_fwd_kernel; both give the reference's o, lse and p: queries that share
+    few keys (Tk 3000), a slot without a key, keys repeated within a query, a head dim below 128,
+    gated."""
     q, kv, idx, _ = attn_case(6, 3000, 2 * G, 2, 64, 48, 100, torch.bfloat16, False, repeats=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         K.sparse_attention(q.cuda(), kv.cuda(), idx.cuda(), 0.1, 48, return_p=return_p)
         torch.cuda.synchronize()
-    assert any("gqa_fwd_kernel" in e.name for e in prof.events())
+    kernel = "gqa_fwd_kernel" if return_p else "gqa_packed_fwd_kernel"
+    assert any(kernel in e.name for e in prof.events())
     check_cuda_attention(G, 6, 3000, (2, 64, 48), G, 100, True, return_p, False, torch.bfloat16)
 
 

@@ -29,8 +29,9 @@ def main():
     # indexer's 2048 (its pooled selection's tail), MLA with 8 heads (8 queries packed in a block,
     # the last block short; with 16 heads and distinct keys per query, 4 packed by counting), MLA
     # with more items than SMs (the forward's blocks take several), GQA with padded head dims, GQA
-    # with 8 and 16 heads a kv head (packed on the mma.sync kernels, with p unpacked on the GQA
-    # forward's; 16: distinct keys); -1 entries, repeats
+    # with 8 and 16 heads a kv head (packed: the GQA forward's packed kernel and the mma.sync
+    # backward; with p unpacked on the GQA forward's other kernel; 16: distinct keys); -1 entries,
+    # repeats
     for T, Tk, H, Hkv, D, dv, topk in ((3, 70, 128, 1, 576, 512, 100), (2, 90, 40, 1, 512, 512, 2063),
                                        (11, 50, 8, 1, 576, 512, 70), (11, 300, 16, 1, 576, 512, 70),
                                        (150, 200, 128, 1, 576, 512, 150), (5, 9, 6, 2, 40, 24, 33),

@@ -220,7 +220,7 @@ void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& k
   }
   const c10::cuda::CUDAGuard guard(q.device());
   each_launch(pk, [&](const QueryPack& part) {
-    if (part.group == 1 && gqa_fwd_takes(part.problem)) {
+    if (gqa_fwd_takes(part.problem, part.group)) {
       gqa_fwd_cuda(part, q, kv, gate, o, lse, probs);
       return;
     }

@@ -41,11 +41,6 @@ void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) 
 // keeps and stays packed. A block of 16 rows does a query's work at 0.57 (forward) and 0.46
 // (backward) of the time of a block of 64 (H200, 128 / 128, measured).
 constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
-// The forward at 8 or 16 heads a kv head with Dqk <= 128 runs unpacked queries on gqa_fwd_cuda.cu's
-// kernel, which does a query's work at any overlap in the time a packed block takes at about 0.3 of
-// its slots (H200, 128 / 128, 8 heads, b1dbef1's kernel; the causal sets of an 8192-token sequence:
-// 2.96 ms at 0.3 against 3.27 at 0.4 and 3.73 all unpacked).
-constexpr double kGqaFwdSplit = 0.3;
 
 // The (query, slot) probabilities of a packed Hopper MLA forward ([blocks, group, group x topk], by
 // union slot) in the call's slots: [T, 1, topk], 0 where a slot has no key.
@@ -92,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd_cuda(const at::Te
   at::Tensor o = at::empty({p.T, p.H, dv}, q.options());
   at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(at::kFloat));
   const QueryPack pk =
-      pack_queries(p, q, indices.contiguous(), return_p, gqa_fwd_takes(p) ? kGqaFwdSplit : kFwdSplit);
+      pack_queries(p, q, indices.contiguous(), return_p, gqa_fwd_takes(p) ? 0. : kFwdSplit);
   const AttnProblem& kp = pk.problem;
   // packed: every (block, query, slot up to the block's length) is written
   at::Tensor probs = !return_p ? at::Tensor()

@@ -587,8 +587,9 @@ void indexer_bwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const at::Tensor& grad_scores, at::Tensor& dq, at::Tensor& dk, at::Tensor& dw);
 void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
                    at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
-// 8 or 16 query heads a kv head with Dqk <= 128 (gqa_fwd_cuda.cu; unpacked queries).
-bool gqa_fwd_takes(const AttnProblem& p);
+// 8 or 16 query heads a kv head with Dqk <= 128 (gqa_fwd_cuda.cu), for a launch of `group` queries
+// a block.
+bool gqa_fwd_takes(const AttnProblem& p, int64_t group = 1);
 void gqa_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
 // The MLA layout (Dqk 576, dv 512, one kv head) on sm_90a, unless the portable_sfa switch is on.

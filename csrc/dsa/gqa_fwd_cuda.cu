@@ -1,17 +1,20 @@
 // Sparse attention's forward at 8 or 16 query heads a kv head with Dqk <= 128 (GQA, mma.sync): the
 // equations of attn_fwd_cuda.cu with the keys along the mma's rows, S^T = K Q^T and O^T += V^T P^T,
-// so that a tile of 16 keys x 8 heads fills an m16n8k16 product whatever keys the neighbouring
-// queries chose (a block of query rows would hold 8 or 16 of its 64 rows, or the union of several
-// queries' selections).
-// One block per (query, kv head) of four warps; each warp takes every fourth tile of 32 slots,
-// gathered into its own two stages (cp.async, zeros for a slot without a key), and keeps its own
-// online softmax: Q^T's fragments and O^T's accumulators stay in registers, P^T goes from the
-// accumulators to the next product's operand by movmatrix. The warps' partial results are merged
-// through shared memory at the end. With return_p a second pass sums the final probabilities over
-// the heads. Occupancy bounds it (the stages' shared memory: three blocks an SM): with three stages
-// a warp, two blocks an SM, 8 heads took 2.49 ms against 1.90 (T 4096, Tk 8192, 4 kv heads, H200,
-// before the keys were loaded a tile ahead).
-// Packed blocks whose queries share most keys stay on attn_fwd_cuda.cu's kernel (QueryPack's split).
+// so that a step of 16 keys x 8 heads fills an m16n8k16 product whatever keys the neighbouring
+// queries chose. A warp keeps one query's online softmax over such steps (GqaWarp): Q^T's fragments
+// and O^T's accumulators stay in registers, P^T goes from the accumulators to the next product's
+// operand by movmatrix, and each lane's ldmatrix row address says which key a step's row holds.
+// Two kernels:
+// - packed (QueryPack: 64 / G queries a block): a producer warp gathers the block's union of keys in
+//   tiles of 128 slots (cp.async into a ring of three stages, mbarriers) and each consumer warp, one
+//   per query, steps through the slots its query chose (member bits), in 16-key steps across the
+//   tiles. A key that several queries chose is read from L2 once for the block. A warp keeps the
+//   rows it has not used of one tile only: when the rows of the tile before are still waiting, the
+//   warp takes them in a part-filled step (masked) and releases that tile.
+// - unpacked (return_p, T = 1): a block per (query, kv head) of four warps; each warp takes every
+//   fourth tile of 32 slots, gathered into its own two stages (cp.async, zeros for a slot without
+//   a key), and the warps' partial results are merged through shared memory at the end. With
+//   return_p a second pass sums the final probabilities over the heads.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/dispatch.h"
@@ -21,23 +24,8 @@ namespace kda_dsa_ops::dsa {
 
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kKeys = 32;       // slots of a warp's tile
-constexpr int kM = kKeys / 16;  // its 16-key tiles of the products
-constexpr int kStages = 2;      // a warp's tiles in flight
-constexpr int kDim = 128;       // Dqk and dv, padded
+constexpr int kDim = 128;  // Dqk and dv, padded
 constexpr int kLd = kDim + 8;
-constexpr int kLdO = kDim + 4;  // the merge's rows (fp32, no bank conflicts)
-
-template <int kG>
-struct GqaShape {
-  static constexpr int kN = kG / 8;  // 8-head tiles
-  static constexpr size_t kRing = size_t{kWarps} * kStages * kKeys * kLd * 2;
-  static constexpr size_t kQ = 16 * kLd * 2;
-  static constexpr size_t kMerge = 2 * kWarps * kG * sizeof(float);  // each warp's maxima and sums
-  static constexpr size_t kSmem = (kRing > kQ ? kRing : kQ) + kMerge;  // Q, then the ring
-  static_assert(kWarps * kG * kLdO * sizeof(float) <= kRing, "the merge reuses the ring");
-};
 
 // The 8 x 8 16-bit matrix whose fragment (row lane / 4, cols 2 (lane % 4) ..) is x, transposed.
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
@@ -46,95 +34,71 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   return y;
 }
 
-template <typename T, int kG>
-__global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
-  using S = GqaShape<kG>;
-  constexpr int kN = S::kN;
-  extern __shared__ __align__(16) unsigned char smem[];
-  T* ring = reinterpret_cast<T*>(smem);
-  T* sQ = ring;  // until the fragments are loaded
-  float* merge_m = reinterpret_cast<float*>(smem + (S::kSmem - S::kMerge));  // [kWarps][kG]
-  float* merge_l = merge_m + kWarps * kG;                                     // [kWarps][kG]
-  const int64_t t = blockIdx.x;
-  if (attn_skips(a, t, blockIdx.y)) return;
-  const int kvh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int kd = round16(a.Dqk), kdv = round16(a.dv);
-  const float sl2 = a.scale * kLog2e;
-  const int64_t row0 = t * a.H + int64_t{kvh} * kG;  // q's row of head 0
-  const int32_t* sel = a.indices + (t * a.Hkv + kvh) * a.topk;
-  const T* q = static_cast<const T*>(a.q);
-  const T* kv = static_cast<const T*>(a.kv);
-  gather_rows(sQ, kLd, 16, a.Dqk, kDim, [&](int r) { return r < kG ? q + (row0 + r) * a.Dqk : nullptr; });
-  cp_async_wait_all();
-  __syncthreads();
-  // Q^T as B fragments (dims x heads; zeros past Dqk and past the kG heads).
-  uint32_t qb[kDim / 16][kN][2];
-#pragma unroll
-  for (int kk = 0; kk < kDim / 16; ++kk) {
-    uint32_t b[4];
-    load_b_nk(b, sQ, kLd, 0, kk * 16);
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      qb[kk][n][0] = b[2 * n];
-      qb[kk][n][1] = b[2 * n + 1];
-    }
-  }
-  __syncthreads();
+// A step's rows as this lane addresses them: key lane % 16 for S^T's ldmatrix (its columns 8 (lane /
+// 16) ..), key lane % 8 + 8 (lane / 16) for V^T's ldmatrix.trans (its columns 8 (lane / 8 % 2) ..).
+template <typename T>
+struct StepRows {
+  const T* k;
+  const T* v;
+};
+__device__ __forceinline__ int k_row_of_lane() { return threadIdx.x % 16; }
+__device__ __forceinline__ int v_row_of_lane() { return threadIdx.x % 8 + threadIdx.x % 32 / 16 * 8; }
+template <typename T>
+__device__ __forceinline__ StepRows<T> step_rows(const T* k_row, const T* v_row) {
+  const int lane = threadIdx.x % 32;
+  return {k_row + lane / 16 * 8, v_row + lane / 8 % 2 * 8};
+}
 
-  // The warp's tiles: slots (warp + kWarps i) kKeys .., i < tiles, in stage i % kStages of its ring.
-  const int all_tiles = (a.topk + kKeys - 1) / kKeys;
-  const int tiles = all_tiles > warp ? (all_tiles - warp + kWarps - 1) / kWarps : 0;
-  T* my_ring = ring + warp * kStages * kKeys * kLd;
-  const auto slot0 = [&](int i) { return (warp + kWarps * i) * kKeys; };
-  // This lane's slot of tile i: its key as the selection has it (-1 past the tile or the selection).
-  const auto slot_key = [&](int i) {
-    const int j = slot0(i) + lane;
-    return i < tiles && lane < kKeys && j < a.topk ? sel[j] : -1;
-  };
-  // Tile i's rows into its stage (lanes 16 h .. 16 h + 15 copy row 2 r + h's 16-byte pieces; key:
-  // slot_key(i)), one commit group (empty past the last tile); returns the tile's slots that have a
-  // key (bit r).
-  const auto issue = [&](int i, int key) -> uint32_t {
-    uint32_t mask = 0;
-    if (i < tiles) {
-      const bool ok = key >= 0 && key < a.Tk;
-      mask = __ballot_sync(~0u, ok);
-      T* dst = my_ring + (i % kStages) * kKeys * kLd;
-      const int piece = lane % 16;
+// One query's kG heads on one kv head, a warp's: Q^T as B fragments (dims x heads, zeros past Dqk),
+// the running maxima (equal over g) and the thread's own keys' sums for heads 8 n + 2 c + h, and O^T
+// (dims 16 d + g (+ 8), heads 8 n + 2 c (+ 1)).
+template <typename T, int kG>
+struct GqaWarp {
+  static constexpr int kN = kG / 8;  // 8-head tiles
+  uint32_t qb[kDim / 16][kN][2];
+  float m_run[kN][2], l_run[kN][2];
+  float o_acc[kDim / 16][kN][4];
+  int kd, kdv;
+  float sl2;
+
+  // q: the query's row of head 0 on the kv head (Dqk columns a row).
+  __device__ __forceinline__ GqaWarp(const AttnArgs& a, const T* q) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    kd = round16(a.Dqk);
+    kdv = round16(a.dv);
+    sl2 = a.scale * kLog2e;
 #pragma unroll
-      for (int r = 0; r < kKeys / 2; ++r) {
-        const int k = __shfl_sync(~0u, ok ? key : -1, 2 * r + lane / 16);
-        const bool valid = k >= 0 && piece * 8 < a.Dqk;
-        const T* src = kv + (int64_t{valid ? k : 0} * a.Hkv + kvh) * a.Dqk + (valid ? piece * 8 : 0);
-        cp_async_16_zfill(dst + (2 * r + lane / 16) * kLd + piece * 8, src, valid);
+    for (int kk = 0; kk < kDim / 16; ++kk) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = kk * 16 + 8 * h + 2 * c;
+          qb[kk][n][h] = col < a.Dqk ? *reinterpret_cast<const uint32_t*>(q + (8 * n + g) * a.Dqk + col) : 0u;
+        }
       }
     }
-    cp_async_commit();
-    return mask;
-  };
-  // f(tile's rows, its mask, i) for each of the warp's tiles, kStages - 1 of them in flight ahead
-  // and the keys of the next one loaded.
-  const auto each_tile = [&](auto&& f) {
-    uint32_t masks[kStages];
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) masks[s] = issue(s, slot_key(s));
-    int next = slot_key(kStages - 1);
-    for (int i = 0; i < tiles; ++i) {
-      __syncwarp();  // the stage refilled now was read by the last step
-      masks[kStages - 1] = issue(i + kStages - 1, next);
-      next = slot_key(i + kStages);
-      cp_async_wait<kStages - 1>();
-      __syncwarp();
-      f(my_ring + (i % kStages) * kKeys * kLd, masks[0], i);
+    for (int n = 0; n < kN; ++n) {
 #pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) masks[s] = masks[s + 1];
+      for (int h = 0; h < 2; ++h) {
+        m_run[n][h] = -INFINITY;
+        l_run[n][h] = 0.f;
+      }
+#pragma unroll
+      for (int d = 0; d < kDim / 16; ++d) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[d][n][e] = 0.f;
+      }
     }
-    cp_async_wait<0>();
-  };
-  // The tile's logits in log2 units, S^T for keys 16 m + g (+ 8) and heads 8 n + 2 c (+ 1); -inf
-  // where the slot has no key.
-  // (the even and odd 16-dim steps into separate sums: two chains of dependent products a tile)
-  const auto logits = [&](float (&s)[kM][kN][4], const T* tile, uint32_t mask) {
+  }
+
+  // The logits in log2 units of kM steps of 16 keys, S^T for keys 16 m + g (+ 8) and heads 8 n + 2 c
+  // (+ 1); -inf where bit 16 m + key of mask is clear (the even and odd 16-dim steps into separate
+  // sums: two chains of dependent products).
+  template <int kM>
+  __device__ __forceinline__ void logits(float (&s)[kM][kN][4], const StepRows<T> (&rows)[kM], uint32_t mask) const {
+    const int g = threadIdx.x % 32 / 4;
     float odd[kM][kN][4];
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
@@ -150,7 +114,7 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
         uint32_t af[4];
-        load_a(af, tile, kLd, 16 * m, kk * 16);
+        ldmatrix_x4(af, rows[m].k + kk * 16);
 #pragma unroll
         for (int n = 0; n < kN; ++n) mma_16816<T>(kk % 2 ? odd[m][n] : s[m][n], af, qb[kk][n][0], qb[kk][n][1]);
       }
@@ -164,21 +128,13 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
         for (int n = 0; n < kN; ++n) s[m][n][e] = in ? (s[m][n][e] + odd[m][n][e]) * sl2 : -INFINITY;
       }
     }
-  };
-
-  // The thread's heads 8 n + 2 c + h: running maxima (equal over g), its own keys' sums.
-  float m_run[kN][2], l_run[kN][2];
-  float o_acc[kDim / 16][kN][4] = {};  // O^T: dims 16 d + g (+ 8), heads 8 n + 2 c (+ 1)
-#pragma unroll
-  for (int n = 0; n < kN; ++n) {
-    for (int h = 0; h < 2; ++h) {
-      m_run[n][h] = -INFINITY;
-      l_run[n][h] = 0.f;
-    }
   }
-  each_tile([&](const T* tile, uint32_t mask, int) {
+
+  // The online softmax over kM steps of 16 keys (mask as logits takes it).
+  template <int kM>
+  __device__ __forceinline__ void step(const StepRows<T> (&rows)[kM], uint32_t mask) {
     float s[kM][kN][4];
-    logits(s, tile, mask);
+    logits(s, rows, mask);
     uint32_t pb[kM][kN][2];  // P^T as B fragments (keys x heads)
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
@@ -222,24 +178,269 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
         uint32_t va[4];
-        load_a_trans(va, tile, kLd, d * 16, 16 * m);
+        ldmatrix_x4_trans(va, rows[m].v + d * 16);
 #pragma unroll
         for (int n = 0; n < kN; ++n) mma_16816<T>(o_acc[d][n], va, pb[m][n][0], pb[m][n][1]);
       }
     }
-  });
+  }
+
+  // l_run summed over the warp's keys.
+  __device__ __forceinline__ void sum_over_keys() {
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        l_run[n][h] += __shfl_xor_sync(~0u, l_run[n][h], 4);
+        l_run[n][h] += __shfl_xor_sync(~0u, l_run[n][h], 8);
+        l_run[n][h] += __shfl_xor_sync(~0u, l_run[n][h], 16);
+      }
+    }
+  }
+};
+
+// The packed kernel: kQueries consumer warps (a block's queries), then the producer warp.
+template <int kG>
+struct PackedShape {
+  static constexpr int kQueries = 64 / kG;
+  static constexpr int kThreads = (kQueries + 1) * 32;
+  static constexpr int kU = 128;      // slots of a tile
+  static constexpr int kStages = 3;   // tiles in the ring
+  static constexpr int kList = 256;   // a warp's rows waiting for a step (fewer than 16 + kU)
+  static constexpr int kZeroRow = kStages * kU;  // a row of zeros (a part-filled step's rest)
+  static constexpr size_t kRing = size_t{kStages * kU + 1} * kLd * 2;
+  static constexpr size_t kWords = size_t{kStages} * kU * 4;  // the slots' member bits
+  static constexpr size_t kLists = size_t{kQueries} * kList * 2;
+  static constexpr size_t kSmem = kRing + kWords + kLists + 2 * kStages * sizeof(uint64_t);
+  static_assert((kRing + kWords + kLists) % 8 == 0, "the mbarriers' alignment");
+};
+
+// Block t of the pack on kv head kvh: its union's slots in tiles of kU (AttnArgs: indices, member,
+// lengths; topk the union's capacity), each tile's rows and the slots' member bits gathered by the
+// producer; consumer warp w steps through query t group + w's slots.
+template <typename T, int kG>
+__global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_kernel(AttnFwdArgs a) {
+  using P = PackedShape<kG>;
+  constexpr int kU = P::kU, kStages = P::kStages;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* ring = reinterpret_cast<T*>(smem);
+  uint32_t* words = reinterpret_cast<uint32_t*>(smem + P::kRing);
+  uint16_t* lists = reinterpret_cast<uint16_t*>(smem + P::kRing + P::kWords);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + P::kRing + P::kWords + P::kLists);
+  uint64_t* empty = full + kStages;
+  const int64_t t = blockIdx.x;
+  const int kvh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int heads = static_cast<int>(a.H / a.group);  // the call's query heads
+  const int64_t first_row = t * a.group * heads;
+  const int queries = static_cast<int>(min(int64_t{a.group}, (a.rows_total - first_row) / heads));
+  const int length = a.lengths[t * a.Hkv + kvh], tiles = (length + kU - 1) / kU;
+  const int64_t base = (t * a.Hkv + kvh) * a.topk;  // the block's union
+  for (int i = threadIdx.x; i < kLd / 8; i += blockDim.x) {
+    reinterpret_cast<uint4*>(ring + P::kZeroRow * kLd)[i] = make_uint4(0, 0, 0, 0);
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(&full[s], 32);
+      sm90::mbar_init(&empty[s], queries);
+    }
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp == P::kQueries) {
+    // The producer: tile i into stage i % kStages once the tile before it there is released; lanes
+    // 16 h .. 16 h + 15 copy row 2 r + h's 16-byte pieces (zeros past Dqk and for a slot without a
+    // key), lane l the member bits of slots l, l + 32, ..
+    const T* kv = static_cast<const T*>(a.kv);
+    const int piece = lane % 16;
+    const auto slot_key = [&](int i, int h) {
+      const int slot = i * kU + 32 * h + lane;
+      const int k = slot < length ? a.indices[base + slot] : -1;
+      return k >= 0 && k < a.Tk ? k : -1;
+    };
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % kStages;
+      int key[kU / 32];
+#pragma unroll
+      for (int h = 0; h < kU / 32; ++h) key[h] = slot_key(i, h);
+      sm90::mbar_wait(&empty[s], (i / kStages & 1) ^ 1);
+#pragma unroll
+      for (int h = 0; h < kU / 32; ++h) {
+        atomicExch(words + s * kU + 32 * h + lane, key[h] >= 0 ? a.member[base + i * kU + 32 * h + lane] : 0u);
+      }
+      T* dst = ring + s * kU * kLd;
+#pragma unroll
+      for (int r = 0; r < kU / 2; ++r) {
+        const int row = 2 * r + lane / 16;
+        const int k = __shfl_sync(~0u, key[r / 16], row % 32);
+        const bool valid = k >= 0 && piece * 8 < a.Dqk;
+        const T* src = kv + (int64_t{valid ? k : 0} * a.Hkv + kvh) * a.Dqk + (valid ? piece * 8 : 0);
+        cp_async_16_zfill(dst + row * kLd + piece * 8, src, valid);
+      }
+      sm90::mbar_arrive_cp_async(&full[s]);
+      sm90::mbar_arrive(&full[s]);
+    }
+    return;
+  }
+  if (warp >= queries) return;
+
+  const int64_t row0 = first_row + int64_t{warp} * heads + int64_t{kvh} * kG;  // q's row of head 0
+  GqaWarp<T, kG> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
+  uint16_t* list = lists + warp * P::kList;
+  int head = 0, tail = 0;  // the list's rows from head to tail wait for a step
+  // A step over the next `rows` (up to 16) rows of the list.
+  const auto step = [&](int rows) {
+    const int k = k_row_of_lane(), v = v_row_of_lane();
+    const int rk = k < rows ? list[(head + k) % P::kList] : P::kZeroRow;
+    const int rv = v < rows ? list[(head + v) % P::kList] : P::kZeroRow;
+    const StepRows<T> sr[1] = {step_rows(ring + rk * kLd, ring + rv * kLd)};
+    st.template step<1>(sr, rows >= 16 ? 0xffffu : (1u << rows) - 1);
+    head += rows;
+  };
+  for (int i = 0; i < tiles; ++i) {
+    const int s = i % kStages, before = tail;
+    sm90::mbar_wait(&full[s], i / kStages & 1);
+#pragma unroll
+    for (int h = 0; h < kU / 32; ++h) {
+      const int slot = 32 * h + lane;
+      const bool has = words[s * kU + slot] >> warp & 1;
+      const uint32_t chose = __ballot_sync(~0u, has);
+      if (has) list[(tail + __popc(chose & ((1u << lane) - 1))) % P::kList] = s * kU + slot;
+      tail += __popc(chose);
+    }
+    __syncwarp();
+    while (tail - head >= 16) step(16);
+    if (head < before) step(tail - head);  // the tile before's rows: it is released now
+    __syncwarp();
+    if (i > 0 && lane == 0) sm90::mbar_arrive(&empty[(i - 1) % kStages]);
+  }
+  if (head < tail) step(tail - head);
+
+  st.sum_over_keys();
+  const int g = lane / 4, c = lane % 4;
+  T* out = static_cast<T*>(a.o);
+  const T* gate = static_cast<const T*>(a.gate);
+#pragma unroll
+  for (int n = 0; n < GqaWarp<T, kG>::kN; ++n) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + 8 * n + 2 * c + h;
+      const float l = st.l_run[n][h];
+      if (g == 0) a.lse[row] = l != 0.f ? (st.m_run[n][h] + log2f(l)) * kLn2 : -INFINITY;
+      const float inv = l != 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int d = 0; d < kDim / 16; ++d) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = 16 * d + g + 8 * e;
+          if (col >= a.dv) continue;
+          float v = st.o_acc[d][n][h + 2 * e] * inv;
+          if (gate != nullptr) v *= sigmoidf(to_float(gate[row * a.dv + col]));
+          out[row * a.dv + col] = from_float<T>(v);
+        }
+      }
+    }
+  }
+}
+
+// The unpacked kernel: four warps a (query, kv head), each with its own ring.
+constexpr int kWarps = 4;
+constexpr int kKeys = 32;       // slots of a warp's tile
+constexpr int kM = kKeys / 16;  // its 16-key steps
+constexpr int kStages = 2;      // a warp's tiles in flight
+constexpr int kLdO = kDim + 4;  // the merge's rows (fp32, no bank conflicts)
+
+template <int kG>
+struct GqaShape {
+  static constexpr size_t kRing = size_t{kWarps} * kStages * kKeys * kLd * 2;
+  static constexpr size_t kMerge = 2 * kWarps * kG * sizeof(float);  // each warp's maxima and sums
+  static constexpr size_t kSmem = kRing + kMerge;
+  static_assert(kWarps * kG * kLdO * sizeof(float) <= kRing, "the merge reuses the ring");
+};
+
+template <typename T, int kG>
+__global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
+  using S = GqaShape<kG>;
+  constexpr int kN = GqaWarp<T, kG>::kN;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* ring = reinterpret_cast<T*>(smem);
+  float* merge_m = reinterpret_cast<float*>(smem + S::kRing);  // [kWarps][kG]
+  float* merge_l = merge_m + kWarps * kG;                      // [kWarps][kG]
+  const int64_t t = blockIdx.x;
+  if (attn_skips(a, t, blockIdx.y)) return;
+  const int kvh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int64_t row0 = t * a.H + int64_t{kvh} * kG;  // q's row of head 0
+  const int32_t* sel = a.indices + (t * a.Hkv + kvh) * a.topk;
+  const T* kv = static_cast<const T*>(a.kv);
+  GqaWarp<T, kG> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
+
+  // The warp's tiles: slots (warp + kWarps i) kKeys .., i < tiles, in stage i % kStages of its ring.
+  const int all_tiles = (a.topk + kKeys - 1) / kKeys;
+  const int tiles = all_tiles > warp ? (all_tiles - warp + kWarps - 1) / kWarps : 0;
+  T* my_ring = ring + warp * kStages * kKeys * kLd;
+  const auto slot0 = [&](int i) { return (warp + kWarps * i) * kKeys; };
+  // This lane's slot of tile i: its key as the selection has it (-1 past the tile or the selection).
+  const auto slot_key = [&](int i) {
+    const int j = slot0(i) + lane;
+    return i < tiles && lane < kKeys && j < a.topk ? sel[j] : -1;
+  };
+  // Tile i's rows into its stage (lanes 16 h .. 16 h + 15 copy row 2 r + h's 16-byte pieces; key:
+  // slot_key(i)), one commit group (empty past the last tile); returns the tile's slots that have a
+  // key (bit r).
+  const auto issue = [&](int i, int key) -> uint32_t {
+    uint32_t mask = 0;
+    if (i < tiles) {
+      const bool ok = key >= 0 && key < a.Tk;
+      mask = __ballot_sync(~0u, ok);
+      T* dst = my_ring + (i % kStages) * kKeys * kLd;
+      const int piece = lane % 16;
+#pragma unroll
+      for (int r = 0; r < kKeys / 2; ++r) {
+        const int k = __shfl_sync(~0u, ok ? key : -1, 2 * r + lane / 16);
+        const bool valid = k >= 0 && piece * 8 < a.Dqk;
+        const T* src = kv + (int64_t{valid ? k : 0} * a.Hkv + kvh) * a.Dqk + (valid ? piece * 8 : 0);
+        cp_async_16_zfill(dst + (2 * r + lane / 16) * kLd + piece * 8, src, valid);
+      }
+    }
+    cp_async_commit();
+    return mask;
+  };
+  // f(tile's step rows, its mask, i) for each of the warp's tiles, kStages - 1 of them in flight
+  // ahead and the keys of the next one loaded.
+  const auto each_tile = [&](auto&& f) {
+    uint32_t masks[kStages];
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) masks[s] = issue(s, slot_key(s));
+    int next = slot_key(kStages - 1);
+    for (int i = 0; i < tiles; ++i) {
+      __syncwarp();  // the stage refilled now was read by the last step
+      masks[kStages - 1] = issue(i + kStages - 1, next);
+      next = slot_key(i + kStages);
+      cp_async_wait<kStages - 1>();
+      __syncwarp();
+      const T* tile = my_ring + (i % kStages) * kKeys * kLd;
+      StepRows<T> rows[kM];
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        rows[m] = step_rows(tile + (16 * m + k_row_of_lane()) * kLd, tile + (16 * m + v_row_of_lane()) * kLd);
+      }
+      f(rows, masks[0], i);
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) masks[s] = masks[s + 1];
+    }
+    cp_async_wait<0>();
+  };
+  each_tile([&](const StepRows<T>(&rows)[kM], uint32_t mask, int) { st.template step<kM>(rows, mask); });
 
   // The merge: each warp's maxima and sums, then its O^T scaled to the block's maxima and sums.
+  st.sum_over_keys();
 #pragma unroll
   for (int n = 0; n < kN; ++n) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      l_run[n][h] += __shfl_xor_sync(~0u, l_run[n][h], 4);
-      l_run[n][h] += __shfl_xor_sync(~0u, l_run[n][h], 8);
-      l_run[n][h] += __shfl_xor_sync(~0u, l_run[n][h], 16);
       if (g == 0) {
-        merge_m[warp * kG + 8 * n + 2 * c + h] = m_run[n][h];
-        merge_l[warp * kG + 8 * n + 2 * c + h] = l_run[n][h];
+        merge_m[warp * kG + 8 * n + 2 * c + h] = st.m_run[n][h];
+        merge_l[warp * kG + 8 * n + 2 * c + h] = st.l_run[n][h];
       }
     }
   }
@@ -273,8 +474,8 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
 #pragma unroll
       for (int d = 0; d < kDim / 16; ++d) {
         float* o = merge_o + (warp * kG + head) * kLdO + 16 * d + g;
-        o[0] = o_acc[d][n][h] * f;
-        o[8] = o_acc[d][n][h + 2] * f;
+        o[0] = st.o_acc[d][n][h] * f;
+        o[8] = st.o_acc[d][n][h + 2] * f;
       }
     }
   }
@@ -294,9 +495,9 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   // Second pass: the final probabilities summed over the kv head's heads, a warp its own slots.
   __syncthreads();  // the merge's rows are read before the ring is refilled
   float* probs = a.probs + (t * a.Hkv + kvh) * a.topk;
-  each_tile([&](const T* tile, uint32_t mask, int i) {
+  each_tile([&](const StepRows<T>(&rows)[kM], uint32_t mask, int i) {
     float s[kM][kN][4];
-    logits(s, tile, mask);
+    st.template logits<kM>(s, rows, mask);
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -315,8 +516,8 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
 
 }  // namespace
 
-bool gqa_fwd_takes(const AttnProblem& p) {
-  const int64_t G = p.Hkv > 0 ? p.H / p.Hkv : 0;
+bool gqa_fwd_takes(const AttnProblem& p, int64_t group) {
+  const int64_t G = p.Hkv > 0 ? p.H / group / p.Hkv : 0;
   return (G == 8 || G == 16) && p.Dqk <= kDim;
 }
 
@@ -329,9 +530,14 @@ void gqa_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
       constexpr int kG = decltype(heads)::value;
       AttnFwdArgs a{attn_args(pk, q, kv, gate, kG), o.data_ptr(), lse.data_ptr<float>(),
                     probs.defined() ? probs.data_ptr<float>() : nullptr};
-      launch(gqa_fwd_kernel<scalar_t, kG>, dim3(p.T, p.Hkv), kWarps * 32, GqaShape<kG>::kSmem, a);
+      if (pk.group > 1) {
+        using P = PackedShape<kG>;
+        launch(gqa_packed_fwd_kernel<scalar_t, kG>, dim3(p.T, p.Hkv), P::kThreads, P::kSmem, a);
+      } else {
+        launch(gqa_fwd_kernel<scalar_t, kG>, dim3(p.T, p.Hkv), kWarps * 32, GqaShape<kG>::kSmem, a);
+      }
     };
-    if (p.H / p.Hkv == 8) {
+    if (p.H / pk.group / p.Hkv == 8) {
       run(std::integral_constant<int, 8>{});
     } else {
       run(std::integral_constant<int, 16>{});
