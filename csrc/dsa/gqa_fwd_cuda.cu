@@ -204,8 +204,8 @@ template <int kG>
 struct PackedShape {
   static constexpr int kQueries = 64 / kG;
   static constexpr int kThreads = (kQueries + 1) * 32;
-  static constexpr int kU = 128;      // slots of a tile
-  static constexpr int kStages = 3;   // tiles in the ring
+  static constexpr int kU = 64;       // slots of a tile
+  static constexpr int kStages = 6;   // tiles in the ring
   static constexpr int kList = 256;   // a warp's rows waiting for a step (fewer than 16 + kU)
   static constexpr int kZeroRow = kStages * kU;  // a row of zeros (a part-filled step's rest)
   static constexpr size_t kRing = size_t{kStages * kU + 1} * kLd * 2;
@@ -253,32 +253,36 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
     // key), lane l the member bits of slots l, l + 32, ..
     const T* kv = static_cast<const T*>(a.kv);
     const int piece = lane % 16;
-    const auto slot_key = [&](int i, int h) {
-      const int slot = i * kU + 32 * h + lane;
-      const int k = slot < length ? a.indices[base + slot] : -1;
-      return k >= 0 && k < a.Tk ? k : -1;
-    };
-    for (int i = 0; i < tiles; ++i) {
-      const int s = i % kStages;
-      int key[kU / 32];
-#pragma unroll
-      for (int h = 0; h < kU / 32; ++h) key[h] = slot_key(i, h);
-      sm90::mbar_wait(&empty[s], (i / kStages & 1) ^ 1);
+    int key[kU / 32];
+    uint32_t chose[kU / 32];
+    // Tile i's keys and member bits (slot 32 h + lane of the tile: -1 and 0 without a key).
+    const auto load_slots = [&](int i) {
 #pragma unroll
       for (int h = 0; h < kU / 32; ++h) {
-        atomicExch(words + s * kU + 32 * h + lane, key[h] >= 0 ? a.member[base + i * kU + 32 * h + lane] : 0u);
+        const int slot = i * kU + 32 * h + lane;
+        const int k = slot < length ? a.indices[base + slot] : -1;
+        key[h] = k >= 0 && k < a.Tk ? k : -1;
+        chose[h] = slot < length ? a.member[base + slot] : 0u;
       }
+    };
+    load_slots(0);
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % kStages;
+      sm90::mbar_wait(&empty[s], (i / kStages & 1) ^ 1);
+#pragma unroll
+      for (int h = 0; h < kU / 32; ++h) atomicExch(words + s * kU + 32 * h + lane, key[h] >= 0 ? chose[h] : 0u);
       T* dst = ring + s * kU * kLd;
 #pragma unroll
       for (int r = 0; r < kU / 2; ++r) {
         const int row = 2 * r + lane / 16;
-        const int k = __shfl_sync(~0u, key[r / 16], row % 32);
+        const int k = __shfl_sync(~0u, key[r / 16], row % 32);  // (row / 32 = r / 16)
         const bool valid = k >= 0 && piece * 8 < a.Dqk;
         const T* src = kv + (int64_t{valid ? k : 0} * a.Hkv + kvh) * a.Dqk + (valid ? piece * 8 : 0);
         cp_async_16_zfill(dst + row * kLd + piece * 8, src, valid);
       }
       sm90::mbar_arrive_cp_async(&full[s]);
       sm90::mbar_arrive(&full[s]);
+      if (i + 1 < tiles) load_slots(i + 1);
     }
     return;
   }
