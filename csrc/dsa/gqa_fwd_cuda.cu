@@ -292,14 +292,26 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
   GqaWarp<T, kG> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
   uint16_t* list = lists + warp * P::kList;
   int head = 0, tail = 0;  // the list's rows from head to tail wait for a step
-  // A step over the next `rows` (up to 16) rows of the list.
-  const auto step = [&](int rows) {
-    const int k = k_row_of_lane(), v = v_row_of_lane();
-    const int rk = k < rows ? list[(head + k) % P::kList] : P::kZeroRow;
-    const int rv = v < rows ? list[(head + v) % P::kList] : P::kZeroRow;
-    const StepRows<T> sr[1] = {step_rows(ring + rk * kLd, ring + rv * kLd)};
-    st.template step<1>(sr, rows >= 16 ? 0xffffu : (1u << rows) - 1);
+  // A step over the next `rows` (up to 16 kM) rows of the list.
+  const auto step = [&](auto m_tiles, int rows) {
+    constexpr int kM = decltype(m_tiles)::value;
+    StepRows<T> sr[kM];
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      const int k = 16 * m + k_row_of_lane(), v = 16 * m + v_row_of_lane();
+      const int rk = k < rows ? list[(head + k) % P::kList] : P::kZeroRow;
+      const int rv = v < rows ? list[(head + v) % P::kList] : P::kZeroRow;
+      sr[m] = step_rows(ring + rk * kLd, ring + rv * kLd);
+    }
+    st.template step<kM>(sr, rows >= 32 ? ~0u : (1u << rows) - 1);
     head += rows;
+  };
+  const auto take = [&](int rows) {
+    if (rows > 16) {
+      step(std::integral_constant<int, 2>{}, rows);
+    } else {
+      step(std::integral_constant<int, 1>{}, rows);
+    }
   };
   for (int i = 0; i < tiles; ++i) {
     const int s = i % kStages, before = tail;
@@ -313,12 +325,12 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
       tail += __popc(chose);
     }
     __syncwarp();
-    while (tail - head >= 16) step(16);
-    if (head < before) step(tail - head);  // the tile before's rows: it is released now
+    while (tail - head >= 32) take(32);
+    if (head < before) take(tail - head);  // the tile before's rows: it is released now
     __syncwarp();
     if (i > 0 && lane == 0) sm90::mbar_arrive(&empty[(i - 1) % kStages]);
   }
-  if (head < tail) step(tail - head);
+  if (head < tail) take(tail - head);
 
   st.sum_over_keys();
   const int g = lane / 4, c = lane % 4;
