@@ -306,7 +306,26 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
     st.template step<kM>(sr, rows >= 32 ? ~0u : (1u << rows) - 1);
     head += rows;
   };
+  // A full step's rows reordered so that each eight-row matrix of its ldmatrix loads reads few rows
+  // in the same bank group (row r's 16-byte pieces: (r + piece) % 8, the rows kLd = 17 pieces
+  // apart): sorted by r % 8 and dealt round-robin to the four matrices.
+  const auto deal = [&]() {
+    const int r = list[(head + lane) % P::kList], x = r % 8;
+    const uint32_t lt = (1u << lane) - 1;
+    uint32_t less = 0, same = ~0u;
+#pragma unroll
+    for (int bit = 2; bit >= 0; --bit) {
+      const uint32_t ones = __ballot_sync(~0u, x >> bit & 1), mine = x >> bit & 1 ? ones : ~ones;
+      if (x >> bit & 1) less |= same & ~ones;
+      same &= mine;
+    }
+    const int rank = __popc(less) + __popc(same & lt);
+    __syncwarp();
+    list[(head + rank % 4 * 8 + rank / 4) % P::kList] = r;
+    __syncwarp();
+  };
   const auto take = [&](int rows) {
+    if (rows == 32) deal();
     if (rows > 16) {
       step(std::integral_constant<int, 2>{}, rows);
     } else {
