@@ -204,8 +204,8 @@ template <int kG>
 struct PackedShape {
   static constexpr int kQueries = 64 / kG;
   static constexpr int kThreads = (kQueries + 1) * 32;
-  static constexpr int kU = 64;       // slots of a tile
-  static constexpr int kStages = 6;   // tiles in the ring
+  static constexpr int kU = 128;      // slots of a tile
+  static constexpr int kStages = 3;   // tiles in the ring
   static constexpr int kList = 256;   // a warp's rows waiting for a step (fewer than 16 + kU)
   static constexpr int kZeroRow = kStages * kU;  // a row of zeros (a part-filled step's rest)
   static constexpr size_t kRing = size_t{kStages * kU + 1} * kLd * 2;
