@@ -87,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd_cuda(const at::Te
   at::Tensor o = at::empty({p.T, p.H, dv}, q.options());
   at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(at::kFloat));
   const QueryPack pk =
-      pack_queries(p, q, indices.contiguous(), return_p, gqa_fwd_takes(p) ? 0. : kFwdSplit);
+      pack_queries(p, q, indices.contiguous(), return_p, gqa_fwd_takes(p) ? 0.3 : kFwdSplit);
   const AttnProblem& kp = pk.problem;
   // packed: every (block, query, slot up to the block's length) is written
   at::Tensor probs = !return_p ? at::Tensor()

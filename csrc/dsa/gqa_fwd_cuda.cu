@@ -51,8 +51,9 @@ __device__ __forceinline__ StepRows<T> step_rows(const T* k_row, const T* v_row)
 
 // One query's kG heads on one kv head, a warp's: Q^T as B fragments (dims x heads, zeros past Dqk),
 // the running maxima (equal over g) and the thread's own keys' sums for heads 8 n + 2 c + h, and O^T
-// (dims 16 d + g (+ 8), heads 8 n + 2 c (+ 1)).
-template <typename T, int kG>
+// (dims 16 d + g (+ 8), heads 8 n + 2 c (+ 1)). kKeepK: the keys' fragments of a step give V^T's by
+// movmatrix (V: the first dv of the row's Dqk columns) instead of a second ldmatrix (registers).
+template <typename T, int kG, bool kKeepK>
 struct GqaWarp {
   static constexpr int kN = kG / 8;  // 8-head tiles
   uint32_t qb[kDim / 16][kN][2];
@@ -97,7 +98,8 @@ struct GqaWarp {
   // (+ 1); -inf where bit 16 m + key of mask is clear (the even and odd 16-dim steps into separate
   // sums: two chains of dependent products).
   template <int kM>
-  __device__ __forceinline__ void logits(float (&s)[kM][kN][4], const StepRows<T> (&rows)[kM], uint32_t mask) const {
+  __device__ __forceinline__ void logits(float (&s)[kM][kN][4], const StepRows<T> (&rows)[kM], uint32_t mask,
+                                         uint32_t (&kf)[kM][kDim / 16][4]) const {
     const int g = threadIdx.x % 32 / 4;
     float odd[kM][kN][4];
 #pragma unroll
@@ -113,10 +115,9 @@ struct GqaWarp {
       if (kk * 16 >= kd) break;
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
-        uint32_t af[4];
-        ldmatrix_x4(af, rows[m].k + kk * 16);
+        ldmatrix_x4(kf[m][kk], rows[m].k + kk * 16);
 #pragma unroll
-        for (int n = 0; n < kN; ++n) mma_16816<T>(kk % 2 ? odd[m][n] : s[m][n], af, qb[kk][n][0], qb[kk][n][1]);
+        for (int n = 0; n < kN; ++n) mma_16816<T>(kk % 2 ? odd[m][n] : s[m][n], kf[m][kk], qb[kk][n][0], qb[kk][n][1]);
       }
     }
 #pragma unroll
@@ -134,7 +135,8 @@ struct GqaWarp {
   template <int kM>
   __device__ __forceinline__ void step(const StepRows<T> (&rows)[kM], uint32_t mask) {
     float s[kM][kN][4];
-    logits(s, rows, mask);
+    uint32_t kf[kM][kDim / 16][4];
+    logits(s, rows, mask, kf);
     uint32_t pb[kM][kN][2];  // P^T as B fragments (keys x heads)
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
@@ -178,7 +180,15 @@ struct GqaWarp {
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
         uint32_t va[4];
-        ldmatrix_x4_trans(va, rows[m].v + d * 16);
+        if constexpr (kKeepK) {
+          // (the 16 x 16 block's quarters: keys 0-7 / 8-15 x dims 0-7 / 8-15, transposed)
+          va[0] = transpose8x8(kf[m][d][0]);
+          va[1] = transpose8x8(kf[m][d][2]);
+          va[2] = transpose8x8(kf[m][d][1]);
+          va[3] = transpose8x8(kf[m][d][3]);
+        } else {
+          ldmatrix_x4_trans(va, rows[m].v + d * 16);
+        }
 #pragma unroll
         for (int n = 0; n < kN; ++n) mma_16816<T>(o_acc[d][n], va, pb[m][n][0], pb[m][n][1]);
       }
@@ -229,6 +239,7 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + P::kRing + P::kWords + P::kLists);
   uint64_t* empty = full + kStages;
   const int64_t t = blockIdx.x;
+  if (attn_skips(a, t, blockIdx.y)) return;
   const int kvh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int heads = static_cast<int>(a.H / a.group);  // the call's query heads
   const int64_t first_row = t * a.group * heads;
@@ -289,7 +300,7 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
   if (warp >= queries) return;
 
   const int64_t row0 = first_row + int64_t{warp} * heads + int64_t{kvh} * kG;  // q's row of head 0
-  GqaWarp<T, kG> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
+  GqaWarp<T, kG, false> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
   uint16_t* list = lists + warp * P::kList;
   int head = 0, tail = 0;  // the list's rows from head to tail wait for a step
   // A step over the next `rows` (up to 16 kM) rows of the list.
@@ -356,7 +367,7 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
   T* out = static_cast<T*>(a.o);
   const T* gate = static_cast<const T*>(a.gate);
 #pragma unroll
-  for (int n = 0; n < GqaWarp<T, kG>::kN; ++n) {
+  for (int n = 0; n < kG / 8; ++n) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row0 + 8 * n + 2 * c + h;
@@ -396,7 +407,7 @@ struct GqaShape {
 template <typename T, int kG>
 __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   using S = GqaShape<kG>;
-  constexpr int kN = GqaWarp<T, kG>::kN;
+  constexpr int kN = kG / 8;
   extern __shared__ __align__(16) unsigned char smem[];
   T* ring = reinterpret_cast<T*>(smem);
   float* merge_m = reinterpret_cast<float*>(smem + S::kRing);  // [kWarps][kG]
@@ -407,7 +418,7 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   const int64_t row0 = t * a.H + int64_t{kvh} * kG;  // q's row of head 0
   const int32_t* sel = a.indices + (t * a.Hkv + kvh) * a.topk;
   const T* kv = static_cast<const T*>(a.kv);
-  GqaWarp<T, kG> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
+  GqaWarp<T, kG, kG == 8> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
 
   // The warp's tiles: slots (warp + kWarps i) kKeys .., i < tiles, in stage i % kStages of its ring.
   const int all_tiles = (a.topk + kKeys - 1) / kKeys;
@@ -532,7 +543,8 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   float* probs = a.probs + (t * a.Hkv + kvh) * a.topk;
   each_tile([&](const StepRows<T>(&rows)[kM], uint32_t mask, int i) {
     float s[kM][kN][4];
-    st.template logits<kM>(s, rows, mask);
+    uint32_t kf[kM][kDim / 16][4];
+    st.template logits<kM>(s, rows, mask, kf);
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
 #pragma unroll
