@@ -41,6 +41,15 @@ void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) 
 // keeps and stays packed. A block of 16 rows does a query's work at 0.57 (forward) and 0.46
 // (backward) of the time of a block of 64 (H200, 128 / 128, measured).
 constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
+// The forward at 8 or 16 heads a kv head with Dqk <= 128 (gqa_fwd_cuda.cu): packed blocks up to the
+// split stay packed (at 8 heads on the GQA packed kernel, at 16 on attn_fwd_cuda.cu's), the others
+// run unpacked on the GQA kernel (H200, 128 / 128, T 4096, Tk 8192, 4 kv heads). At 8 heads the
+// packed kernel took 1.86 ms on random sets (unions at 0.45) against 1.72 unpacked, and the causal
+// sets of an 8192-token sequence 2.89 / 2.86 / 2.85 / 2.81 ms at a split of 0.3 / 0.35 / 0.4 / 0.5.
+// At 16 heads a query's work unpacked costs what a packed block at 0.3 of its slots does (2.96 ms
+// at 0.3 against 3.27 at 0.4 and 3.73 all unpacked on the causal sets, at 8 heads before the packed
+// kernel).
+constexpr double kGqa8FwdSplit = 0.4, kGqa16FwdSplit = 0.3;
 
 // The (query, slot) probabilities of a packed Hopper MLA forward ([blocks, group, group x topk], by
 // union slot) in the call's slots: [T, 1, topk], 0 where a slot has no key.
@@ -86,8 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_fwd_cuda(const at::Te
   check_attn_cuda(p, q, "sparse_attn_fwd");
   at::Tensor o = at::empty({p.T, p.H, dv}, q.options());
   at::Tensor lse = at::empty({p.T, p.H}, q.options().dtype(at::kFloat));
-  const QueryPack pk =
-      pack_queries(p, q, indices.contiguous(), return_p, gqa_fwd_takes(p) ? 0.3 : kFwdSplit);
+  const double split = !gqa_fwd_takes(p) ? kFwdSplit : p.H / p.Hkv == 8 ? kGqa8FwdSplit : kGqa16FwdSplit;
+  const QueryPack pk = pack_queries(p, q, indices.contiguous(), return_p, split);
   const AttnProblem& kp = pk.problem;
   // packed: every (block, query, slot up to the block's length) is written
   at::Tensor probs = !return_p ? at::Tensor()

@@ -51,9 +51,8 @@ __device__ __forceinline__ StepRows<T> step_rows(const T* k_row, const T* v_row)
 
 // One query's kG heads on one kv head, a warp's: Q^T as B fragments (dims x heads, zeros past Dqk),
 // the running maxima (equal over g) and the thread's own keys' sums for heads 8 n + 2 c + h, and O^T
-// (dims 16 d + g (+ 8), heads 8 n + 2 c (+ 1)). kKeepK: the keys' fragments of a step give V^T's by
-// movmatrix (V: the first dv of the row's Dqk columns) instead of a second ldmatrix (registers).
-template <typename T, int kG, bool kKeepK>
+// (dims 16 d + g (+ 8), heads 8 n + 2 c (+ 1)).
+template <typename T, int kG>
 struct GqaWarp {
   static constexpr int kN = kG / 8;  // 8-head tiles
   uint32_t qb[kDim / 16][kN][2];
@@ -62,23 +61,10 @@ struct GqaWarp {
   int kd, kdv;
   float sl2;
 
-  // q: the query's row of head 0 on the kv head (Dqk columns a row).
-  __device__ __forceinline__ GqaWarp(const AttnArgs& a, const T* q) {
-    const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  __device__ __forceinline__ explicit GqaWarp(const AttnArgs& a) {
     kd = round16(a.Dqk);
     kdv = round16(a.dv);
     sl2 = a.scale * kLog2e;
-#pragma unroll
-    for (int kk = 0; kk < kDim / 16; ++kk) {
-#pragma unroll
-      for (int n = 0; n < kN; ++n) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int col = kk * 16 + 8 * h + 2 * c;
-          qb[kk][n][h] = col < a.Dqk ? *reinterpret_cast<const uint32_t*>(q + (8 * n + g) * a.Dqk + col) : 0u;
-        }
-      }
-    }
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
 #pragma unroll
@@ -94,12 +80,40 @@ struct GqaWarp {
     }
   }
 
+  // Q^T from q, the query's row of head 0 on the kv head (Dqk columns a row).
+  __device__ __forceinline__ void q_from_global(const T* q, int Dqk) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < kDim / 16; ++kk) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = kk * 16 + 8 * h + 2 * c;
+          qb[kk][n][h] = col < Dqk ? *reinterpret_cast<const uint32_t*>(q + (8 * n + g) * Dqk + col) : 0u;
+        }
+      }
+    }
+  }
+  // Q^T from the heads' rows in shared memory (kLd apart, 16 of them, zeros past Dqk).
+  __device__ __forceinline__ void q_from_shared(const T* sQ) {
+#pragma unroll
+    for (int kk = 0; kk < kDim / 16; ++kk) {
+      uint32_t b[4];
+      load_b_nk(b, sQ, kLd, 0, kk * 16);
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        qb[kk][n][0] = b[2 * n];
+        qb[kk][n][1] = b[2 * n + 1];
+      }
+    }
+  }
+
   // The logits in log2 units of kM steps of 16 keys, S^T for keys 16 m + g (+ 8) and heads 8 n + 2 c
   // (+ 1); -inf where bit 16 m + key of mask is clear (the even and odd 16-dim steps into separate
   // sums: two chains of dependent products).
   template <int kM>
-  __device__ __forceinline__ void logits(float (&s)[kM][kN][4], const StepRows<T> (&rows)[kM], uint32_t mask,
-                                         uint32_t (&kf)[kM][kDim / 16][4]) const {
+  __device__ __forceinline__ void logits(float (&s)[kM][kN][4], const StepRows<T> (&rows)[kM], uint32_t mask) const {
     const int g = threadIdx.x % 32 / 4;
     float odd[kM][kN][4];
 #pragma unroll
@@ -115,9 +129,10 @@ struct GqaWarp {
       if (kk * 16 >= kd) break;
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
-        ldmatrix_x4(kf[m][kk], rows[m].k + kk * 16);
+        uint32_t af[4];
+        ldmatrix_x4(af, rows[m].k + kk * 16);
 #pragma unroll
-        for (int n = 0; n < kN; ++n) mma_16816<T>(kk % 2 ? odd[m][n] : s[m][n], kf[m][kk], qb[kk][n][0], qb[kk][n][1]);
+        for (int n = 0; n < kN; ++n) mma_16816<T>(kk % 2 ? odd[m][n] : s[m][n], af, qb[kk][n][0], qb[kk][n][1]);
       }
     }
 #pragma unroll
@@ -135,8 +150,7 @@ struct GqaWarp {
   template <int kM>
   __device__ __forceinline__ void step(const StepRows<T> (&rows)[kM], uint32_t mask) {
     float s[kM][kN][4];
-    uint32_t kf[kM][kDim / 16][4];
-    logits(s, rows, mask, kf);
+    logits(s, rows, mask);
     uint32_t pb[kM][kN][2];  // P^T as B fragments (keys x heads)
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
@@ -180,15 +194,7 @@ struct GqaWarp {
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
         uint32_t va[4];
-        if constexpr (kKeepK) {
-          // (the 16 x 16 block's quarters: keys 0-7 / 8-15 x dims 0-7 / 8-15, transposed)
-          va[0] = transpose8x8(kf[m][d][0]);
-          va[1] = transpose8x8(kf[m][d][2]);
-          va[2] = transpose8x8(kf[m][d][1]);
-          va[3] = transpose8x8(kf[m][d][3]);
-        } else {
-          ldmatrix_x4_trans(va, rows[m].v + d * 16);
-        }
+        ldmatrix_x4_trans(va, rows[m].v + d * 16);
 #pragma unroll
         for (int n = 0; n < kN; ++n) mma_16816<T>(o_acc[d][n], va, pb[m][n][0], pb[m][n][1]);
       }
@@ -209,14 +215,14 @@ struct GqaWarp {
   }
 };
 
-// The packed kernel: kQueries consumer warps (a block's queries), then the producer warp.
-template <int kG>
+// The packed kernel (8 heads a kv head, 8 queries a block): a consumer warp per query, then the
+// producer warp.
 struct PackedShape {
-  static constexpr int kQueries = 64 / kG;
+  static constexpr int kQueries = 8;
   static constexpr int kThreads = (kQueries + 1) * 32;
   static constexpr int kU = 128;      // slots of a tile
   static constexpr int kStages = 3;   // tiles in the ring
-  static constexpr int kList = 256;   // a warp's rows waiting for a step (fewer than 16 + kU)
+  static constexpr int kList = 256;   // a warp's rows waiting for a step (fewer than 32 + kU)
   static constexpr int kZeroRow = kStages * kU;  // a row of zeros (a part-filled step's rest)
   static constexpr size_t kRing = size_t{kStages * kU + 1} * kLd * 2;
   static constexpr size_t kWords = size_t{kStages} * kU * 4;  // the slots' member bits
@@ -228,9 +234,10 @@ struct PackedShape {
 // Block t of the pack on kv head kvh: its union's slots in tiles of kU (AttnArgs: indices, member,
 // lengths; topk the union's capacity), each tile's rows and the slots' member bits gathered by the
 // producer; consumer warp w steps through query t group + w's slots.
-template <typename T, int kG>
-__global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_kernel(AttnFwdArgs a) {
-  using P = PackedShape<kG>;
+template <typename T>
+__global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kernel(AttnFwdArgs a) {
+  using P = PackedShape;
+  constexpr int kG = 8;
   constexpr int kU = P::kU, kStages = P::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
   T* ring = reinterpret_cast<T*>(smem);
@@ -300,7 +307,8 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
   if (warp >= queries) return;
 
   const int64_t row0 = first_row + int64_t{warp} * heads + int64_t{kvh} * kG;  // q's row of head 0
-  GqaWarp<T, kG, false> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
+  GqaWarp<T, kG> st(a);
+  st.q_from_global(static_cast<const T*>(a.q) + row0 * a.Dqk, a.Dqk);
   uint16_t* list = lists + warp * P::kList;
   int head = 0, tail = 0;  // the list's rows from head to tail wait for a step
   // A step over the next `rows` (up to 16 kM) rows of the list.
@@ -367,7 +375,7 @@ __global__ void __launch_bounds__(PackedShape<kG>::kThreads, 2) gqa_packed_fwd_k
   T* out = static_cast<T*>(a.o);
   const T* gate = static_cast<const T*>(a.gate);
 #pragma unroll
-  for (int n = 0; n < kG / 8; ++n) {
+  for (int n = 0; n < GqaWarp<T, kG>::kN; ++n) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row0 + 8 * n + 2 * c + h;
@@ -401,13 +409,13 @@ struct GqaShape {
   static constexpr size_t kRing = size_t{kWarps} * kStages * kKeys * kLd * 2;
   static constexpr size_t kMerge = 2 * kWarps * kG * sizeof(float);  // each warp's maxima and sums
   static constexpr size_t kSmem = kRing + kMerge;
-  static_assert(kWarps * kG * kLdO * sizeof(float) <= kRing, "the merge reuses the ring");
+  static_assert(kWarps * kG * kLdO * sizeof(float) <= kRing && 16 * kLd * 2 <= kRing, "Q and the merge reuse the ring");
 };
 
 template <typename T, int kG>
 __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   using S = GqaShape<kG>;
-  constexpr int kN = kG / 8;
+  constexpr int kN = GqaWarp<T, kG>::kN;
   extern __shared__ __align__(16) unsigned char smem[];
   T* ring = reinterpret_cast<T*>(smem);
   float* merge_m = reinterpret_cast<float*>(smem + S::kRing);  // [kWarps][kG]
@@ -418,7 +426,16 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   const int64_t row0 = t * a.H + int64_t{kvh} * kG;  // q's row of head 0
   const int32_t* sel = a.indices + (t * a.Hkv + kvh) * a.topk;
   const T* kv = static_cast<const T*>(a.kv);
-  GqaWarp<T, kG, kG == 8> st(a, static_cast<const T*>(a.q) + row0 * a.Dqk);
+  GqaWarp<T, kG> st(a);
+  {
+    T* sQ = ring;  // until the fragments are loaded
+    const T* q = static_cast<const T*>(a.q);
+    gather_rows(sQ, kLd, 16, a.Dqk, kDim, [&](int r) { return r < kG ? q + (row0 + r) * a.Dqk : nullptr; });
+    cp_async_wait_all();
+    __syncthreads();
+    st.q_from_shared(sQ);
+    __syncthreads();
+  }
 
   // The warp's tiles: slots (warp + kWarps i) kKeys .., i < tiles, in stage i % kStages of its ring.
   const int all_tiles = (a.topk + kKeys - 1) / kKeys;
@@ -543,8 +560,7 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   float* probs = a.probs + (t * a.Hkv + kvh) * a.topk;
   each_tile([&](const StepRows<T>(&rows)[kM], uint32_t mask, int i) {
     float s[kM][kN][4];
-    uint32_t kf[kM][kDim / 16][4];
-    st.template logits<kM>(s, rows, mask, kf);
+    st.template logits<kM>(s, rows, mask);
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -565,7 +581,7 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
 
 bool gqa_fwd_takes(const AttnProblem& p, int64_t group) {
   const int64_t G = p.Hkv > 0 ? p.H / group / p.Hkv : 0;
-  return (G == 8 || G == 16) && p.Dqk <= kDim;
+  return (G == 8 || (G == 16 && group == 1)) && p.Dqk <= kDim;
 }
 
 void gqa_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
@@ -577,14 +593,12 @@ void gqa_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
       constexpr int kG = decltype(heads)::value;
       AttnFwdArgs a{attn_args(pk, q, kv, gate, kG), o.data_ptr(), lse.data_ptr<float>(),
                     probs.defined() ? probs.data_ptr<float>() : nullptr};
-      if (pk.group > 1) {
-        using P = PackedShape<kG>;
-        launch(gqa_packed_fwd_kernel<scalar_t, kG>, dim3(p.T, p.Hkv), P::kThreads, P::kSmem, a);
-      } else {
-        launch(gqa_fwd_kernel<scalar_t, kG>, dim3(p.T, p.Hkv), kWarps * 32, GqaShape<kG>::kSmem, a);
-      }
+      launch(gqa_fwd_kernel<scalar_t, kG>, dim3(p.T, p.Hkv), kWarps * 32, GqaShape<kG>::kSmem, a);
     };
-    if (p.H / pk.group / p.Hkv == 8) {
+    if (pk.group > 1) {
+      AttnFwdArgs a{attn_args(pk, q, kv, gate, 8), o.data_ptr(), lse.data_ptr<float>(), nullptr};
+      launch(gqa_packed_fwd_kernel<scalar_t>, dim3(p.T, p.Hkv), PackedShape::kThreads, PackedShape::kSmem, a);
+    } else if (p.H / p.Hkv == 8) {
       run(std::integral_constant<int, 8>{});
     } else {
       run(std::integral_constant<int, 16>{});
