@@ -15,8 +15,9 @@
 //   mla_fwd_cuda.cu       SFA forward for the MLA layout on sm_90a: a gathering producer
 //                         warpgroup and two wgmma consumer warpgroups
 //   gqa_fwd_cuda.cu       SFA forward at 8 or 16 heads a kv head, Dqk <= 128 (mma.sync): keys
-//                         along the mma's rows, four warps a (query, kv head), each over its own
-//                         tiles, merged at the end
+//                         along the mma's rows; packed at 8 heads, a producer warp gathering the
+//                         block's union and a warp a query over its own slots; unpacked, four
+//                         warps a (query, kv head), each over its own tiles, merged at the end
 //   attn_bwd_cuda.cu      SFA backward: the forward's blocks, dq in registers, dkv added to an fp32
 //                         buffer (atomically, or stored per (query, slot) and summed in index order)
 //   mla_bwd_cuda.cu       SFA backward for the MLA layout on sm_90a: a gathering producer warpgroup
@@ -398,8 +399,8 @@ void with_attn_instance(const AttnProblem& p, bool packed, F&& f) {
 // On the mma.sync kernels a block of 16 rows does one query's work at about half the cost of a
 // block of 64: at 8 and 16 heads a packed block whose union keeps more than a share `split` of its
 // slots (split_limit) is left to a second, unpacked launch over its queries (rest()), so that the
-// queries that share few keys cost what they did unpacked (at Dqk <= 128 the forward's runs on
-// gqa_fwd_cuda.cu's kernel).
+// queries that share few keys cost what they did unpacked (at Dqk <= 128 the forward's two launches
+// run on gqa_fwd_cuda.cu's kernels, the packed one at 8 heads only).
 struct QueryPack {
   AttnProblem problem;
   int64_t group = 1;  // queries per block
