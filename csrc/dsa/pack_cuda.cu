@@ -1,8 +1,9 @@
 // Queries packed into the attention kernels' blocks (QueryPack, dsa_cuda.cuh): the union of a block
 // of `group` queries' selections on a kv head, with each slot's queries and each entry's slot.
 // Where the keys fit in shared memory one CTA a block marks each key's queries in a word per key
-// and numbers the marked keys (count_kernel); a block in which a query chose a key twice, or any
-// block past that many keys, sorts its group x topk entries (key, query) instead (sort_kernel).
+// and numbers the marked keys (count_kernel; a block that the split leaves unpacked only counts
+// them); a block in which a query chose a key twice, or any block past that many keys, sorts its
+// group x topk entries (key, query) instead (sort_kernel).
 // The kernels take the packed blocks longest first (longest_first: deal_kernel).
 #include <c10/cuda/CUDAGuard.h>
 
@@ -33,6 +34,7 @@ struct PackArgs {
   int Hkv, topk, group, bits;  // bits: of the largest sort key, group x Tk (an entry without a key)
   int chunk;                   // count_kernel: keys a warp numbers (a multiple of 32)
   bool repeats_only;           // sort_kernel: only the blocks count_kernel left (lengths -1)
+  int split_limit;             // count_kernel: a longer union is only measured (QueryPack's split)
   // per CTA b: block b / Hkv's queries on kv head b % Hkv
   int32_t* union_idx;  // [blocks x Hkv, group x topk]
   uint8_t* member;     // [blocks x Hkv, group x topk]
@@ -116,6 +118,10 @@ __global__ void __launch_bounds__(kPackThreads) count_kernel(const PackArgs a) {
   for (int w = 0; w < kWarps; ++w) {
     slot += w < warp ? marked_by[w] : 0;
     length += marked_by[w];
+  }
+  if (length > a.split_limit) {  // the block's queries run unpacked
+    if (threadIdx.x == 0) a.lengths[b] = length;
+    return;
   }
   for (int k = k0 + lane; k < k0 + a.chunk; k += 32) {
     const uint32_t w = words[k], marked = __ballot_sync(~0u, w != 0);
@@ -292,6 +298,8 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
     return pk;
   }
   const int64_t n = group * p.topk, blocks = ceil_div(p.T, group);
+  const bool splits = split > 0 && !mla && G < 32;
+  const int split_limit = splits ? static_cast<int>(split * n) : std::numeric_limits<int>::max();
   const at::TensorOptions opt = indices.options();
   pk.indices = at::empty({blocks, p.Hkv, n}, opt);
   pk.member = at::empty({blocks, p.Hkv, n}, opt.dtype(at::kByte));
@@ -307,6 +315,7 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
              0,
              chunk,
              false,
+             split_limit,
              pk.indices.data_ptr<int32_t>(),
              pk.member.data_ptr<uint8_t>(),
              pk.lengths.data_ptr<int32_t>(),
@@ -330,9 +339,9 @@ QueryPack pack_queries(const AttnProblem& p, const at::Tensor& q, const at::Tens
   }
   pk.group = group;
   pk.query_rows = static_cast<int>(G);
-  if (split > 0 && !mla && G < 32) {
+  if (splits) {
     pk.split_lengths = pk.lengths;
-    pk.split_limit = static_cast<int64_t>(split * n);
+    pk.split_limit = split_limit;
     pk.call = p;
     pk.call_indices = indices;
   }
