@@ -228,9 +228,12 @@ struct PackedShape {
   static constexpr int kThreads = (kQueries + 1) * 32;
   static constexpr int kU = 128;      // slots of a tile
   static constexpr int kStages = 3;   // tiles in the ring
-  static constexpr int kList = 256;   // a warp's rows waiting for a step (fewer than 32 + kU)
-  static constexpr int kZeroRow = kStages * kU;  // a row of zeros (a part-filled step's rest)
-  static constexpr size_t kRing = size_t{kStages * kU + 1} * kLd * 2;
+  // A warp's waiting rows in 8 queues by bank group (row index % 8), each of up to the rows of two
+  // tiles' slots in that group.
+  static constexpr int kQueue = 2 * kU / 8;
+  static constexpr int kList = 8 * kQueue;
+  static constexpr int kZeroRow = kStages * kU;  // 8 rows of zeros, one a bank group (a step's gaps)
+  static constexpr size_t kRing = size_t{kStages * kU + 8} * kLd * 2;
   static constexpr size_t kWords = size_t{kStages} * kU * 4;  // the slots' member bits
   static constexpr size_t kLists = size_t{kQueries} * kList * 2;
   static constexpr size_t kSmem = kRing + kWords + kLists + 2 * kStages * sizeof(uint64_t);
@@ -259,7 +262,7 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
   const int queries = static_cast<int>(min(int64_t{a.group}, (a.rows_total - first_row) / heads));
   const int length = a.lengths[t * a.Hkv + kvh], tiles = (length + kU - 1) / kU;
   const int64_t base = (t * a.Hkv + kvh) * a.topk;  // the block's union
-  for (int i = threadIdx.x; i < kLd / 8; i += blockDim.x) {
+  for (int i = threadIdx.x; i < 8 * kLd / 8; i += blockDim.x) {
     reinterpret_cast<uint4*>(ring + P::kZeroRow * kLd)[i] = make_uint4(0, 0, 0, 0);
   }
   if (threadIdx.x == 0) {
@@ -315,46 +318,36 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
   const int64_t row0 = first_row + int64_t{warp} * heads + int64_t{kvh} * kG;  // q's row of head 0
   GqaWarp<T, kG> st(a);
   st.q_from_global(static_cast<const T*>(a.q) + row0 * a.Dqk, a.Dqk);
-  uint16_t* list = lists + warp * P::kList;
-  int head = 0, tail = 0;  // the list's rows from head to tail wait for a step
-  // A step over the next `rows` (up to 16 kM) rows of the list.
-  const auto step = [&](auto m_tiles, int rows) {
+  // Queue r (lanes r, r + 8, .. keep its head and tail) holds the chosen rows whose index % 8 is r,
+  // in arrival order: a step takes up to 4 rows of each, step row 8 j + r the queue's j-th, so that
+  // the 8 rows of each of its ldmatrix matrices fall in 8 bank groups (a row's 16-byte pieces: (row
+  // + piece) % 8, the rows kLd = 17 pieces apart); a gap reads the zero row of its group.
+  const int r = lane % 8;
+  uint16_t* queue = lists + warp * P::kList + r * P::kQueue;
+  int head = 0, tail = 0;
+  const auto step = [&](auto m_tiles) {
     constexpr int kM = decltype(m_tiles)::value;
+    const int waiting = tail - head;
+    uint32_t mask = 0;  // bit 8 j + r: queue r has a j-th row
+#pragma unroll
+    for (int j = 0; j < 2 * kM; ++j) mask |= (__ballot_sync(~0u, waiting > j) & 0xffu) << (8 * j);
     StepRows<T> sr[kM];
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
-      const int k = 16 * m + k_row_of_lane(), v = 16 * m + v_row_of_lane();
-      const int rk = k < rows ? list[(head + k) % P::kList] : P::kZeroRow;
-      const int rv = v < rows ? list[(head + v) % P::kList] : P::kZeroRow;
+      const int jk = 2 * m + lane % 16 / 8, jv = 2 * m + lane / 16;  // (both rows' group: r)
+      const int rk = jk < waiting ? queue[(head + jk) % P::kQueue] : P::kZeroRow + r;
+      const int rv = jv < waiting ? queue[(head + jv) % P::kQueue] : P::kZeroRow + r;
       sr[m] = step_rows(ring + rk * kLd, ring + rv * kLd);
     }
-    st.template step<kM>(sr, rows >= 32 ? ~0u : (1u << rows) - 1);
-    head += rows;
+    st.template step<kM>(sr, mask);
+    head += min(waiting, 2 * kM);
   };
-  // A full step's rows reordered so that each eight-row matrix of its ldmatrix loads reads few rows
-  // in the same bank group (row r's 16-byte pieces: (r + piece) % 8, the rows kLd = 17 pieces
-  // apart): sorted by r % 8 and dealt round-robin to the four matrices.
-  const auto deal = [&]() {
-    const int r = list[(head + lane) % P::kList], x = r % 8;
-    const uint32_t lt = (1u << lane) - 1;
-    uint32_t less = 0, same = ~0u;
-#pragma unroll
-    for (int bit = 2; bit >= 0; --bit) {
-      const uint32_t ones = __ballot_sync(~0u, x >> bit & 1), mine = x >> bit & 1 ? ones : ~ones;
-      if (x >> bit & 1) less |= same & ~ones;
-      same &= mine;
-    }
-    const int rank = __popc(less) + __popc(same & lt);
-    __syncwarp();
-    list[(head + rank % 4 * 8 + rank / 4) % P::kList] = r;
-    __syncwarp();
-  };
-  const auto take = [&](int rows) {
-    if (rows == 32) deal();
-    if (rows > 16) {
-      step(std::integral_constant<int, 2>{}, rows);
+  // A step over up to 4 rows a queue (2 where no queue has more).
+  const auto take = [&]() {
+    if (__any_sync(~0u, tail - head > 2)) {
+      step(std::integral_constant<int, 2>{});
     } else {
-      step(std::integral_constant<int, 1>{}, rows);
+      step(std::integral_constant<int, 1>{});
     }
   };
   for (int i = 0; i < tiles; ++i) {
@@ -362,19 +355,19 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
     sm90::mbar_wait(&full[s], i / kStages & 1);
 #pragma unroll
     for (int h = 0; h < kU / 32; ++h) {
-      const int slot = 32 * h + lane;
+      const int slot = 32 * h + lane;  // (its row's group: r)
       const bool has = words[s * kU + slot] >> warp & 1;
-      const uint32_t chose = __ballot_sync(~0u, has);
-      if (has) list[(tail + __popc(chose & ((1u << lane) - 1))) % P::kList] = s * kU + slot;
-      tail += __popc(chose);
+      const uint32_t mine = __ballot_sync(~0u, has) & 0x01010101u << r;
+      if (has) queue[(tail + __popc(mine & ((1u << lane) - 1))) % P::kQueue] = s * kU + slot;
+      tail += __popc(mine);
     }
     __syncwarp();
-    while (tail - head >= 32) take(32);
-    if (head < before) take(tail - head);  // the tile before's rows: it is released now
+    while (__all_sync(~0u, tail - head >= 4)) take();
+    while (__any_sync(~0u, head < before)) take();  // the tile before's rows: it is released now
     __syncwarp();
     if (i > 0 && lane == 0) sm90::mbar_arrive(&empty[(i - 1) % kStages]);
   }
-  if (head < tail) take(tail - head);
+  while (__any_sync(~0u, head < tail)) take();
 
   st.sum_over_keys();
   const int g = lane / 4, c = lane % 4;
