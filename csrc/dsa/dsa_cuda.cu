@@ -44,8 +44,9 @@ constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
 // The forward at 8 or 16 heads a kv head with Dqk <= 128 (gqa_fwd_cuda.cu): packed blocks up to the
 // split stay packed (at 8 heads on the GQA packed kernel, at 16 on attn_fwd_cuda.cu's), the others
 // run unpacked on the GQA kernel (H200, 128 / 128, T 4096, Tk 8192, 4 kv heads). At 8 heads the
-// packed kernel took 1.86 ms on random sets (unions at 0.45) against 1.72 unpacked, and the causal
-// sets of an 8192-token sequence 2.89 / 2.86 / 2.85 / 2.81 ms at a split of 0.3 / 0.35 / 0.4 / 0.5.
+// forward took 1.94 ms on random sets (unions at 0.45) all packed against 1.67 unpacked, and the
+// causal sets of an 8192-token sequence 2.77 ms at a split of 0.4 against 2.76 all packed (before
+// the packed kernel's queues by bank group: 2.89 / 2.86 / 2.85 / 2.81 at 0.3 / 0.35 / 0.4 / 0.5).
 // At 16 heads a query's work unpacked costs what a packed block at 0.3 of its slots does (2.96 ms
 // at 0.3 against 3.27 at 0.4 and 3.73 all unpacked on the causal sets, at 8 heads before the packed
 // kernel).

@@ -7,16 +7,16 @@
 // Two kernels:
 // - packed, at 8 heads (QueryPack: 8 queries a block): a producer warp gathers the block's union of
 //   keys in tiles of 128 slots (cp.async into a ring of three stages, mbarriers) and each consumer
-//   warp, one per query, steps through the slots its query chose (member bits), 32 rows a step
-//   across the tiles. A key that several queries chose is read from L2 once for the block. A warp
-//   keeps the rows it has not used of one tile only: when the rows of the tile before are still
-//   waiting, it takes them in a part-filled step (masked) and releases that tile. The rows of a step
-//   are arbitrary rows of the ring, so its ldmatrix loads meet bank conflicts (a row's bank group is
-//   its index % 8): a full step's rows are dealt to the eight-row matrices by bank group. On random
-//   sets (unions at 0.45 of the slots) the conflicts were still 45% of the shared-load wavefronts
-//   and the forward took 1.86 ms all packed against 1.72 unpacked (H200, T 4096, Tk 8192, 4 kv
-//   heads): the packed launch takes the blocks whose union keeps at most 0.4 of their slots
-//   (dsa_cuda.cu).
+//   warp, one per query, steps through the slots its query chose (member bits) across the tiles. A
+//   key that several queries chose is read from L2 once for the block. A step's rows are arbitrary
+//   rows of the ring, and a row's bank group is its index % 8: the warp queues its rows by group
+//   and a step takes up to 4 of each queue, so that each eight-row ldmatrix matrix reads 8 groups
+//   (with the rows in arrival order and dealt by group a step, conflicts were 45% of the shared-load
+//   wavefronts on random sets). A warp keeps the rows it has not used of one tile only: while rows
+//   of the tile before wait, it takes part-filled steps (masked) and then releases that tile. On
+//   random sets (unions at 0.45 of the slots, about 4 rows a queue a tile, many part-filled steps)
+//   the forward took 1.94 ms all packed against 1.67 unpacked (H200, T 4096, Tk 8192, 4 kv heads):
+//   the packed launch takes the blocks whose union keeps at most 0.4 of their slots (dsa_cuda.cu).
 // - unpacked (the other blocks, 16 heads, return_p, T = 1): a block per (query, kv head) of four
 //   warps; each warp takes every fourth tile of 32 slots, gathered into its own two stages (cp.async,
 //   zeros for a slot without a key), and the warps' partial results are merged through shared
