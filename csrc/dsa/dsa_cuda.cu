@@ -47,9 +47,8 @@ constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
 // forward took 1.94 ms on random sets (unions at 0.45) all packed against 1.67 unpacked, and the
 // causal sets of an 8192-token sequence 2.77 ms at a split of 0.4 against 2.76 all packed (before
 // the packed kernel's queues by bank group: 2.89 / 2.86 / 2.85 / 2.81 at 0.3 / 0.35 / 0.4 / 0.5).
-// At 16 heads a query's work unpacked costs what a packed block at 0.3 of its slots does (2.96 ms
-// at 0.3 against 3.27 at 0.4 and 3.73 all unpacked on the causal sets, at 8 heads before the packed
-// kernel).
+// At 16 heads the split is the one measured at 8 heads before the GQA packed kernel (the causal
+// sets: 2.96 ms at 0.3 against 3.27 at 0.4 and 3.73 all unpacked).
 constexpr double kGqa8FwdSplit = 0.4, kGqa16FwdSplit = 0.3;
 
 // The (query, slot) probabilities of a packed Hopper MLA forward ([blocks, group, group x topk], by

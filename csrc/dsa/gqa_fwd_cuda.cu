@@ -587,15 +587,15 @@ void gqa_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv
                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs) {
   const AttnProblem& p = pk.problem;
   const c10::cuda::CUDAGuard guard(q.device());
+  // (a block holds all of a kv head's rows; packed launches come without probabilities)
+  const AttnFwdArgs a{attn_args(pk, q, kv, gate, static_cast<int>(p.H / p.Hkv)), o.data_ptr(), lse.data_ptr<float>(),
+                      probs.defined() ? probs.data_ptr<float>() : nullptr};
   KDA_DISPATCH_CUDA_HALF(q.scalar_type(), "sparse_attn_fwd", [&] {
     const auto run = [&](auto heads) {
       constexpr int kG = decltype(heads)::value;
-      AttnFwdArgs a{attn_args(pk, q, kv, gate, kG), o.data_ptr(), lse.data_ptr<float>(),
-                    probs.defined() ? probs.data_ptr<float>() : nullptr};
       launch(gqa_fwd_kernel<scalar_t, kG>, dim3(p.T, p.Hkv), kWarps * 32, GqaShape<kG>::kSmem, a);
     };
     if (pk.group > 1) {
-      AttnFwdArgs a{attn_args(pk, q, kv, gate, 8), o.data_ptr(), lse.data_ptr<float>(), nullptr};
       launch(gqa_packed_fwd_kernel<scalar_t>, dim3(p.T, p.Hkv), PackedShape::kThreads, PackedShape::kSmem, a);
     } else if (p.H / p.Hkv == 8) {
       run(std::integral_constant<int, 8>{});
