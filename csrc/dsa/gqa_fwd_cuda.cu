@@ -15,7 +15,7 @@
 //   wavefronts on random sets). A warp keeps the rows it has not used of one tile only: while rows
 //   of the tile before wait, it takes part-filled steps (masked) and then releases that tile. On
 //   random sets (unions at 0.45 of the slots, about 4 rows a queue a tile, many part-filled steps)
-//   the forward took 1.94 ms all packed against 1.67 unpacked (H200, T 4096, Tk 8192, 4 kv heads):
+//   the forward took 1.62 ms all packed against 1.57 unpacked (H200, T 4096, Tk 8192, 4 kv heads):
 //   the packed launch takes the blocks whose union keeps at most 0.4 of their slots (dsa_cuda.cu).
 // - unpacked (the other blocks, 16 heads, return_p, T = 1): a block per (query, kv head) of four
 //   warps; each warp takes every fourth tile of 32 slots, gathered into its own two stages (cp.async,
@@ -54,6 +54,30 @@ __device__ __forceinline__ StepRows<T> step_rows(const T* k_row, const T* v_row)
   const int lane = threadIdx.x % 32;
   return {k_row + lane / 16 * 8, v_row + lane / 8 % 2 * 8};
 }
+
+// A lane's 16-byte piece (lane % 16) of the kv rows of one kv head, from an address and a key
+// stride fixed for the kernel: a row's copy costs a select, one wide multiply-add and the cp.async
+// (zeros past Dqk and for a slot without a key). With the address computed a row, the copies took ~20
+// SASS instructions each.
+template <typename T>
+struct KvPieces {
+  const char* base;  // the piece in key 0's row
+  uint32_t stride;   // bytes from one key's row to the next
+  bool in;           // the piece lies within Dqk
+
+  __device__ __forceinline__ KvPieces(const AttnArgs& a, int kvh) {
+    const int piece = threadIdx.x % 16;
+    in = piece * 8 < a.Dqk;
+    base = reinterpret_cast<const char*>(static_cast<const T*>(a.kv) + int64_t{kvh} * a.Dqk + (in ? piece * 8 : 0));
+    stride = static_cast<uint32_t>(a.Hkv * a.Dqk * sizeof(T));
+  }
+  // Key k's piece (k < 0: zeros) into the shared row dst.
+  __device__ __forceinline__ void copy(T* dst, int k) const {
+    const bool valid = in && k >= 0;
+    const uint32_t key = valid ? static_cast<uint32_t>(k) : 0u;  // (unsigned: one IMAD.WIDE.U32)
+    cp_async_16_zfill(dst + threadIdx.x % 16 * 8, base + uint64_t{key} * stride, valid);
+  }
+};
 
 // One query's kG heads on one kv head, a warp's: Q^T as B fragments (dims x heads, zeros past Dqk),
 // the running maxima (equal over g) and the thread's own keys' sums for heads 8 n + 2 c + h, and O^T
@@ -278,8 +302,7 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
     // The producer: tile i into stage i % kStages once the tile before it there is released; lanes
     // 16 h .. 16 h + 15 copy row 2 r + h's 16-byte pieces (zeros past Dqk and for a slot without a
     // key), lane l the member bits of slots l, l + 32, ..
-    const T* kv = static_cast<const T*>(a.kv);
-    const int piece = lane % 16;
+    const KvPieces<T> pieces(a, kvh);
     int key[kU / 32];
     uint32_t chose[kU / 32];
     // Tile i's keys and member bits (slot 32 h + lane of the tile: -1 and 0 without a key).
@@ -302,10 +325,7 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
 #pragma unroll
       for (int r = 0; r < kU / 2; ++r) {
         const int row = 2 * r + lane / 16;
-        const int k = __shfl_sync(~0u, key[r / 16], row % 32);  // (row / 32 = r / 16)
-        const bool valid = k >= 0 && piece * 8 < a.Dqk;
-        const T* src = kv + (int64_t{valid ? k : 0} * a.Hkv + kvh) * a.Dqk + (valid ? piece * 8 : 0);
-        cp_async_16_zfill(dst + row * kLd + piece * 8, src, valid);
+        pieces.copy(dst + row * kLd, __shfl_sync(~0u, key[r / 16], row % 32));  // (row / 32 = r / 16)
       }
       sm90::mbar_arrive_cp_async(&full[s]);
       sm90::mbar_arrive(&full[s]);
@@ -411,8 +431,10 @@ struct GqaShape {
   static_assert(kWarps * kG * kLdO * sizeof(float) <= kRing && 16 * kLd * 2 <= kRing, "Q and the merge reuse the ring");
 };
 
+// (Three blocks an SM, as the ring allows: without the bound ptxas held 8 heads to 128 registers and
+// spilled.)
 template <typename T, int kG>
-__global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
+__global__ void __launch_bounds__(kWarps * 32, 3) gqa_fwd_kernel(AttnFwdArgs a) {
   using S = GqaShape<kG>;
   constexpr int kN = GqaWarp<T, kG>::kN;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -424,7 +446,7 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
   const int kvh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int64_t row0 = t * a.H + int64_t{kvh} * kG;  // q's row of head 0
   const int32_t* sel = a.indices + (t * a.Hkv + kvh) * a.topk;
-  const T* kv = static_cast<const T*>(a.kv);
+  const KvPieces<T> pieces(a, kvh);
   GqaWarp<T, kG> st(a);
   {
     T* sQ = ring;  // until the fragments are loaded
@@ -455,13 +477,10 @@ __global__ void __launch_bounds__(kWarps * 32) gqa_fwd_kernel(AttnFwdArgs a) {
       const bool ok = key >= 0 && key < a.Tk;
       mask = __ballot_sync(~0u, ok);
       T* dst = my_ring + (i % kStages) * kKeys * kLd;
-      const int piece = lane % 16;
 #pragma unroll
       for (int r = 0; r < kKeys / 2; ++r) {
-        const int k = __shfl_sync(~0u, ok ? key : -1, 2 * r + lane / 16);
-        const bool valid = k >= 0 && piece * 8 < a.Dqk;
-        const T* src = kv + (int64_t{valid ? k : 0} * a.Hkv + kvh) * a.Dqk + (valid ? piece * 8 : 0);
-        cp_async_16_zfill(dst + (2 * r + lane / 16) * kLd + piece * 8, src, valid);
+        const int row = 2 * r + lane / 16;
+        pieces.copy(dst + row * kLd, __shfl_sync(~0u, ok ? key : -1, row));
       }
     }
     cp_async_commit();
