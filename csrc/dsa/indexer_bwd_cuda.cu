@@ -27,7 +27,7 @@ struct IndexedRows {
       grad[b * kIdxKeys + i] = keys.idx[b * kIdxKeys + i] >= 0 ? g[k0 + i] : 0.f;
     }
   }
-  __device__ const T* row(int b, int r) const { return keys.row(b, r); }
+  __device__ const SelectedRows<T, kIdxKeys>& selected() const { return keys; }
 };
 
 struct IndexerBwdArgs {
