@@ -43,10 +43,10 @@ void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) 
 constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
 // The forward at 8 or 16 heads a kv head with Dqk <= 128 (gqa_fwd_cuda.cu): packed blocks up to the
 // split stay packed (at 8 heads on the GQA packed kernel, at 16 on attn_fwd_cuda.cu's), the others
-// run unpacked on the GQA kernel (H200, 128 / 128, T 4096, Tk 8192, 4 kv heads). At 8 heads the
-// forward took 1.94 ms on random sets (unions at 0.45) all packed against 1.67 unpacked, and the
-// causal sets of an 8192-token sequence 2.77 ms at a split of 0.4 against 2.76 all packed (before
-// the packed kernel's queues by bank group: 2.89 / 2.86 / 2.85 / 2.81 at 0.3 / 0.35 / 0.4 / 0.5).
+// run unpacked on the GQA kernel (H200, 128 / 128, T 4096, Tk 8192, 4 kv heads). At 8 heads
+// (76ad15f) the forward took on random sets (unions at 0.45) 1.57 ms at a split of 0.4, 1.73 at
+// 0.45 (those blocks split between two launches) and 1.63 at 0.5; on the causal sets of an
+// 8192-token sequence 2.49 / 2.44 / 2.41.
 // At 16 heads the split is the one measured at 8 heads before the GQA packed kernel (the causal
 // sets: 2.96 ms at 0.3 against 3.27 at 0.4 and 3.73 all unpacked).
 constexpr double kGqa8FwdSplit = 0.4, kGqa16FwdSplit = 0.3;
