@@ -89,11 +89,13 @@ struct GqaWarp {
   float m_run[kN][2], l_run[kN][2];
   float o_acc[kDim / 16][kN][4];
   int kd, kdv;
+  bool full;  // Dqk and dv both kDim: the steps' loops without a bound read at run time
   float sl2;
 
   __device__ __forceinline__ explicit GqaWarp(const AttnArgs& a) {
     kd = round16(a.Dqk);
     kdv = round16(a.dv);
+    full = kd == kDim && kdv == kDim;
     sl2 = a.scale * kLog2e;
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
@@ -141,8 +143,9 @@ struct GqaWarp {
 
   // The logits in log2 units of kM steps of 16 keys, S^T for keys 16 m + g (+ 8) and heads 8 n + 2 c
   // (+ 1); -inf where bit 16 m + key of mask is clear (the even and odd 16-dim steps into separate
-  // sums: two chains of dependent products).
-  template <int kM>
+  // sums: two chains of dependent products). kFull: the loop over all kDim dims, with no branch
+  // between its loads and products (a bound read at run time put one after each product).
+  template <int kM, bool kFull = false>
   __device__ __forceinline__ void logits(float (&s)[kM][kN][4], const StepRows<T> (&rows)[kM], uint32_t mask) const {
     const int g = threadIdx.x % 32 / 4;
     float odd[kM][kN][4];
@@ -156,7 +159,7 @@ struct GqaWarp {
     }
 #pragma unroll
     for (int kk = 0; kk < kDim / 16; ++kk) {
-      if (kk * 16 >= kd) break;
+      if (!kFull && kk * 16 >= kd) break;
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
         uint32_t af[4];
@@ -179,8 +182,16 @@ struct GqaWarp {
   // The online softmax over kM steps of 16 keys (mask as logits takes it).
   template <int kM>
   __device__ __forceinline__ void step(const StepRows<T> (&rows)[kM], uint32_t mask) {
+    if (full) {
+      step_over<kM, true>(rows, mask);
+    } else {
+      step_over<kM, false>(rows, mask);
+    }
+  }
+  template <int kM, bool kFull>
+  __device__ __forceinline__ void step_over(const StepRows<T> (&rows)[kM], uint32_t mask) {
     float s[kM][kN][4];
-    logits(s, rows, mask);
+    logits<kM, kFull>(s, rows, mask);
     uint32_t pb[kM][kN][2];  // P^T as B fragments (keys x heads)
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
@@ -220,7 +231,7 @@ struct GqaWarp {
     }
 #pragma unroll
     for (int d = 0; d < kDim / 16; ++d) {
-      if (d * 16 >= kdv) break;
+      if (!kFull && d * 16 >= kdv) break;
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
         uint32_t va[4];
