@@ -43,13 +43,13 @@ void check_attn_cuda(const AttnProblem& p, const at::Tensor& q, const char* op) 
 constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
 // The forward at 8 or 16 heads a kv head with Dqk <= 128 (gqa_fwd_cuda.cu): packed blocks up to the
 // split stay packed (at 8 heads on the GQA packed kernel, at 16 on attn_fwd_cuda.cu's), the others
-// run unpacked on the GQA kernel (H200, 128 / 128, T 4096, Tk 8192, 4 kv heads). At 8 heads
-// (76ad15f) the forward took on random sets (unions at 0.45) 1.57 ms at a split of 0.4, 1.73 at
-// 0.45 (those blocks split between two launches) and 1.63 at 0.5; on the causal sets of an
-// 8192-token sequence 2.49 / 2.44 / 2.41.
-// At 16 heads the split is the one measured at 8 heads before the GQA packed kernel (the causal
-// sets: 2.96 ms at 0.3 against 3.27 at 0.4 and 3.73 all unpacked).
-constexpr double kGqa8FwdSplit = 0.4, kGqa16FwdSplit = 0.3;
+// run unpacked on the GQA kernel (H200, 128 / 128, T 4096, Tk 8192, 4 kv heads). At 8 heads, with
+// the packed kernel's steps over all 128 dims, the forward took on random sets (unions at 0.45)
+// 1.57 ms at a split of 0.4 and 1.48 at 0.5 to 1 (every block packed); on the causal sets of an
+// 8192-token sequence 2.34 / 2.24; window sets 1.25 either way.
+// At 16 heads (the same run): random and window sets 1.72 ms at every split from 0.01 to 0.4 (their
+// unions are longer), the causal sets 3.32 / 3.12 / 3.18 / 3.38 ms at 0.01 / 0.2 / 0.3 / 0.4.
+constexpr double kGqa8FwdSplit = 0.6, kGqa16FwdSplit = 0.2;
 
 // The (query, slot) probabilities of a packed Hopper MLA forward ([blocks, group, group x topk], by
 // union slot) in the call's slots: [T, 1, topk], 0 where a slot has no key.

@@ -15,8 +15,8 @@
 //   wavefronts on random sets). A warp keeps the rows it has not used of one tile only: while rows
 //   of the tile before wait, it takes part-filled steps (masked) and then releases that tile. On
 //   random sets (unions at 0.45 of the slots, about 4 rows a queue a tile, many part-filled steps)
-//   the forward took 1.62 ms all packed against 1.57 unpacked (H200, T 4096, Tk 8192, 4 kv heads):
-//   the packed launch takes the blocks whose union keeps at most 0.4 of their slots (dsa_cuda.cu).
+//   the forward takes 1.48 ms all packed against 1.57 unpacked (H200, T 4096, Tk 8192, 4 kv heads):
+//   the packed launch takes the blocks whose union keeps at most 0.6 of their slots (dsa_cuda.cu).
 // - unpacked (the other blocks, 16 heads, return_p, T = 1): a block per (query, kv head) of four
 //   warps; each warp takes every fourth tile of 32 slots, gathered into its own two stages (cp.async,
 //   zeros for a slot without a key), and the warps' partial results are merged through shared
