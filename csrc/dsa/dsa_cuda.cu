@@ -48,7 +48,9 @@ constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
 // 1.57 ms at a split of 0.4 and 1.48 at 0.5 to 1 (every block packed); on the causal sets of an
 // 8192-token sequence 2.34 / 2.24; window sets 1.25 either way.
 // At 16 heads (the same run): random and window sets 1.72 ms at every split from 0.01 to 0.4 (their
-// unions are longer), the causal sets 3.32 / 3.12 / 3.18 / 3.38 ms at 0.01 / 0.2 / 0.3 / 0.4.
+// unions are longer), the causal sets 3.32 / 3.12 / 3.18 / 3.38 ms at 0.01 / 0.2 / 0.3 / 0.4. (A
+// block of 4 queries with topk keys each keeps at least a quarter of its slots: at 0.2 only blocks
+// of queries with fewer keys, a sequence's first, stay packed.)
 constexpr double kGqa8FwdSplit = 0.6, kGqa16FwdSplit = 0.2;
 
 // The (query, slot) probabilities of a packed Hopper MLA forward ([blocks, group, group x topk], by
