@@ -6,6 +6,7 @@ and their limits."""
 
 import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -497,11 +498,14 @@ NOPE = (1, 512, 512)  # GLM-5.3's MLA without rope dims
 
 def check_cuda_attention(seed, T, Tk, layout, G, topk, gated, return_p, portable, dtype, repeats=True, crowded=0):
     """The CUDA op's o, lse, p and gradients against the float64 reference on the same inputs; the
-    first `crowded` queries choose among the first 2 topk keys (distinct)."""
+    first `crowded` queries choose topk / 4 distinct keys among the first topk / 2, at random slots,
+    -1 in the others (so that their blocks' unions keep at most an eighth of their slots)."""
     torch.manual_seed(seed)
     Hkv, D, dv = layout
     q, kv, idx, gate = attn_case(T, Tk, Hkv * G, Hkv, D, dv, topk, dtype, gated, repeats=repeats)
-    idx[:crowded] = torch.rand(crowded, Hkv, 2 * topk).argsort(-1)[..., :topk].int()
+    keys = torch.rand(crowded, Hkv, topk // 2).argsort(-1)[..., :topk // 4].int()
+    slots = torch.rand(crowded, Hkv, topk).argsort(-1)[..., :topk // 4]
+    idx[:crowded] = torch.full((crowded, Hkv, topk), -1, dtype=idx.dtype).scatter_(-1, slots, keys)
     ins = [t.cuda().requires_grad_() for t in (q, kv) + ((gate,) if gated else ())]
     poison("cuda")
     with portable_sfa(portable):
@@ -561,9 +565,16 @@ def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, 
 def test_sparse_attention_cuda_splits_packed_and_unpacked_blocks(G):
     """On the mma.sync kernels at 8 and 16 heads a kv head a packed block whose union keeps more than
     40% (backward; forward: 8 heads 60%, 16 heads 20%) of its slots runs unpacked, in a second
-    launch: in one call, the first 20 queries choose among few keys (their blocks packed), the others
-    among many (their blocks unpacked)."""
-    check_cuda_attention(0, 41, 3000, (2, 128, 128), G, 64, True, False, False, torch.bfloat16, False, crowded=20)
+    launch: in one call, the first 20 queries choose few keys (their blocks packed), the others 64
+    among 3000 (their blocks unpacked); the profile holds both launches, forward and backward."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        check_cuda_attention(0, 41, 3000, (2, 128, 128), G, 64, True, False, False, torch.bfloat16, False,
+                             crowded=20)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    packed_fwd = "gqa_packed_fwd_kernel" if G == 8 else r"attn_fwd_kernel<[^>]*true>"
+    for kernel in [packed_fwd, "gqa_fwd_kernel", r"attn_bwd_kernel<[^>]*true>", r"attn_bwd_kernel<[^>]*false>"]:
+        assert any(re.search(kernel, n) for n in names), (kernel, names)
 
 
 @pytest.mark.cuda

@@ -5,18 +5,20 @@
 // and O^T's accumulators stay in registers, P^T goes from the accumulators to the next product's
 // operand by movmatrix, and each lane's ldmatrix row address says which key a step's row holds.
 // Two kernels:
-// - packed, at 8 heads (QueryPack: 8 queries a block): a producer warp gathers the block's union of
-//   keys in tiles of 128 slots (cp.async into a ring of three stages, mbarriers) and each consumer
-//   warp, one per query, steps through the slots its query chose (member bits) across the tiles. A
-//   key that several queries chose is read from L2 once for the block. A step's rows are arbitrary
-//   rows of the ring, and a row's bank group is its index % 8: the warp queues its rows by group
-//   and a step takes up to 4 of each queue, so that each eight-row ldmatrix matrix reads 8 groups
-//   (with the rows in arrival order and dealt by group a step, conflicts were 45% of the shared-load
-//   wavefronts on random sets). A warp keeps the rows it has not used of one tile only: while rows
-//   of the tile before wait, it takes part-filled steps (masked) and then releases that tile. On
-//   random sets (unions at 0.45 of the slots, about 4 rows a queue a tile, many part-filled steps)
-//   the forward takes 1.48 ms all packed against 1.57 unpacked (H200, T 4096, Tk 8192, 4 kv heads):
-//   the packed launch takes the blocks whose union keeps at most 0.6 of their slots (dsa_cuda.cu).
+// - packed, at 8 heads (QueryPack: 8 queries a block): two producer warps gather the block's union
+//   of keys in tiles of 128 slots, half a tile each (cp.async into a ring of three stages,
+//   mbarriers; with one producer warp the consumers waited for it: 1.48 ms against 1.42 below), and
+//   each consumer warp, one per query, steps through the slots its query chose (member bits) across
+//   the tiles. A key that several queries chose is read from L2 once for the block. A step's rows
+//   are arbitrary rows of the ring, and a row's bank group is its index % 8: the warp queues its
+//   rows by group and a step takes up to 4 of each queue, so that each eight-row ldmatrix matrix
+//   reads 8 groups (with the rows in arrival order and dealt by group a step, conflicts were 45% of
+//   the shared-load wavefronts on random sets). A warp keeps the rows it has not used of one tile
+//   only: while rows of the tile before wait, it takes part-filled steps (masked) and then releases
+//   that tile. On random sets (unions at 0.45 of the slots, about 4 rows a queue a tile, many
+//   part-filled steps) the forward takes 1.42 ms all packed against 1.57 unpacked (H200, T 4096, Tk
+//   8192, 4 kv heads): the packed launch takes the blocks whose union keeps at most 0.6 of their
+//   slots (dsa_cuda.cu).
 // - unpacked (the other blocks, 16 heads, return_p, T = 1): a block per (query, kv head) of four
 //   warps; each warp takes every fourth tile of 32 slots, gathered into its own two stages (cp.async,
 //   zeros for a slot without a key), and the warps' partial results are merged through shared
@@ -257,10 +259,11 @@ struct GqaWarp {
 };
 
 // The packed kernel (8 heads a kv head, 8 queries a block): a consumer warp per query, then the
-// producer warp.
+// producer warps (20 warps an SM, five a scheduler, 96 registers a thread as with one).
 struct PackedShape {
   static constexpr int kQueries = 8;
-  static constexpr int kThreads = (kQueries + 1) * 32;
+  static constexpr int kProducers = 2;  // warps, each gathering half of every tile
+  static constexpr int kThreads = (kQueries + kProducers) * 32;
   static constexpr int kU = 128;      // slots of a tile
   static constexpr int kStages = 3;   // tiles in the ring
   // A warp's waiting rows in 8 queues by bank group (row index % 8), each of up to the rows of two
@@ -302,25 +305,28 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      sm90::mbar_init(&full[s], 32);
+      sm90::mbar_init(&full[s], 32 * P::kProducers);
       sm90::mbar_init(&empty[s], queries);
     }
     sm90::mbar_init_fence();
   }
   __syncthreads();
 
-  if (warp == P::kQueries) {
-    // The producer: tile i into stage i % kStages once the tile before it there is released; lanes
-    // 16 h .. 16 h + 15 copy row 2 r + h's 16-byte pieces (zeros past Dqk and for a slot without a
-    // key), lane l the member bits of slots l, l + 32, ..
+  if (warp >= P::kQueries) {
+    // The producers: each its half of tile i (slots first ..) into stage i % kStages once the tile
+    // before it there is released; lanes 16 h .. 16 h + 15 copy row first + 2 r + h's 16-byte pieces
+    // (zeros past Dqk and for a slot without a key), lane l the member bits of slots first + l,
+    // first + l + 32, ..
+    constexpr int kH = kU / 32 / P::kProducers;  // 32-slot pieces a producer
+    const int first = (warp - P::kQueries) * kH * 32;  // its first slot of a tile
     const KvPieces<T> pieces(a, kvh);
-    int key[kU / 32];
-    uint32_t chose[kU / 32];
-    // Tile i's keys and member bits (slot 32 h + lane of the tile: -1 and 0 without a key).
+    int key[kH];
+    uint32_t chose[kH];
+    // Its half of tile i's keys and member bits (slot first + 32 h + lane: -1 and 0 without a key).
     const auto load_slots = [&](int i) {
 #pragma unroll
-      for (int h = 0; h < kU / 32; ++h) {
-        const int slot = i * kU + 32 * h + lane;
+      for (int h = 0; h < kH; ++h) {
+        const int slot = i * kU + first + 32 * h + lane;
         const int k = slot < length ? a.indices[base + slot] : -1;
         key[h] = k >= 0 && k < a.Tk ? k : -1;
         chose[h] = slot < length ? a.member[base + slot] : 0u;
@@ -331,10 +337,10 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
       const int s = i % kStages;
       sm90::mbar_wait(&empty[s], (i / kStages & 1) ^ 1);
 #pragma unroll
-      for (int h = 0; h < kU / 32; ++h) atomicExch(words + s * kU + 32 * h + lane, key[h] >= 0 ? chose[h] : 0u);
-      T* dst = ring + s * kU * kLd;
+      for (int h = 0; h < kH; ++h) atomicExch(words + s * kU + first + 32 * h + lane, key[h] >= 0 ? chose[h] : 0u);
+      T* dst = ring + (s * kU + first) * kLd;
 #pragma unroll
-      for (int r = 0; r < kU / 2; ++r) {
+      for (int r = 0; r < kH * 16; ++r) {
         const int row = 2 * r + lane / 16;
         pieces.copy(dst + row * kLd, __shfl_sync(~0u, key[r / 16], row % 32));  // (row / 32 = r / 16)
       }
