@@ -98,7 +98,9 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
     const T* sKt = tiles.tile(b);
     const int* sIdxt = sIdx + b * S::kKeys;
 
-    // Logits and dP = dO V^T for rows wr * 16.., keys wc * 16...
+    // Logits and dP = dO V^T for rows wr * 16.., keys wc * 16..: V is the keys' first dv columns, so
+    // each fragment of the key tile serves both products (loaded once: shared-memory loads bound the
+    // kernel).
     float s[2][4] = {}, dp[2][4] = {};
     for (int kk = 0; kk < kd; kk += 16) {
       uint32_t af[4], bf[4];
@@ -106,13 +108,11 @@ __global__ void __launch_bounds__(BwdShape<kDqk, kDv, kRows>::kThreads) attn_bwd
       load_b_nk(bf, sKt, S::kLd, wc * 16, kk);
       mma_16816<T>(s[0], af, bf[0], bf[1]);
       mma_16816<T>(s[1], af, bf[2], bf[3]);
-    }
-    for (int kk = 0; kk < kdv; kk += 16) {
-      uint32_t af[4], bf[4];
-      load_a(af, sO, S::kLdO, wr * 16, kk);
-      load_b_nk(bf, sKt, S::kLd, wc * 16, kk);
-      mma_16816<T>(dp[0], af, bf[0], bf[1]);
-      mma_16816<T>(dp[1], af, bf[2], bf[3]);
+      if (kk < kdv) {
+        load_a(af, sO, S::kLdO, wr * 16, kk);
+        mma_16816<T>(dp[0], af, bf[0], bf[1]);
+        mma_16816<T>(dp[1], af, bf[2], bf[3]);
+      }
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
