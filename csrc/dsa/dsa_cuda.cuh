@@ -84,8 +84,10 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Args& args
 constexpr size_t kMaxSmem = 227 * 1024;  // dynamic shared memory per block (sm_90)
 
 // Key tiles in shared memory. With kStages = 2 the next tile's rows are in flight (cp.async)
-// while the current one is used. Src (per thread): slots(b, k0) fills buffer b's per-slot data
-// for the tile of keys k0.. (shared arrays: no sync inside), selected() its SelectedRows.
+// while the current one is used. Src (per thread; threadIdx.x < kKeys <= blockDim.x: its slot):
+// load(k0) reads the thread's slot of the tile of keys k0.. (every global load of a slot issued at
+// once: one round trip a tile), put(b, slot) stores it in buffer b's per-slot data (shared arrays:
+// no sync inside), selected() its SelectedRows.
 template <typename T, int kStages, int kKeys, typename Src>
 struct KeyTiles {
   T* buf;  // kStages tiles of kKeys x ld
@@ -110,7 +112,7 @@ struct KeyTiles {
   // Before the loop (every thread).
   __device__ void start() {
     if constexpr (kStages == 2) {
-      src.slots(0, 0);
+      src.put(0, src.load(0));
       __syncthreads();
       fetch(0);
     }
@@ -119,7 +121,7 @@ struct KeyTiles {
   // __syncthreads() after its last use of the tile, before the next ready().
   __device__ int ready(int it, int64_t k0) {
     if constexpr (kStages == 1) {
-      src.slots(0, k0);
+      src.put(0, src.load(k0));
       __syncthreads();
       fetch(0);
       cp_async_wait<0>();
@@ -128,7 +130,7 @@ struct KeyTiles {
     } else {
       const int cur = it & 1;
       const bool more = k0 + kKeys < total;
-      if (more) src.slots(cur ^ 1, k0 + kKeys);
+      if (more) src.put(cur ^ 1, src.load(k0 + kKeys));
       __syncthreads();
       if (more) {
         fetch(cur ^ 1);
@@ -152,11 +154,16 @@ struct SelectedRows {
   int64_t Tk, Hkv;
   int kvh, D;
   const T* kv;
-  __device__ void slots(int b, int64_t k0) {
-    for (int i = threadIdx.x; i < kKeys; i += blockDim.x) {
-      const int64_t j = k0 + i;
-      idx[b * kKeys + i] = j < topk && sel[j] < Tk ? sel[j] : -1;
-    }
+  struct Slot {
+    int key;
+  };
+  __device__ bool in(int64_t k0) const { return threadIdx.x < kKeys && k0 + threadIdx.x < topk; }
+  __device__ Slot load(int64_t k0) const {
+    const int k = in(k0) ? sel[k0 + threadIdx.x] : -1;
+    return {k < Tk ? k : -1};
+  }
+  __device__ void put(int b, Slot s) const {
+    if (threadIdx.x < kKeys) idx[b * kKeys + threadIdx.x] = s.key;
   }
   __device__ const SelectedRows& selected() const { return *this; }
   // Column c of key k's row (k >= 0; unsigned: one wide multiply-add).
@@ -173,11 +180,19 @@ struct AttnRows {
   SelectedRows<T, kKeys> keys;
   uint8_t* has;           // [stages][kKeys], shared
   const uint8_t* member;  // the block's member row
-  __device__ void slots(int b, int64_t k0) {
-    keys.slots(b, k0);
-    for (int i = threadIdx.x; i < kKeys; i += blockDim.x) {
-      has[b * kKeys + i] = keys.idx[b * kKeys + i] < 0 ? 0 : member[k0 + i];
-    }
+  struct Slot {
+    typename SelectedRows<T, kKeys>::Slot key;
+    uint8_t has;
+  };
+  // (the member byte read beside the key, not after it: a second round trip a tile)
+  __device__ Slot load(int64_t k0) const {
+    const uint8_t m = keys.in(k0) ? member[k0 + threadIdx.x] : 0;
+    const auto k = keys.load(k0);
+    return {k, k.key < 0 ? uint8_t{0} : m};
+  }
+  __device__ void put(int b, Slot s) const {
+    keys.put(b, s.key);
+    if (threadIdx.x < kKeys) has[b * kKeys + threadIdx.x] = s.has;
   }
   __device__ const SelectedRows<T, kKeys>& selected() const { return keys; }
 };

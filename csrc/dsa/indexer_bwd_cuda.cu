@@ -21,11 +21,18 @@ struct IndexedRows {
   SelectedRows<T, kIdxKeys> keys;
   float* grad;  // [2][kIdxKeys], shared
   const float* g;
-  __device__ void slots(int b, int64_t k0) {
-    keys.slots(b, k0);
-    for (int i = threadIdx.x; i < kIdxKeys; i += blockDim.x) {
-      grad[b * kIdxKeys + i] = keys.idx[b * kIdxKeys + i] >= 0 ? g[k0 + i] : 0.f;
-    }
+  struct Slot {
+    typename SelectedRows<T, kIdxKeys>::Slot key;
+    float grad;
+  };
+  __device__ Slot load(int64_t k0) const {
+    const float v = keys.in(k0) ? g[k0 + threadIdx.x] : 0.f;
+    const auto k = keys.load(k0);
+    return {k, k.key >= 0 ? v : 0.f};
+  }
+  __device__ void put(int b, Slot s) const {
+    keys.put(b, s.key);
+    if (threadIdx.x < kIdxKeys) grad[b * kIdxKeys + threadIdx.x] = s.grad;
   }
   __device__ const SelectedRows<T, kIdxKeys>& selected() const { return keys; }
 };
