@@ -564,9 +564,10 @@ def test_sparse_attention_cuda_packed_queries_match_reference(layout, G, T, Tk, 
 @pytest.mark.parametrize("G", [8, 16])
 def test_sparse_attention_cuda_splits_packed_and_unpacked_blocks(G):
     """On the mma.sync kernels at 8 and 16 heads a kv head a packed block whose union keeps more than
-    40% (backward; forward: 8 heads 60%, 16 heads 20%) of its slots runs unpacked, in a second
-    launch: in one call, the first 20 queries choose few keys (their blocks packed), the others 64
-    among 3000 (their blocks unpacked); the profile holds both launches, forward and backward."""
+    a share of its slots (backward: 8 heads 50%, 16 heads 40%; forward: 60%, 20%) runs unpacked, in
+    a second launch: in one call, the first 20 queries choose few keys (their blocks packed), the
+    others 64 among 3000 (their blocks unpacked); the profile holds both launches, forward and
+    backward."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         check_cuda_attention(0, 41, 3000, (2, 128, 128), G, 64, True, False, False, torch.bfloat16, False,
                              crowded=20)

@@ -52,6 +52,12 @@ constexpr double kFwdSplit = 0.5, kBwdSplit = 0.4;
 // block of 4 queries with topk keys each keeps at least a quarter of its slots: at 0.2 only blocks
 // of queries with fewer keys, a sequence's first, stay packed.)
 constexpr double kGqa8FwdSplit = 0.6, kGqa16FwdSplit = 0.2;
+// The backward at 8 heads a kv head with Dqk <= 128: its unpacked blocks hold 8 rows of 16. With
+// the packed blocks' slot data read in one round trip a tile (H200, 128 / 128, 4 kv heads, T 4096,
+// random sets over Tk keys, split 0.4 / 0.5 / 0.7): Tk 8192 (unions at 0.45) 8.35 / 7.99 / 7.99 ms,
+// Tk 12288 (0.575) 8.35 / 8.35 / 10.12, Tk 16384 (0.656) 8.35 / 8.35 / 11.51; the model's causal
+// sets over 8192 tokens 8.81 / 8.44 (0.45: 8.68) ms, where no block is left to a second launch.
+constexpr double kGqa8BwdSplit = 0.5;
 
 // The (query, slot) probabilities of a packed Hopper MLA forward ([blocks, group, group x topk], by
 // union slot) in the call's slots: [T, 1, topk], 0 where a slot has no key.
@@ -122,7 +128,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attn_bwd_cuda(const at::Te
   at::Tensor dq = at::empty({p.T, p.H, p.Dqk}, q.options());
   at::Tensor dkv = at::zeros({p.Tk * p.Hkv + 1, p.Dqk}, q.options().dtype(at::kFloat));
   at::Tensor dgate = gate.has_value() ? at::empty({p.T, p.H, dv}, q.options()) : at::Tensor();
-  const QueryPack pk = pack_queries(p, q, indices.contiguous(), false, deterministic ? 0. : kBwdSplit);
+  const double split = p.Dqk <= 128 && p.H == 8 * p.Hkv ? kGqa8BwdSplit : kBwdSplit;
+  const QueryPack pk = pack_queries(p, q, indices.contiguous(), false, deterministic ? 0. : split);
   attn_bwd_cuda(pk, rows16(grad_o.to(half)), rows16(q), rows16(kv), rows16(o.to(half)), lse.to(at::kFloat).contiguous(),
                 gate.has_value() ? rows16(gate->to(half)) : at::Tensor(), deterministic, dq, dkv, dgate);
   return {dq, dkv.narrow(0, 0, p.Tk * p.Hkv).view({p.Tk, p.Hkv, p.Dqk}).to(kv.scalar_type()),
