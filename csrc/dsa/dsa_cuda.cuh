@@ -172,30 +172,34 @@ struct SelectedRows {
   }
 };
 
-// A packed block's selected rows with the queries that have each slot's key in has[b][slot]: bit g
-// for the block's query g (its member row, AttnArgs::member), 0 without a key. The block's rows
-// 8 o .. 8 o + 7 are one query's, query o >> AttnArgs::row_shift.
-template <typename T, int kKeys>
-struct AttnRows {
+// Selected rows with a value a slot: vals[b][slot] = from[slot], 0 for a slot without a key (read
+// beside the key: read after it, each tile waited for two global round trips).
+template <typename T, int kKeys, typename V>
+struct RowsWith {
   SelectedRows<T, kKeys> keys;
-  uint8_t* has;           // [stages][kKeys], shared
-  const uint8_t* member;  // the block's member row
+  V* vals;        // [stages][kKeys], shared
+  const V* from;  // a value per slot of the selection
   struct Slot {
     typename SelectedRows<T, kKeys>::Slot key;
-    uint8_t has;
+    V v;
   };
-  // (the member byte read beside the key, not after it: a second round trip a tile)
   __device__ Slot load(int64_t k0) const {
-    const uint8_t m = keys.in(k0) ? member[k0 + threadIdx.x] : 0;
+    const V v = keys.in(k0) ? from[k0 + threadIdx.x] : V{0};
     const auto k = keys.load(k0);
-    return {k, k.key < 0 ? uint8_t{0} : m};
+    return {k, k.key < 0 ? V{0} : v};
   }
   __device__ void put(int b, Slot s) const {
     keys.put(b, s.key);
-    if (threadIdx.x < kKeys) has[b * kKeys + threadIdx.x] = s.has;
+    if (threadIdx.x < kKeys) vals[b * kKeys + threadIdx.x] = s.v;
   }
   __device__ const SelectedRows<T, kKeys>& selected() const { return keys; }
 };
+
+// A packed block's selected rows with the queries that have each slot's key: bit g of the slot's
+// byte for the block's query g (from its member row, AttnArgs::member). The block's rows 8 o .. 8 o
+// + 7 are one query's, query o >> AttnArgs::row_shift.
+template <typename T, int kKeys>
+using AttnRows = RowsWith<T, kKeys, uint8_t>;
 
 constexpr int kIdxRows = 64;  // indexer heads (Hi <= 64, padded)
 constexpr int kIdxKeys = 64;  // keys per tile

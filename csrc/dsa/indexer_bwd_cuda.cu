@@ -17,25 +17,7 @@ constexpr int kIdxThreads = 256;
 
 // The indexer's selected keys with their score gradients (0 where no key).
 template <typename T>
-struct IndexedRows {
-  SelectedRows<T, kIdxKeys> keys;
-  float* grad;  // [2][kIdxKeys], shared
-  const float* g;
-  struct Slot {
-    typename SelectedRows<T, kIdxKeys>::Slot key;
-    float grad;
-  };
-  __device__ Slot load(int64_t k0) const {
-    const float v = keys.in(k0) ? g[k0 + threadIdx.x] : 0.f;
-    const auto k = keys.load(k0);
-    return {k, k.key >= 0 ? v : 0.f};
-  }
-  __device__ void put(int b, Slot s) const {
-    keys.put(b, s.key);
-    if (threadIdx.x < kIdxKeys) grad[b * kIdxKeys + threadIdx.x] = s.grad;
-  }
-  __device__ const SelectedRows<T, kIdxKeys>& selected() const { return keys; }
-};
+using IndexedRows = RowsWith<T, kIdxKeys, float>;
 
 struct IndexerBwdArgs {
   const void* q;
