@@ -377,6 +377,7 @@ struct AttnShape {
   static constexpr int kKeys = kKeys_;
   static constexpr int kWarps = kRows / 16 * 2;
   static constexpr int kThreads = kWarps * 32;
+  static_assert(kKeys <= kThreads, "KeyTiles reads a tile's slots a thread each");
   static constexpr int kLd = kDqk + 8;
   static constexpr int kLdP = kKeys + 8;
   // Q, the key tiles and their slots' keys and queries (16-bit operands).

@@ -14,6 +14,7 @@ namespace kda_dsa_ops::dsa {
 namespace {
 
 constexpr int kIdxThreads = 256;
+static_assert(kIdxKeys <= kIdxThreads, "KeyTiles reads a tile's slots a thread each");
 
 // The indexer's selected keys with their score gradients (0 where no key).
 template <typename T>
