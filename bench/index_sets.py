@@ -24,23 +24,23 @@ FORMAT = "kda_dsa_ops index sets 1"
 GROUPS = {8: 8, 16: 4, 32: 2}
 
 
-def drawn_sets(T: int, Tk: int, topk: int, window, shared, group: int) -> torch.Tensor:
-    """[T, 1, topk] distinct keys per query, on the GPU: from all Tk keys (window None), or from the
+def drawn_sets(T: int, Tk: int, topk: int, window, shared, group: int, device="cuda") -> torch.Tensor:
+    """[T, 1, topk] distinct keys per query, on `device`: from all Tk keys (window None), or from the
     `window` keys up to the query's own position (a query t of the T at the end of the context sits
     at key Tk - T + t); shared: the share of its keys that a query has in common with its packed
     block's `group` queries (drawn from the window before the block's first query, the rest its
     own from the same window)."""
     if window is None:
-        return torch.rand(T, Tk, device="cuda").topk(topk, dim=-1).indices.int()[:, None]
-    t = torch.arange(T, device="cuda")[:, None]
+        return torch.rand(T, Tk, device=device).topk(topk, dim=-1).indices.int()[:, None]
+    t = torch.arange(T, device=device)[:, None]
     if shared is None:
         first = Tk - T + t - window + 1
-        return (torch.rand(T, window, device="cuda").topk(topk, dim=-1).indices + first).int()[:, None]
+        return (torch.rand(T, window, device=device).topk(topk, dim=-1).indices + first).int()[:, None]
     first = Tk - T + t // group * group - window + 1
     common = int(shared * topk)
-    score = torch.rand(T // group, window, device="cuda").repeat_interleave(group, 0)
+    score = torch.rand(T // group, window, device=device).repeat_interleave(group, 0)
     mine = score.topk(common, dim=-1).indices
-    own = torch.rand(T, window, device="cuda").scatter_(1, mine, -1.0).topk(topk - common, dim=-1).indices
+    own = torch.rand(T, window, device=device).scatter_(1, mine, -1.0).topk(topk - common, dim=-1).indices
     return (torch.cat([mine, own], 1) + first).int()[:, None]
 
 
