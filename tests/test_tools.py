@@ -19,10 +19,10 @@ def test_wavefronts_every_query_the_same_tile():
     got = sw.block_counts(m).tolist()
     assert got[0] == 8 * 58 * 4
     assert got[1] == 8 * (32 * 4 + 16 * 2) + fixed  # slot order
-    assert got[2] == 8 * 2 * (64 + 16) + fixed  # queued a tile: 4 rows a bank group, 2 steps
-    assert got[3] == 8 * 2 * (64 + 16) + fixed  # queued across tiles
-    assert got[4] == 8 * (16 * 4 + 16 * 2) + 8 * 10 * 4 + fixed  # S, dP per query, slot order
-    assert got[5] == 8 * 2 * (32 + 16) + 8 * 10 * 4 + fixed
+    assert got[2] == got[3] == got[4] == 8 * 2 * (64 + 16) + fixed  # 4 rows a bank group: 2 full steps
+    dq = 8 * 10 * 4
+    assert got[5] == 8 * (16 * 4 + 16 * 2) + dq + fixed  # S, dP per query, slot order
+    assert got[6] == got[7] == 8 * 2 * (32 + 16) + dq + fixed
 
 
 @pytest.mark.parametrize("spread", [1, 8])
@@ -38,4 +38,5 @@ def test_wavefronts_bank_conflicts(spread):
     fixed = 8 * 24 * 4 + 64
     got = sw.block_counts(m).tolist()
     assert got[1] == 8 * (32 * (worst + 1) + 16) + fixed  # one step: its matrix and an empty one
-    assert got[3] == 8 * (64 + 16) + fixed
+    assert got[3] == 8 * (1 if spread == 1 else 2) * (64 + 16) + fixed  # the forward's queues: 2 a group a step
+    assert got[4] == 8 * (64 + 16) + fixed  # the fewest steps: one

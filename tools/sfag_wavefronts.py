@@ -15,8 +15,9 @@ ldmatrix matrix costs as many as the most of its 8 rows in one bank group, row %
   S and dP (8 x4) and 16 times for dq (8 x4.trans); a matrix without rows costs 1. dkv stays dense
   (768), and P and dS go to the dense buffers (zeroed: 64 a tile; scattered: 16 a step). Steps
   formed in slot order; queued by bank group within the tile (2 rows of each group a step: no
-  conflicts, part-filled steps); queued across tiles (full steps, no conflicts: the GQA forward's
-  queues). Then S and dP alone per query (in slot order; queued across tiles), dq dense from the
+  conflicts, part-filled steps); by the GQA forward's queues, carried across tiles
+  (forward_rule_steps); the fewest steps (each query's slots over 16, no conflicts: a bound). Then
+  S and dP alone per query (slot order; the forward's queues; the fewest steps), dq dense from the
   P and dS buffers as built.
 (dkv per query, added into a shared fp32 tile, is not counted: a shared-memory fp32 add is a
 compare-and-swap loop on sm_90, ATOMS.CAST.SPIN.) The MLA layouts at 8 and 16 heads run their
@@ -52,6 +53,28 @@ def members(block: torch.Tensor) -> torch.Tensor:
     return m
 
 
+def forward_rule_steps(m: torch.Tensor) -> int:
+    """Steps of 16 rows the GQA forward's queues take over a block (member slots m, in tiles of 32):
+    a query's rows of each tile join its bank-group queues; it takes full steps (2 rows of every
+    group) while each queue has 2, then steps (up to 2 a queue) until the tile before's rows are
+    gone, and at the end until none waits."""
+    tiles, steps = -(-m.shape[0] // TILE), 0
+    for q in range(m.shape[1]):
+        queues = [[] for _ in range(8)]  # per bank group: the tile of each waiting row
+        for i in range(tiles):
+            for r in torch.nonzero(m[i * TILE:(i + 1) * TILE, q]).flatten().tolist():
+                queues[r % 8].append(i)
+            while all(len(x) >= 2 for x in queues) or any(x and x[0] < i for x in queues):
+                for x in queues:
+                    del x[:2]
+                steps += 1
+        while any(queues):
+            for x in queues:
+                del x[:2]
+            steps += 1
+    return steps
+
+
 def block_counts(m: torch.Tensor) -> torch.Tensor:
     """Wavefronts of one block: dense, then each design (report's columns)."""
     Q = m.shape[1]
@@ -69,6 +92,9 @@ def block_counts(m: torch.Tensor) -> torch.Tensor:
     empty = 2 * steps - (worst > 0).sum()
     in_order = MATRIX * (worst.sum() + empty) + SCATTER * steps
     s_dp_in_order = MATRIX // 2 * (worst.sum() + empty) + SCATTER * steps + tiles * DQ
+    rule = forward_rule_steps(m.reshape(-1, Q))
+    with_rule = (2 * MATRIX + SCATTER) * rule + fixed
+    s_dp_rule = (MATRIX + SCATTER) * rule + tiles * DQ + fixed
     # queued within the tile: a step takes up to 2 rows of each bank group
     n = torch.zeros(tiles, Q, 8, dtype=torch.long).index_add_(2, group, m.long().transpose(1, 2).contiguous())
     steps = (-(-n // 2)).amax(2).sum()
@@ -77,8 +103,8 @@ def block_counts(m: torch.Tensor) -> torch.Tensor:
     queued_across = (2 * MATRIX + SCATTER) * steps
     # S and dP only per query (queued across tiles), dq dense from the P and dS buffers as built
     s_dp_only = (MATRIX + SCATTER) * steps + tiles * DQ
-    return torch.tensor([tiles * DENSE, in_order + fixed, queued_tile + fixed, queued_across + fixed,
-                         s_dp_in_order + fixed, s_dp_only + fixed], dtype=torch.float)
+    return torch.tensor([tiles * DENSE, in_order + fixed, queued_tile + fixed, with_rule, queued_across + fixed,
+                         s_dp_in_order + fixed, s_dp_rule, s_dp_only + fixed], dtype=torch.float)
 
 
 def report(name: str, idx: torch.Tensor, blocks: int) -> None:
@@ -86,7 +112,7 @@ def report(name: str, idx: torch.Tensor, blocks: int) -> None:
     Q = QUERIES
     T = idx.shape[0] // Q * Q
     every = max(1, T // Q // blocks)
-    total, distinct, entries = torch.zeros(6), 0, 0
+    total, distinct, entries = torch.zeros(8), 0, 0
     for b in idx[:T].view(-1, Q, idx.shape[1])[::every]:
         m = members(b)
         total += block_counts(m)
@@ -101,9 +127,9 @@ def main(argv=None) -> None:
     parser.add_argument("--blocks", type=int, default=64, help="blocks counted a case, evenly spaced")
     args = parser.parse_args(argv)
     print("wavefronts of each design against the dense kernel's (1.00)")
-    print("| sets | union share | per query: slot order | queued a tile | queued across tiles "
-          "| S, dP per query: slot order | queued across tiles |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| sets | union share | per query: slot order | queued a tile | the forward's queues | fewest steps "
+          "| S, dP per query: slot order | the forward's queues | fewest steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     torch.manual_seed(0)
     report("random", drawn_sets(4096, 8192, 2048, None, None, QUERIES, device="cpu"), args.blocks)
     report("window 4096", drawn_sets(4096, 8192, 2048, 4096, None, QUERIES, device="cpu"), args.blocks)
