@@ -88,23 +88,20 @@ def block_counts(m: torch.Tensor) -> torch.Tensor:
     key = (key + group[None, :, None])[m]
     per = torch.zeros(tiles * Q * (TILE // 8) * 8, dtype=torch.long).index_add_(0, key, torch.ones_like(key))
     worst = per.view(-1, 8).amax(1)  # a matrix's wavefronts (0: no such matrix)
-    steps = (-(-m.sum(1) // STEP)).sum()
-    empty = 2 * steps - (worst > 0).sum()
-    in_order = MATRIX * (worst.sum() + empty) + SCATTER * steps
-    s_dp_in_order = MATRIX // 2 * (worst.sum() + empty) + SCATTER * steps + tiles * DQ
-    rule = forward_rule_steps(m.reshape(-1, Q))
-    with_rule = (2 * MATRIX + SCATTER) * rule + fixed
-    s_dp_rule = (MATRIX + SCATTER) * rule + tiles * DQ + fixed
+    in_order = (-(-m.sum(1) // STEP)).sum()
+    matrices = worst.sum() + 2 * in_order - (worst > 0).sum()  # a step's matrix without rows: 1
     # queued within the tile: a step takes up to 2 rows of each bank group
     n = torch.zeros(tiles, Q, 8, dtype=torch.long).index_add_(2, group, m.long().transpose(1, 2).contiguous())
-    steps = (-(-n // 2)).amax(2).sum()
-    queued_tile = (2 * MATRIX + SCATTER) * steps
-    steps = (-(-m.sum((0, 1)) // STEP)).sum()
-    queued_across = (2 * MATRIX + SCATTER) * steps
-    # S and dP only per query (queued across tiles), dq dense from the P and dS buffers as built
-    s_dp_only = (MATRIX + SCATTER) * steps + tiles * DQ
-    return torch.tensor([tiles * DENSE, in_order + fixed, queued_tile + fixed, with_rule, queued_across + fixed,
-                         s_dp_in_order + fixed, s_dp_rule, s_dp_only + fixed], dtype=torch.float)
+    a_tile = (-(-n // 2)).amax(2).sum()
+    rule = forward_rule_steps(m.reshape(-1, Q))
+    fewest = (-(-m.sum((0, 1)) // STEP)).sum()
+    full, s_dp = 2 * MATRIX + SCATTER, MATRIX + SCATTER  # a conflict-free step: S, dP and dq; S and dP
+    s_dp_fixed = fixed + tiles * DQ  # dq dense as built
+    return torch.tensor([tiles * DENSE,
+                         MATRIX * matrices + SCATTER * in_order + fixed, full * a_tile + fixed, full * rule + fixed,
+                         full * fewest + fixed,
+                         MATRIX // 2 * matrices + SCATTER * in_order + s_dp_fixed, s_dp * rule + s_dp_fixed,
+                         s_dp * fewest + s_dp_fixed], dtype=torch.float)
 
 
 def report(name: str, idx: torch.Tensor, blocks: int) -> None:
@@ -137,6 +134,7 @@ def main(argv=None) -> None:
     if args.index_sets:
         sets = load(args.index_sets)
         report("the model's sets", sets[min(sets)], args.blocks)
+
 
 if __name__ == "__main__":
     main()
