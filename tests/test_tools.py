@@ -7,6 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import mla_floors as mf  # noqa: E402
 import sfag_wavefronts as sw  # noqa: E402
 
 
@@ -40,3 +41,41 @@ def test_wavefronts_bank_conflicts(spread):
     assert got[1] == 8 * (32 * (worst + 1) + 16) + fixed  # one step: its matrix and an empty one
     assert got[3] == 8 * (1 if spread == 1 else 2) * (64 + 16) + fixed  # the forward's queues: 2 a group a step
     assert got[4] == 8 * (64 + 16) + fixed  # the fewest steps: one
+
+
+def _four_queries():
+    # 16 heads: a block of 4 queries; q0 and q1 chose keys 0..63, q2 64..95, q3 96..127 (-1 after)
+    none = torch.full((32,), -1)
+    return torch.stack([torch.arange(64), torch.arange(64), torch.cat([torch.arange(64, 96), none]),
+                        torch.cat([torch.arange(96, 128), none])])
+
+
+def test_floors_block_counts():
+    c = mf.block_counts(_four_queries(), 16)
+    # pattern order: q3's 32 slots, q2's 32 (a tile: 2 queries), q0 and q1's 64 (a tile: 2 queries)
+    assert c == {"entries": 192, "union": 128, "query_tiles": 4, "tiles": 2, "rows": 4 * 16}
+    # 64 heads: a query a block, its own slots its union
+    assert mf.block_counts(_four_queries(), 64)["union"] == 192
+
+
+@pytest.mark.parametrize("ceiling", [1e12, 1e15])
+def test_floors_bounds(ceiling):
+    c = mf.block_counts(_four_queries(), 16)
+    got = mf.floors(c, c, 16, ceiling)
+    fwd, bwd = 2 * (576 + 512), 2 * (3 * 576 + 2 * 512)
+    assert got["packed"]["fwd"] == pytest.approx((128 * 64 * fwd / ceiling, "tensor"))
+    l2 = 128 * (4 * 576 / 3.84e12 + 2 * 576 / 8.52e12)  # dkv adds and gathers, once a union slot
+    tensor = 128 * 64 * bwd / ceiling
+    assert got["packed"]["bwd"] == pytest.approx((max(tensor, l2), "tensor" if tensor > l2 else "L2"))
+    smem = 128 * 132 * 1.98e9
+    per_query = (192 * (1152 + 2176) + 4 * 16 * 2176) / smem  # 4 tiles of 16 rows
+    assert got["keys along the rows"]["fwd"] == pytest.approx(max((4 * 64 * 16 * fwd / ceiling, "tensor"),
+                                                                   (per_query, "shared memory")))
+    pattern_l2 = l2 + 64 * 4 * 576 / 3.84e12  # and dq's 64 rows (2 tiles of 32) added
+    pattern = max((2 * 64 * 32 * bwd / ceiling, "tensor"), (pattern_l2, "L2"))
+    assert got["pattern tiles"]["bwd"] == pytest.approx(pattern)
+    # split: dkv over the same blocks' pattern tiles, dq a query at a time (4 tiles of 16 rows)
+    split_tensor = (2 * 64 * 32 * 2 * (2 * 576 + 2 * 512) + 4 * 64 * 16 * 2 * (2 * 576 + 512)) / ceiling
+    split_l2 = l2 + 192 * 2 * 576 / 8.52e12  # and each query's rows gathered again
+    assert got["split backward"]["bwd"] == pytest.approx(max((split_tensor, "tensor"), (split_l2, "L2")))
+    assert "fwd" not in got["split backward"]
