@@ -7,7 +7,8 @@ each could reach, against the half that the DSA issue's bar 3 asks for.
 A design's floor is the time of its busiest resource at that resource's ceiling:
 - tensor cores: its tiles' products at the record's bf16 matmul ceiling;
 - L2: dkv's fp32 adds (16-byte red.global.add) at 3.84 TB/s and the kv rows' gathers at 8.52 TB/s,
-  the two added (random rows of a table held in L2, h200-2026-12-04-l2-rows-probe.md);
+  the two added (random 512-byte rows of a table held in L2, h200-2026-12-04-l2-rows-probe.md;
+  MLA's dkv rows are 2,304 bytes);
 - shared memory: 128 bytes a clock an SM, 132 SMs at 1980 MHz (nominal, not measured).
 A design at H heads reaches at most (H / 64) x (H 64's time in the record) / floor of H 64's rate;
 run as close to its floor as the H 64 kernel is to its own (as built, a query a block), it would
