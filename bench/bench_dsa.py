@@ -148,17 +148,32 @@ HEAD_CASES = [(8, 576, None, None), (16, 576, None, None), (32, 576, None, None)
               (8, 576, 4096, 0.9), (16, 576, 4096, 0.5), (16, 576, 4096, 0.75), (16, 576, 4096, 0.9)]
 
 
-def fwd_and_sfag(q, kv, idx, gate, label: str, shape: dict, extra: dict) -> list[Result]:
-    """SFA forward and SFAG (atomic dkv) of one case, timed: "SFA fwd <label>", "SFAG <label>"; the
-    FLOPs those of the entries with a key (-1: none)."""
+def case_inputs(T: int, Tk: int, kv_heads: int, G: int, Dqk: int, dv: int, device="cuda"):
+    """A case's q [T, kv_heads G, Dqk], kv [Tk, kv_heads, Dqk] and gate [T, kv_heads G, dv]: random
+    bf16 drawn after seeding 0 (index sets drawn next come from the same seed)."""
+    torch.manual_seed(0)
+    return (torch.randn(T, kv_heads * G, Dqk, device=device, dtype=BF16),
+            torch.randn(Tk, kv_heads, Dqk, device=device, dtype=BF16),
+            torch.randn(T, kv_heads * G, dv, device=device, dtype=BF16))
+
+
+def sfa_calls(q, kv, idx, gate, deterministic: bool = False):
+    """One case's SFA forward and SFAG (atomic or deterministic dkv), as two calls to time."""
     ops = torch.ops.kda_dsa_ops
-    (T, H, Dqk), dv = q.shape, gate.shape[-1]
-    pairs = int((idx >= 0).sum()) * (H // idx.shape[1])  # (query head, key) pairs
+    Dqk, dv = q.shape[-1], gate.shape[-1]
     scale = Dqk ** -0.5
     o, lse, _ = K.sparse_attention(q, kv, idx, scale, dv, gate)
     do = torch.randn_like(o)
-    fwd = bench_ms(lambda: ops.sparse_attn_fwd(q, kv, idx, scale, dv, gate, False))
-    bwd = bench_ms(lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, False))
+    return (lambda: ops.sparse_attn_fwd(q, kv, idx, scale, dv, gate, False),
+            lambda: ops.sparse_attn_bwd(do, q, kv, idx, o, lse, scale, dv, gate, deterministic))
+
+
+def fwd_and_sfag(q, kv, idx, gate, label: str, shape: dict, extra: dict) -> list[Result]:
+    """SFA forward and SFAG (atomic dkv) of one case, timed: "SFA fwd <label>", "SFAG <label>"; the
+    FLOPs those of the entries with a key (-1: none)."""
+    (_, H, Dqk), dv = q.shape, gate.shape[-1]
+    pairs = int((idx >= 0).sum()) * (H // idx.shape[1])  # (query head, key) pairs
+    fwd, bwd = (bench_ms(call) for call in sfa_calls(q, kv, idx, gate))
     return [Result("dsa", f"SFA fwd {label}", shape, fwd, 2 * pairs * (Dqk + dv), extra=extra),
             Result("dsa", f"SFAG {label}", shape, bwd, 2 * pairs * (2 * dv + 3 * Dqk), extra=extra)]
 
@@ -186,10 +201,7 @@ def bench_heads() -> list[Result]:
     T, Tk, dv, topk = 4096, 8192, 512, 2048
     results = []
     for H, Dqk, window, shared in HEAD_CASES:
-        torch.manual_seed(0)
-        q = torch.randn(T, H, Dqk, device="cuda", dtype=BF16)
-        kv = torch.randn(Tk, 1, Dqk, device="cuda", dtype=BF16)
-        gate = torch.randn(T, H, dv, device="cuda", dtype=BF16)
+        q, kv, gate = case_inputs(T, Tk, 1, H, Dqk, dv)
         idx = drawn_sets(T, Tk, topk, window, shared, max(64 // H, 1))
         shape = dict(T=T, Tk=Tk, H=H, Dqk=Dqk, dv=dv, topk=topk, window=window, shared=shared)
         sets = ("" if window is None else f" window {window}") + ("" if shared is None else f" shared {shared}")
@@ -214,10 +226,7 @@ def bench_gqa() -> list[Result]:
     T, Tk, topk, Hkv, D = 4096, 8192, 2048, 4, 128
     results = []
     for G, window, shared in GQA_CASES:
-        torch.manual_seed(0)
-        q = torch.randn(T, Hkv * G, D, device="cuda", dtype=BF16)
-        kv = torch.randn(Tk, Hkv, D, device="cuda", dtype=BF16)
-        gate = torch.randn(T, Hkv * G, D, device="cuda", dtype=BF16)
+        q, kv, gate = case_inputs(T, Tk, Hkv, G, D, D)
         idx = torch.cat([drawn_sets(T, Tk, topk, window, shared, max(64 // G, 1)) for _ in range(Hkv)], 1)
         shape = dict(T=T, Tk=Tk, Hkv=Hkv, G=G, Dqk=D, dv=D, topk=topk, window=window, shared=shared)
         sets = ("" if window is None else f" window {window}") + ("" if shared is None else f" shared {shared}")
@@ -245,10 +254,7 @@ def bench_model(path: str, layers: list[int] | None) -> list[Result]:
         cases = ([("mla", H, 1, 576, 512) for H in (8, 16, 32, 64, 128)] +
                  [("gqa", G, Hkv, 128, 128) for G in (8, 16, 32, 64)])
         for layout, G, kv_heads, Dqk, dv in cases:
-            torch.manual_seed(0)
-            q = torch.randn(T, kv_heads * G, Dqk, device="cuda", dtype=BF16)
-            kv = torch.randn(T, kv_heads, Dqk, device="cuda", dtype=BF16)
-            gate = torch.randn(T, kv_heads * G, dv, device="cuda", dtype=BF16)
+            q, kv, gate = case_inputs(T, T, kv_heads, G, Dqk, dv)
             heads = idx.expand(T, kv_heads, topk).contiguous()
             shape = dict(T=T, Tk=T, Hkv=kv_heads, G=G, Dqk=Dqk, dv=dv, topk=topk, layer=layer, layout=layout,
                          sets=os.path.basename(path))

@@ -79,3 +79,37 @@ def test_floors_bounds(ceiling):
     split_l2 = l2 + 192 * 2 * 576 / 8.52e12  # and each query's rows gathered again
     assert got["split backward"]["bwd"] == pytest.approx(max((split_tensor, "tensor"), (split_l2, "L2")))
     assert "fwd" not in got["split backward"]
+
+
+def test_ab_dsa_runs_each_build(tmp_path, capsys):
+    # two builds (a library in a copy of this package; a package directory), a round each, on the
+    # CPU: every case and pass timed in each, each from its own library
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import ab_dsa
+    import index_sets
+
+    import kda_dsa_ops
+
+    library = kda_dsa_ops._C.__file__
+    sets = torch.stack([torch.randperm(48)[:16] for _ in range(48)]).int()
+    index_sets.save(str(tmp_path / "sets.pt"), {0: sets}, "test")
+    ab_dsa.main(["--build", f"lib={library}", "--build", f"pkg={os.path.dirname(os.path.dirname(library))}",
+                 "--cases", "gqa:8", "mla:16:m:d", "--size", "32", "64", "16", "--device", "cpu", "--rounds", "1",
+                 "--index-sets", str(tmp_path / "sets.pt")])
+    out = capsys.readouterr().out.splitlines()
+    assert os.path.join("lib", "kda_dsa_ops") in out[0] and out[1].endswith(library)
+    assert out[2] == "| case | lib | pkg | pkg / lib |"
+    rows = out[4:]
+    assert [r.split(" | ")[0] for r in rows] == ["| gqa:8 fwd", "| gqa:8 sfag", "| mla:16:m:d fwd", "| mla:16:m:d sfag"]
+    for r in rows:
+        cells = r.strip("| ").split(" | ")
+        assert float(cells[1]) > 0 and float(cells[2]) > 0 and float(cells[3]) > 0
+
+
+@pytest.mark.parametrize("case", ["gqa", "gqa:8:x", "gmm:8", "mla:eight", "gqa:8:r:d:d"])
+def test_ab_dsa_rejects_bad_cases(case):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import ab_dsa
+
+    with pytest.raises(SystemExit, match="LAYOUT:HEADS"):
+        ab_dsa.parse_case(case)

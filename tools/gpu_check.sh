@@ -4,11 +4,13 @@
 # end into $OUT/gpu_check-HHMMSS.tgz beside $OUT/summary.txt (the device tool brings back few files);
 # a short table is printed last.
 #
-#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [groups] [memory] [bench|bench-quick] ...
+#   tools/gpu_check.sh [build] [test] [sanitize] [demo] [train] [ep] [groups] [memory] [ab] [bench|bench-quick] ...
 #   (default: build test sanitize demo train bench; ep needs two or more GPUs; groups: the real
 #   models' layer groups beside transformers + peft; LAYER_GROUPS, GROUP_TOKENS and GROUP_BACKENDS
 #   choose (bash keeps GROUPS for itself); memory: recompute and offload on the GLM-5.3-Flash group at
-#   lengths where its activations do not fit, MEMORY_RUNS chooses)
+#   lengths where its activations do not fit, MEMORY_RUNS chooses; ab: builds of the extension timed
+#   against each other on DSA cases in alternating rounds, bench/ab_dsa.py with AB_BUILDS ("NAME=PATH
+#   ...", the first the base), AB_CASES and AB_ARGS)
 #
 # Environment: KDA_DSA_OPS_COMMIT (the commit id the results record; pass it: a copied tree's
 # .git can name an older commit than the files that run), TEST_PATHS (test files or node ids,
@@ -109,6 +111,13 @@ for step in "${steps[@]}"; do
           --steps 3 --warmup 1 --out "$OUT/results"
         grep -E "tok/s|out of memory|MFU|planned" "$OUT/memory-$tokens-$recompute${offload:+-offload}.log" | tee -a "$summary"
       done
+      ;;
+    ab)  # AB_BUILDS: NAME=PATH of each build's library (or package directory), this tree's own first if built
+      builds=()
+      for build in ${AB_BUILDS:?AB_BUILDS: NAME=PATH of the builds to compare}; do builds+=(--build "$build"); done
+      run_step ab 580 python3 bench/ab_dsa.py "${builds[@]}" --cases ${AB_CASES:?AB_CASES: the cases (bench/ab_dsa.py)} \
+        ${AB_ARGS:-}
+      grep -E "^\|" "$OUT/ab.log" | tee -a "$summary"
       ;;
     bench | bench-quick)
       quick=()
