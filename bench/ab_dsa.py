@@ -5,8 +5,8 @@ every round are printed side by side (how the history notes' A/B tables are meas
     python bench/ab_dsa.py --build main=python/kda_dsa_ops/_C.abi3.so --build fill=FILL.so \\
         --cases gqa:8:w gqa:8:m:d gqa:64 mla:16 [--passes fwd sfag] [--rounds 2] [--index-sets SETS.pt]
 
-A build is NAME=PATH: an extension library (this tree's Python package is put around it), or a
-directory put first on PYTHONPATH (a package of its own). A case is LAYOUT:HEADS[:SETS][:d]: gqa
+A build is NAME=PATH: an extension library, xz-compressed or not (this tree's Python package is put
+around it), or a directory put first on PYTHONPATH (a package of its own). A case is LAYOUT:HEADS[:SETS][:d]: gqa
 (4 kv heads of 128 / 128) or mla (one kv head of 576 / 512), HEADS query heads a kv head; SETS r
 random (the default), w the 4096 keys before each query, s the same with 90% of a packed block's
 keys in common, m --index-sets' first layer (T = Tk its tokens); d: the deterministic backward.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import os
 import shutil
 import statistics
@@ -99,7 +100,9 @@ def build_path(spec: str, scratch: str) -> tuple[str, str]:
     root = os.path.join(scratch, name)
     shutil.copytree(PACKAGE, os.path.join(root, "kda_dsa_ops"),
                     ignore=shutil.ignore_patterns("__pycache__", "_C*.so"))
-    shutil.copy(path, os.path.join(root, "kda_dsa_ops", "_C.abi3.so"))
+    with (lzma.open if path.endswith(".xz") else open)(path, "rb") as src, \
+            open(os.path.join(root, "kda_dsa_ops", "_C.abi3.so"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
     return name, root
 
 

@@ -1,6 +1,8 @@
 """The analysis tools' counts on blocks small enough to count by hand."""
 
+import lzma
 import os
+import shutil
 import sys
 
 import pytest
@@ -82,8 +84,8 @@ def test_floors_bounds(ceiling):
 
 
 def test_ab_dsa_runs_each_build(tmp_path, capsys):
-    # two builds (a library in a copy of this package; a package directory), a round each, on the
-    # CPU: every case and pass timed in each, each from its own library
+    # three builds (a library, the same xz-compressed, each in a copy of this package; a package
+    # directory), a round each, on the CPU: every case and pass timed in each, each from its own library
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     import ab_dsa
     import index_sets
@@ -91,19 +93,22 @@ def test_ab_dsa_runs_each_build(tmp_path, capsys):
     import kda_dsa_ops
 
     library = kda_dsa_ops._C.__file__
+    with open(library, "rb") as src, lzma.open(tmp_path / "c.so.xz", "wb", preset=0) as dst:
+        shutil.copyfileobj(src, dst)
     sets = torch.stack([torch.randperm(48)[:16] for _ in range(48)]).int()
     index_sets.save(str(tmp_path / "sets.pt"), {0: sets}, "test")
-    ab_dsa.main(["--build", f"lib={library}", "--build", f"pkg={os.path.dirname(os.path.dirname(library))}",
+    ab_dsa.main(["--build", f"lib={library}", "--build", f"xz={tmp_path / 'c.so.xz'}",
+                 "--build", f"pkg={os.path.dirname(os.path.dirname(library))}",
                  "--cases", "gqa:8", "mla:16:m:d", "--size", "32", "64", "16", "--device", "cpu", "--rounds", "1",
                  "--index-sets", str(tmp_path / "sets.pt")])
     out = capsys.readouterr().out.splitlines()
-    assert os.path.join("lib", "kda_dsa_ops") in out[0] and out[1].endswith(library)
-    assert out[2] == "| case | lib | pkg | pkg / lib |"
-    rows = out[4:]
+    assert os.path.join("lib", "kda_dsa_ops") in out[0] and os.path.join("xz", "kda_dsa_ops") in out[1]
+    assert out[2].endswith(library)
+    assert out[3] == "| case | lib | xz | pkg | xz / lib | pkg / lib |"
+    rows = out[5:]
     assert [r.split(" | ")[0] for r in rows] == ["| gqa:8 fwd", "| gqa:8 sfag", "| mla:16:m:d fwd", "| mla:16:m:d sfag"]
     for r in rows:
-        cells = r.strip("| ").split(" | ")
-        assert float(cells[1]) > 0 and float(cells[2]) > 0 and float(cells[3]) > 0
+        assert all(float(cell) > 0 for cell in r.strip("| ").split(" | ")[1:])
 
 
 @pytest.mark.parametrize("case", ["gqa", "gqa:8:x", "gmm:8", "mla:eight", "gqa:8:r:d:d"])
