@@ -5,13 +5,14 @@ every round are printed side by side (how the history notes' A/B tables are meas
     python bench/ab_dsa.py --build main=python/kda_dsa_ops/_C.abi3.so --build fill=FILL.so \\
         --cases gqa:8:w gqa:8:m:d gqa:64 mla:16 [--passes fwd sfag] [--rounds 2] [--index-sets SETS.pt]
 
-A build is NAME=PATH: an extension library, xz-compressed or not (this tree's Python package is put
-around it), or a directory put first on PYTHONPATH (a package of its own). A case is LAYOUT:HEADS[:SETS][:d]: gqa
-(4 kv heads of 128 / 128) or mla (one kv head of 576 / 512), HEADS query heads a kv head; SETS r
-random (the default), w the 4096 keys before each query, s the same with 90% of a packed block's
-keys in common, m --index-sets' first layer (T = Tk its tokens); d: the deterministic backward.
-Shapes as bench_dsa.py's (T 4096, Tk 8192, topk 2048, gated, bf16; --size for others). The last
-columns: each build's median over the rounds against the first build's.
+A build is NAME=PATH: an extension library, xz-compressed or not (this tree's Python package is
+put around it), or a directory put first on PYTHONPATH (a package of its own). A case is
+LAYOUT:HEADS[:SETS][:d]: gqa (4 kv heads of 128 / 128) or mla (one kv head of 576 / 512), HEADS
+query heads a kv head; SETS r random (the default), w the 4096 keys before each query, s the same
+with 90% of a packed block's keys in common, m --index-sets' first layer (T = Tk its tokens); d:
+the deterministic backward. Shapes as bench_dsa.py's (T 4096, Tk 8192, topk 2048, gated, bf16;
+--size for others). The last columns: each build's median over the rounds against the first
+build's. (--device cpu runs the CPU kernels, timed with a clock: for the tests.)
 """
 
 from __future__ import annotations
