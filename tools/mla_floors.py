@@ -84,9 +84,10 @@ def floors(c: dict[str, float], wide: dict[str, float], heads: int,
         return times[name], name.replace("_", " ")
 
     u, e = c["union"], c["entries"]
-    l2_union, l2_query = u * (ADDS / ADD + ROW / GATHER), e * (ADDS / ADD + ROW / GATHER)
-    out = {"packed": {p: worst(tensor=u * TILE * f / ceiling) for p, f in FLOPS.items()}}
-    out["packed"]["bwd"] = worst(tensor=u * TILE * FLOPS["bwd"] / ceiling, L2=l2_union)
+    l2_slot = ADDS / ADD + ROW / GATHER  # a slot's dkv adds and its gathered row
+    l2_union, l2_query = u * l2_slot, e * l2_slot
+    out = {"packed": {"fwd": worst(tensor=u * TILE * FLOPS["fwd"] / ceiling),
+                      "bwd": worst(tensor=u * TILE * FLOPS["bwd"] / ceiling, L2=l2_union)}}
     q_work = c["query_tiles"] * TILE * heads
     out["keys along the rows"] = {
         "fwd": worst(tensor=q_work * FLOPS["fwd"] / ceiling,
@@ -98,7 +99,7 @@ def floors(c: dict[str, float], wide: dict[str, float], heads: int,
         "bwd": worst(tensor=p_work * FLOPS["bwd"] / ceiling, L2=l2_union + c["rows"] * ADDS / ADD)}
     out["split backward"] = {"bwd": worst(
         tensor=(TILE * wide["rows"] * DKV_FLOPS + q_work * DQ_FLOPS) / ceiling,
-        L2=wide["union"] * (ADDS / ADD + ROW / GATHER) + e * ROW / GATHER)}
+        L2=wide["union"] * l2_slot + e * ROW / GATHER)}
     return out
 
 
