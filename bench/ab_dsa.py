@@ -3,14 +3,14 @@
 every round are printed side by side (how the history notes' A/B tables are measured).
 
     python bench/ab_dsa.py --build main=python/kda_dsa_ops/_C.abi3.so --build fill=FILL.so \\
-        --cases gqa:8:w gqa:8:m:d gqa:64 mla:16 [--passes fwd sfag] [--rounds 2] [--index-sets SETS.pt]
+        --cases gqa:8:w gqa:8:m:d gqa:64 mla:16 mla:16:p [--passes fwd sfag] [--rounds 2] [--index-sets SETS.pt]
 
 A build is NAME=PATH: an extension library, xz-compressed or not (this tree's Python package is
 put around it), or a directory put first on PYTHONPATH (a package of its own). A case is
-LAYOUT:HEADS[:SETS][:d]: gqa (4 kv heads of 128 / 128) or mla (one kv head of 576 / 512), HEADS
+LAYOUT:HEADS[:SETS][:d][:p]: gqa (4 kv heads of 128 / 128) or mla (one kv head of 576 / 512), HEADS
 query heads a kv head; SETS r random (the default), w the 4096 keys before each query, s the same
 with 90% of a packed block's keys in common, m --index-sets' first layer (T = Tk its tokens); d:
-the deterministic backward. Shapes as bench_dsa.py's (T 4096, Tk 8192, topk 2048, gated, bf16;
+the deterministic backward; p (mla only): the portable kernels (the portable_sfa switch). Shapes as bench_dsa.py's (T 4096, Tk 8192, topk 2048, gated, bf16;
 --size for others). The last columns: each build's median over the rounds against the first
 build's. (--device cpu runs the CPU kernels, timed with a clock: for the tests.)
 """
@@ -38,13 +38,15 @@ SETS = {"r": (None, None), "w": (4096, None), "s": (4096, 0.9)}  # drawn_sets' w
 
 def parse_case(case: str) -> dict:
     parts = case.split(":")
-    deterministic = parts[-1] == "d"
-    parts = parts[:-1] if deterministic else parts
+    flags = set()
+    while len(parts) > 2 and parts[-1] in ("d", "p") and parts[-1] not in flags:
+        flags.add(parts.pop())
     if len(parts) not in (2, 3) or parts[0] not in LAYOUTS or not parts[1].isdigit() or \
-            (len(parts) == 3 and parts[2] not in (*SETS, "m")):
-        raise SystemExit(f"case {case!r}: LAYOUT:HEADS[:SETS][:d] with LAYOUT gqa or mla, SETS r, w, s or m")
+            (len(parts) == 3 and parts[2] not in (*SETS, "m")) or ("p" in flags and parts[0] != "mla"):
+        raise SystemExit(f"case {case!r}: LAYOUT:HEADS[:SETS][:d][:p] with LAYOUT gqa or mla, SETS r, w, s "
+                         "or m, p with mla only")
     return {"layout": parts[0], "heads": int(parts[1]), "sets": parts[2] if len(parts) == 3 else "r",
-            "deterministic": deterministic}
+            "deterministic": "d" in flags, "portable": "p" in flags}
 
 
 def time_ms(fn, device: str) -> float:
@@ -63,6 +65,7 @@ def time_ms(fn, device: str) -> float:
 
 def worker(args) -> dict[str, float]:
     """This process's build: ms per case and pass."""
+    import kda_dsa_ops
     from bench_dsa import case_inputs, sfa_calls
     from index_sets import drawn_sets, load
 
@@ -84,6 +87,7 @@ def worker(args) -> dict[str, float]:
             q, kv, gate = case_inputs(T, Tk, kv_heads, G, Dqk, dv, args.device)
             idx = torch.cat([drawn_sets(T, Tk, topk, *SETS[c["sets"]], max(64 // G, 1), device=args.device)
                              for _ in range(kv_heads)], 1)
+        kda_dsa_ops.set_portable_sfa(c["portable"])
         calls = dict(zip(("fwd", "sfag"), sfa_calls(q, kv, idx, gate, c["deterministic"])))
         for p in args.passes:
             out[f"{case} {p}"] = time_ms(calls[p], args.device)
@@ -112,7 +116,7 @@ def build_path(spec: str, scratch: str) -> tuple[str, str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build", action="append", default=[], help="NAME=PATH (two or more, the first the base)")
-    parser.add_argument("--cases", nargs="+", required=True, help="LAYOUT:HEADS[:SETS][:d]")
+    parser.add_argument("--cases", nargs="+", required=True, help="LAYOUT:HEADS[:SETS][:d][:p]")
     parser.add_argument("--passes", nargs="+", default=["fwd", "sfag"], choices=["fwd", "sfag"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--index-sets", help="bench/index_sets.py's file (cases with sets m)")

@@ -99,22 +99,35 @@ def test_ab_dsa_runs_each_build(tmp_path, capsys):
     index_sets.save(str(tmp_path / "sets.pt"), {0: sets}, "test")
     ab_dsa.main(["--build", f"lib={library}", "--build", f"xz={tmp_path / 'c.so.xz'}",
                  "--build", f"pkg={os.path.dirname(os.path.dirname(library))}",
-                 "--cases", "gqa:8", "mla:16:m:d", "--size", "32", "64", "16", "--device", "cpu", "--rounds", "1",
+                 "--cases", "gqa:8", "mla:16:m:d:p", "--size", "32", "64", "16", "--device", "cpu", "--rounds", "1",
                  "--index-sets", str(tmp_path / "sets.pt")])
     out = capsys.readouterr().out.splitlines()
     assert os.path.join("lib", "kda_dsa_ops") in out[0] and os.path.join("xz", "kda_dsa_ops") in out[1]
     assert out[2].endswith(library)
     assert out[3] == "| case | lib | xz | pkg | xz / lib | pkg / lib |"
     rows = out[5:]
-    assert [r.split(" | ")[0] for r in rows] == ["| gqa:8 fwd", "| gqa:8 sfag", "| mla:16:m:d fwd", "| mla:16:m:d sfag"]
+    assert [r.split(" | ")[0] for r in rows] == ["| gqa:8 fwd", "| gqa:8 sfag", "| mla:16:m:d:p fwd",
+                                              "| mla:16:m:d:p sfag"]
     for r in rows:
         assert all(float(cell) > 0 for cell in r.strip("| ").split(" | ")[1:])
 
 
-@pytest.mark.parametrize("case", ["gqa", "gqa:8:x", "gmm:8", "mla:eight", "gqa:8:r:d:d"])
+@pytest.mark.parametrize("case", ["gqa", "gqa:8:x", "gmm:8", "mla:eight", "gqa:8:r:d:d", "gqa:8:p", "mla:8:p:p",
+                                  "mla:8:p:r"])
 def test_ab_dsa_rejects_bad_cases(case):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     import ab_dsa
 
     with pytest.raises(SystemExit, match="LAYOUT:HEADS"):
         ab_dsa.parse_case(case)
+
+
+def test_ab_dsa_reads_flags_in_either_order():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import ab_dsa
+
+    for case in ("mla:8:d:p", "mla:8:p:d", "mla:8:r:p:d"):
+        assert ab_dsa.parse_case(case) == {"layout": "mla", "heads": 8, "sets": "r", "deterministic": True,
+                                           "portable": True}
+    assert ab_dsa.parse_case("gqa:16:w") == {"layout": "gqa", "heads": 16, "sets": "w", "deterministic": False,
+                                             "portable": False}
