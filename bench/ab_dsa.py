@@ -9,7 +9,8 @@ A build is NAME=PATH: an extension library, xz-compressed or not (this tree's Py
 put around it), or a directory put first on PYTHONPATH (a package of its own). A case is
 LAYOUT:HEADS[:SETS][:d][:p]: gqa (4 kv heads of 128 / 128) or mla (one kv head of 576 / 512), HEADS
 query heads a kv head; SETS r random (the default), w the 4096 keys before each query, s the same
-with 90% of a packed block's keys in common, m --index-sets' first layer (T = Tk its tokens); d:
+with 90% of a packed block's keys in common, c causal random over one sequence (T = Tk = TK), m
+--index-sets' first layer (T = Tk its tokens); d:
 the deterministic backward; p (mla only): the portable kernels (the portable_sfa switch). Shapes as bench_dsa.py's (T 4096, Tk 8192, topk 2048, gated, bf16;
 --size for others). The last columns: each build's median over the rounds against the first
 build's. (--device cpu runs the CPU kernels, timed with a clock: for the tests.)
@@ -42,9 +43,9 @@ def parse_case(case: str) -> dict:
     while len(parts) > 2 and parts[-1] in ("d", "p") and parts[-1] not in flags:
         flags.add(parts.pop())
     if len(parts) not in (2, 3) or parts[0] not in LAYOUTS or not parts[1].isdigit() or \
-            (len(parts) == 3 and parts[2] not in (*SETS, "m")) or ("p" in flags and parts[0] != "mla"):
-        raise SystemExit(f"case {case!r}: LAYOUT:HEADS[:SETS][:d][:p] with LAYOUT gqa or mla, SETS r, w, s "
-                         "or m, p with mla only")
+            (len(parts) == 3 and parts[2] not in (*SETS, "c", "m")) or ("p" in flags and parts[0] != "mla"):
+        raise SystemExit(f"case {case!r}: LAYOUT:HEADS[:SETS][:d][:p] with LAYOUT gqa or mla, SETS r, w, s, "
+                         "c or m, p with mla only")
     return {"layout": parts[0], "heads": int(parts[1]), "sets": parts[2] if len(parts) == 3 else "r",
             "deterministic": "d" in flags, "portable": "p" in flags}
 
@@ -67,7 +68,7 @@ def worker(args) -> dict[str, float]:
     """This process's build: ms per case and pass."""
     import kda_dsa_ops
     from bench_dsa import case_inputs, sfa_calls
-    from index_sets import drawn_sets, load
+    from index_sets import causal_sets, drawn_sets, load
 
     T, Tk, topk = args.size
     recorded = None  # --index-sets' first layer, read once
@@ -83,6 +84,9 @@ def worker(args) -> dict[str, float]:
             n = recorded.shape[0]
             q, kv, gate = case_inputs(n, n, kv_heads, G, Dqk, dv, args.device)
             idx = recorded[:, None].expand(n, kv_heads, recorded.shape[-1]).contiguous()
+        elif c["sets"] == "c":
+            q, kv, gate = case_inputs(Tk, Tk, kv_heads, G, Dqk, dv, args.device)
+            idx = torch.cat([causal_sets(Tk, topk, args.device) for _ in range(kv_heads)], 1)
         else:
             q, kv, gate = case_inputs(T, Tk, kv_heads, G, Dqk, dv, args.device)
             idx = torch.cat([drawn_sets(T, Tk, topk, *SETS[c["sets"]], max(64 // G, 1), device=args.device)

@@ -99,7 +99,7 @@ def test_ab_dsa_runs_each_build(tmp_path, capsys):
     index_sets.save(str(tmp_path / "sets.pt"), {0: sets}, "test")
     ab_dsa.main(["--build", f"lib={library}", "--build", f"xz={tmp_path / 'c.so.xz'}",
                  "--build", f"pkg={os.path.dirname(os.path.dirname(library))}",
-                 "--cases", "gqa:8", "mla:16:m:d:p", "--size", "32", "64", "16", "--device", "cpu", "--rounds", "1",
+                 "--cases", "gqa:8", "mla:16:m:d:p", "gqa:8:c", "--size", "32", "64", "16", "--device", "cpu", "--rounds", "1",
                  "--index-sets", str(tmp_path / "sets.pt")])
     out = capsys.readouterr().out.splitlines()
     assert os.path.join("lib", "kda_dsa_ops") in out[0] and os.path.join("xz", "kda_dsa_ops") in out[1]
@@ -107,7 +107,7 @@ def test_ab_dsa_runs_each_build(tmp_path, capsys):
     assert out[3] == "| case | lib | xz | pkg | xz / lib | pkg / lib |"
     rows = out[5:]
     assert [r.split(" | ")[0] for r in rows] == ["| gqa:8 fwd", "| gqa:8 sfag", "| mla:16:m:d:p fwd",
-                                              "| mla:16:m:d:p sfag"]
+                                              "| mla:16:m:d:p sfag", "| gqa:8:c fwd", "| gqa:8:c sfag"]
     for r in rows:
         assert all(float(cell) > 0 for cell in r.strip("| ").split(" | ")[1:])
 
@@ -131,3 +131,18 @@ def test_ab_dsa_reads_flags_in_either_order():
                                            "portable": True}
     assert ab_dsa.parse_case("gqa:16:w") == {"layout": "gqa", "heads": 16, "sets": "w", "deterministic": False,
                                              "portable": False}
+
+
+def test_causal_sets():
+    # query t: min(topk, t + 1) distinct keys of 0 .. t, then -1
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import index_sets
+
+    T, topk = 40, 16
+    idx = index_sets.causal_sets(T, topk, device="cpu")
+    assert idx.shape == (T, 1, topk) and idx.dtype == torch.int32
+    for t in range(T):
+        row = idx[t, 0]
+        keys = row[row >= 0]
+        assert len(keys) == min(topk, t + 1) and bool((row[len(keys):] == -1).all())
+        assert len(keys.unique()) == len(keys) and int(keys.max()) <= t

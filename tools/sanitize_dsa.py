@@ -30,12 +30,13 @@ def main():
     # the last block short; with 16 heads and distinct keys per query, 4 packed by counting), MLA
     # with more items than SMs (the forward's blocks take several), GQA with padded head dims, GQA
     # with 8 and 16 heads a kv head (packed: the GQA forward's packed kernel and the mma.sync
-    # backward; with p unpacked on the GQA forward's other kernel; 16: distinct keys); -1 entries,
-    # repeats
+    # backward; with p unpacked on the GQA forward's other kernel; 16: distinct keys; 8 at padded
+    # and at full head dims, the last block one query); -1 entries, repeats
     for T, Tk, H, Hkv, D, dv, topk in ((3, 70, 128, 1, 576, 512, 100), (2, 90, 40, 1, 512, 512, 2063),
                                        (11, 50, 8, 1, 576, 512, 70), (11, 300, 16, 1, 576, 512, 70),
                                        (150, 200, 128, 1, 576, 512, 150), (5, 9, 6, 2, 40, 24, 33),
-                                       (11, 60, 16, 2, 64, 48, 40), (9, 300, 64, 4, 128, 128, 70)):
+                                       (11, 60, 16, 2, 64, 48, 40), (17, 300, 32, 4, 128, 128, 70),
+                                       (9, 300, 64, 4, 128, 128, 70)):
         q = torch.randn(T, H, D, device=dev, dtype=bf16, requires_grad=True)
         kv = torch.randn(Tk, Hkv, D, device=dev, dtype=bf16, requires_grad=True)
         gate = torch.randn(T, H, dv, device=dev, dtype=bf16, requires_grad=True)
