@@ -567,7 +567,7 @@ def test_sparse_attention_cuda_splits_packed_and_unpacked_blocks(G):
     a share of its slots (backward: 8 heads 50%, 16 heads 40%; forward: 60%, 20%) runs unpacked, in
     a second launch: in one call, the first 20 queries choose few keys (their blocks packed), the
     others 64 among 3000 (their blocks unpacked); the profile holds both launches, forward and
-    backward."""
+    backward (the packed ones at 8 heads on the GQA packed kernels)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         check_cuda_attention(0, 41, 3000, (2, 128, 128), G, 64, True, False, False, torch.bfloat16, False,
                              crowded=20)
@@ -575,7 +575,8 @@ def test_sparse_attention_cuda_splits_packed_and_unpacked_blocks(G):
     names = {e.name for e in prof.events()}
     packed, unpacked = r", (true|1)>", r", (false|0)>"  # the kernels' last template argument, as named
     packed_fwd = "gqa_packed_fwd_kernel" if G == 8 else r"attn_fwd_kernel<[^>]*" + packed
-    for kernel in [packed_fwd, "gqa_fwd_kernel", r"attn_bwd_kernel<[^>]*" + packed, r"attn_bwd_kernel<[^>]*" + unpacked]:
+    packed_bwd = "gqa_packed_bwd_kernel" if G == 8 else r"attn_bwd_kernel<[^>]*" + packed
+    for kernel in [packed_fwd, "gqa_fwd_kernel", packed_bwd, r"attn_bwd_kernel<[^>]*" + unpacked]:
         assert any(re.search(kernel, n) for n in names), (kernel, names)
 
 

@@ -5,7 +5,8 @@
 // The forward's blocks (packed queries included), key tiles of 32: dq in registers, dkv added to
 // an fp32 buffer with 16-byte atomics, or, deterministic, stored per (query, slot) and summed in
 // index order afterwards. The MLA layouts above 16 heads per kv head take mla_bwd_cuda.cu's
-// kernel on sm_90a instead.
+// kernel on sm_90a instead, and the atomic backward's packed blocks at 8 heads a kv head with Dqk <=
+// 128 gqa_bwd_cuda.cu's.
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
@@ -302,6 +303,8 @@ void bwd_launch(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor&
       const auto run = [&](const AttnBwdArgs& a, int64_t n) {
         if (hopper) {
           mla_bwd_launch<scalar_t>(a, n);
+        } else if (kDqk == 128 && decltype(packed)::value && a.dkv != nullptr && pk.group == 8 && p.H / p.Hkv == 64) {
+          gqa_packed_bwd_launch<scalar_t>(a, n);
         } else {
           launch(attn_bwd_kernel<scalar_t, kDqk, kDv, kRows, decltype(packed)::value>, dim3(n, p.Hkv, a.head_blocks),
                  S::kThreads, S::kSmem, a);
@@ -335,10 +338,17 @@ void bwd_launch(const QueryPack& pk, const at::Tensor& grad_o, const at::Tensor&
       if (chunk >= wave) chunk -= chunk % wave;
       at::Tensor contrib = at::empty({std::min(chunk, p.T) * per_query}, q.options().dtype(at::kFloat));
       const at::Tensor& indices = pk.indices;
-      const at::Tensor rows_of = at::where(indices.ge(0).logical_and(indices.lt(p.Tk)),
-                                           indices * p.Hkv + at::arange(p.Hkv, indices.options()).view({1, -1, 1}),
-                                           at::full({}, p.Tk * p.Hkv, indices.options()))
-                                     .to(at::kInt);
+      const at::Tensor kvh = at::arange(p.Hkv, indices.options()).view({1, -1, 1});
+      at::Tensor rows_of;
+      if (pk.lengths.defined()) {  // packed: a union's keys up to its length, past it none (mostly unwritten)
+        const at::Tensor in = at::arange(p.topk, indices.options()).view({1, 1, -1}).lt(pk.lengths.unsqueeze(-1));
+        rows_of = at::full(indices.sizes(), p.Tk * p.Hkv, indices.options());
+        rows_of.index_put_({in}, indices.index({in}) * p.Hkv + kvh.expand_as(indices).index({in}));
+      } else {
+        rows_of = at::where(indices.ge(0).logical_and(indices.lt(p.Tk)), indices * p.Hkv + kvh,
+                            at::full({}, p.Tk * p.Hkv, indices.options()))
+                      .to(at::kInt);
+      }
       at::Tensor dkv_rows = dkv.view({-1, p.Dqk});
       for (int64_t t0 = 0; t0 < p.T; t0 += chunk) {
         const int64_t n = std::min(chunk, p.T - t0);

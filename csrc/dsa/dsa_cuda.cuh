@@ -15,11 +15,15 @@
 //   mla_fwd_cuda.cu       SFA forward for the MLA layout on sm_90a: a gathering producer
 //                         warpgroup and two wgmma consumer warpgroups
 //   gqa_fwd_cuda.cu       SFA forward at 8 or 16 heads a kv head, Dqk <= 128 (mma.sync): keys
-//                         along the mma's rows; packed at 8 heads, a producer warp gathering the
-//                         block's union and a warp a query over its own slots; unpacked, four
-//                         warps a (query, kv head), each over its own tiles, merged at the end
+//                         along the mma's rows (gqa_cuda.cuh); packed at 8 heads, producer
+//                         warps gathering the block's union and a warp a query over its own
+//                         slots; unpacked, four warps a (query, kv head), each over its own tiles,
+//                         merged at the end
 //   attn_bwd_cuda.cu      SFA backward: the forward's blocks, dq in registers, dkv added to an fp32
 //                         buffer (atomically, or stored per (query, slot) and summed in index order)
+//   gqa_bwd_cuda.cu       SFA backward of the packed blocks at 8 heads a kv head, Dqk <= 128
+//                         (atomic dkv): the packed forward's walk, a warp a query for S, dP and
+//                         dq, dkv dense over each tile's slots
 //   mla_bwd_cuda.cu       SFA backward for the MLA layout on sm_90a: a gathering producer warpgroup
 //                         and two wgmma consumer warpgroups, dkv by 16-byte atomics per 64 columns
 //   pack_cuda.cu          packed queries at 8, 16 or 32 heads a kv head (QueryPack): a block's
@@ -623,6 +627,10 @@ void attn_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& k
 bool gqa_fwd_takes(const AttnProblem& p, int64_t group = 1);
 void gqa_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,
                   at::Tensor& o, at::Tensor& lse, at::Tensor& probs);
+// The atomic backward's packed launch at 8 heads a kv head (8 queries a block), Dqk <= 128: a warp a
+// query over its own slots (gqa_bwd_cuda.cu), over `blocks` packed blocks.
+template <typename T>
+void gqa_packed_bwd_launch(const AttnBwdArgs& a, int64_t blocks);
 // The MLA layout (Dqk 576, dv 512, one kv head) on sm_90a, unless the portable_sfa switch is on.
 bool mla_fwd_takes(const AttnProblem& p, const at::Tensor& q);
 void mla_fwd_cuda(const QueryPack& pk, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& gate,

@@ -28,6 +28,14 @@ constexpr int64_t kPackEntries = kPackThreads * 32;
 // registers, two CTAs an SM, and at 2 queries a block, Tk 8192, 0.230 ms against 0.182 now, H200).
 constexpr int64_t kCountWords = 48 * 1024;
 constexpr int kBatch = 8;
+// The slots past a union's length that a kernel reads (its last tile's, as -1 and 0): up to a
+// multiple of 128, the Hopper MLA forward's tile pairs and the GQA packed forward's tiles (the
+// deterministic backward's sum masks the slots past each length). The rest stay unwritten.
+constexpr int kPackTail = 128;
+
+__device__ __forceinline__ int filled_slots(int length, int n) {
+  return static_cast<int>(min(int64_t{n}, ceil_div(length, kPackTail) * kPackTail));
+}
 
 struct PackArgs {
   const int32_t* indices;  // [T, Hkv, topk]
@@ -140,7 +148,7 @@ __global__ void __launch_bounds__(kPackThreads, 4) count_kernel(const PackArgs a
       if (at >= 0) a.slot_of[es.base + at] = k >= 0 ? static_cast<int64_t>(words[k] >> 8) : -1;
     });
   }
-  for (int s = length + threadIdx.x; s < n; s += kPackThreads) {
+  for (int s = length + threadIdx.x; s < filled_slots(length, n); s += kPackThreads) {
     a.union_idx[row + s] = -1;
     a.member[row + s] = 0;
   }
@@ -244,7 +252,7 @@ __global__ void __launch_bounds__(kPackThreads, 1) sort_kernel(const PackArgs a)
     if (a.slot_of != nullptr && at >= 0) a.slot_of[at] = has ? slot : -1;
   }
   __syncthreads();
-  for (int s = threadIdx.x; s < n; s += kPackThreads) {
+  for (int s = threadIdx.x; s < filled_slots(length, n); s += kPackThreads) {
     a.member[row + s] = static_cast<uint8_t>(sh.member[s]);
     if (s >= length) a.union_idx[row + s] = -1;
   }
