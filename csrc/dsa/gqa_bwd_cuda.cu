@@ -12,10 +12,11 @@
 // for all 64 rows whichever queries chose it; here S, dP and dq load them for the chosen rows only
 // (H200, 4 kv heads, T 4096, Tk 8192, SFAG: random sets 8.06 -> 6.81 ms, window sets 4.61 -> 4.37,
 // causal random sets over 8192 tokens 8.49 -> 7.86).
-// The walk, the rows' prologue and the dkv adds are written out here as in the kernels they
-// follow: as shared functions (the walk's queues an object, the adds and the prologue the dense
-// kernel's helpers) they cost this kernel 5%, the packed forward 1.5% and G 64's SFAG 0.6% (same
-// SASS counts; A/B on the H200, 2026-12-05).
+// The consumers' walk, the rows' prologue and the dkv adds are written out here as in the kernels
+// they follow: as shared functions (the walk's queues an object, the adds and the prologue the
+// dense kernel's helpers) they cost this kernel 5%, the packed forward 1.5% and G 64's SFAG 0.6%
+// (same SASS counts; A/B on the H200, 2026-12-05). The producers' function (gqa_cuda.cuh) leaves
+// both packed kernels' SASS as it was.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "dsa/gqa_cuda.cuh"
@@ -87,41 +88,9 @@ __global__ void __launch_bounds__(PackedBwdShape::kThreads, 1) gqa_packed_bwd_ke
   }
   __syncthreads();
 
-  if (warp >= P::kQueries) {
-    // The producers, as the forward's, and each slot's key for dkv's adds.
-    constexpr int kH = kU / 32 / P::kProducers;
-    const int first = (warp - P::kQueries) * kH * 32;
-    const KvPieces<T> pieces(a, kvh);
-    int key[kH];
-    uint32_t chose[kH];
-    const auto load_slots = [&](int i) {
-#pragma unroll
-      for (int h = 0; h < kH; ++h) {
-        const int slot = i * kU + first + 32 * h + lane;
-        const int k = slot < length ? a.indices[base + slot] : -1;
-        key[h] = k >= 0 && k < a.Tk ? k : -1;
-        chose[h] = slot < length ? a.member[base + slot] : 0u;
-      }
-    };
-    load_slots(0);
-    for (int i = 0; i < tiles; ++i) {
-      const int s = i % kStages;
-      sm90::mbar_wait(&empty[s], (i / kStages & 1) ^ 1);
-#pragma unroll
-      for (int h = 0; h < kH; ++h) {
-        atomicExch(words + s * kU + first + 32 * h + lane, key[h] >= 0 ? chose[h] : 0u);
-        atomicExch(keys + s * kU + first + 32 * h + lane, key[h]);
-      }
-      T* dst = ring + (s * kU + first) * kLd;
-#pragma unroll
-      for (int r = 0; r < kH * 16; ++r) {
-        const int row = 2 * r + lane / 16;
-        pieces.copy(dst + row * kLd, __shfl_sync(~0u, key[r / 16], row % 32));
-      }
-      sm90::mbar_arrive_cp_async(&full[s]);
-      sm90::mbar_arrive(&full[s]);
-      if (i + 1 < tiles) load_slots(i + 1);
-    }
+  if (warp >= P::kQueries) {  // the producers, with each slot's key for dkv's adds
+    produce_union<kU, kStages, P::kProducers, true>(a, kvh, base, length, warp - P::kQueries, ring, words, keys,
+                                                    full, empty);
     return;
   }
 

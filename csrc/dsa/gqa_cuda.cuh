@@ -1,6 +1,6 @@
 // What the GQA kernels at 8 heads a kv head (Dqk, dv <= 128; gqa_fwd_cuda.cu, gqa_bwd_cuda.cu) share:
 // the keys along the mma's rows, each lane's ldmatrix row address saying which key a step's row
-// holds, and the kv rows' gathers.
+// holds, the kv rows' gathers, and the packed kernels' producer warps.
 #pragma once
 
 #include "dsa/dsa_cuda.cuh"
@@ -55,5 +55,52 @@ struct KvPieces {
     cp_async_16_zfill(dst + threadIdx.x % 16 * 8, base + uint64_t{key} * stride, valid);
   }
 };
+
+// A packed block's producer warp `producer` of kProducers (the packed forward's and backward's):
+// its share of each tile i of the block's union (slots base .. base + length of AttnArgs' indices and
+// member, kv head kvh) into stage i % kStages of the ring (kU rows a stage) once the tile before it
+// there is released (empty), then arrives on full: lanes 16 h .. 16 h + 15 copy row first + 2 r + h's
+// 16-byte pieces (zeros past Dqk and for a slot without a key), lane l the member bits (and, kKeys,
+// the key into keys, -1 for none) of slots first + l, first + l + 32, ..
+template <int kU, int kStages, int kProducers, bool kKeys, typename T>
+__device__ __forceinline__ void produce_union(const AttnArgs& a, int kvh, int64_t base, int length, int producer,
+                                              T* ring, uint32_t* words, int32_t* keys, uint64_t* full,
+                                              uint64_t* empty) {
+  constexpr int kH = kU / 32 / kProducers;  // 32-slot pieces a producer
+  const int lane = threadIdx.x % 32, tiles = (length + kU - 1) / kU;
+  const int first = producer * kH * 32;  // its first slot of a tile
+  const KvPieces<T> pieces(a, kvh);
+  int key[kH];
+  uint32_t chose[kH];
+  // Its share of tile i's keys and member bits (slot first + 32 h + lane: -1 and 0 without a key).
+  const auto load_slots = [&](int i) {
+#pragma unroll
+    for (int h = 0; h < kH; ++h) {
+      const int slot = i * kU + first + 32 * h + lane;
+      const int k = slot < length ? a.indices[base + slot] : -1;
+      key[h] = k >= 0 && k < a.Tk ? k : -1;
+      chose[h] = slot < length ? a.member[base + slot] : 0u;
+    }
+  };
+  load_slots(0);
+  for (int i = 0; i < tiles; ++i) {
+    const int s = i % kStages;
+    sm90::mbar_wait(&empty[s], (i / kStages & 1) ^ 1);
+#pragma unroll
+    for (int h = 0; h < kH; ++h) {
+      atomicExch(words + s * kU + first + 32 * h + lane, key[h] >= 0 ? chose[h] : 0u);
+      if constexpr (kKeys) atomicExch(keys + s * kU + first + 32 * h + lane, key[h]);
+    }
+    T* dst = ring + (s * kU + first) * kLd;
+#pragma unroll
+    for (int r = 0; r < kH * 16; ++r) {
+      const int row = 2 * r + lane / 16;
+      pieces.copy(dst + row * kLd, __shfl_sync(~0u, key[r / 16], row % 32));  // (row / 32 = r / 16)
+    }
+    sm90::mbar_arrive_cp_async(&full[s]);
+    sm90::mbar_arrive(&full[s]);
+    if (i + 1 < tiles) load_slots(i + 1);
+  }
+}
 
 }  // namespace kda_dsa_ops::dsa::gqa

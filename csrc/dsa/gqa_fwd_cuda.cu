@@ -267,41 +267,8 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
   __syncthreads();
 
   if (warp >= P::kQueries) {
-    // The producers: each its half of tile i (slots first ..) into stage i % kStages once the tile
-    // before it there is released; lanes 16 h .. 16 h + 15 copy row first + 2 r + h's 16-byte pieces
-    // (zeros past Dqk and for a slot without a key), lane l the member bits of slots first + l,
-    // first + l + 32, ..
-    constexpr int kH = kU / 32 / P::kProducers;  // 32-slot pieces a producer
-    const int first = (warp - P::kQueries) * kH * 32;  // its first slot of a tile
-    const KvPieces<T> pieces(a, kvh);
-    int key[kH];
-    uint32_t chose[kH];
-    // Its half of tile i's keys and member bits (slot first + 32 h + lane: -1 and 0 without a key).
-    const auto load_slots = [&](int i) {
-#pragma unroll
-      for (int h = 0; h < kH; ++h) {
-        const int slot = i * kU + first + 32 * h + lane;
-        const int k = slot < length ? a.indices[base + slot] : -1;
-        key[h] = k >= 0 && k < a.Tk ? k : -1;
-        chose[h] = slot < length ? a.member[base + slot] : 0u;
-      }
-    };
-    load_slots(0);
-    for (int i = 0; i < tiles; ++i) {
-      const int s = i % kStages;
-      sm90::mbar_wait(&empty[s], (i / kStages & 1) ^ 1);
-#pragma unroll
-      for (int h = 0; h < kH; ++h) atomicExch(words + s * kU + first + 32 * h + lane, key[h] >= 0 ? chose[h] : 0u);
-      T* dst = ring + (s * kU + first) * kLd;
-#pragma unroll
-      for (int r = 0; r < kH * 16; ++r) {
-        const int row = 2 * r + lane / 16;
-        pieces.copy(dst + row * kLd, __shfl_sync(~0u, key[r / 16], row % 32));  // (row / 32 = r / 16)
-      }
-      sm90::mbar_arrive_cp_async(&full[s]);
-      sm90::mbar_arrive(&full[s]);
-      if (i + 1 < tiles) load_slots(i + 1);
-    }
+    produce_union<kU, kStages, P::kProducers, false>(a, kvh, base, length, warp - P::kQueries, ring, words,
+                                                     static_cast<int32_t*>(nullptr), full, empty);
     return;
   }
   if (warp >= queries) return;
