@@ -1,6 +1,6 @@
 // What the GQA kernels at 8 heads a kv head (Dqk, dv <= 128; gqa_fwd_cuda.cu, gqa_bwd_cuda.cu) share:
 // the keys along the mma's rows, each lane's ldmatrix row address saying which key a step's row
-// holds, the kv rows' gathers, and the packed kernels' producer warps.
+// holds, the kv rows' gathers, and the packed kernels' ring and producer warps.
 #pragma once
 
 #include "dsa/dsa_cuda.cuh"
@@ -55,6 +55,50 @@ struct KvPieces {
     cp_async_16_zfill(dst + threadIdx.x % 16 * 8, base + uint64_t{key} * stride, valid);
   }
 };
+
+// A consumer warp's queues (the packed kernels'): queue r (lanes r, r + 8, .. keep its head and
+// tail) holds the chosen rows of the ring whose index % 8 is r, in arrival order, up to kQueue of
+// them. queue_tile: the rows of the tile in stage s (kU slots; words: their member bits) that have
+// bit `query`, after the queue's tail.
+template <int kU, int kQueue>
+__device__ __forceinline__ void queue_tile(uint16_t* queue, int& tail, const uint32_t* words, int s, int query) {
+  const int lane = threadIdx.x % 32, r = lane % 8;
+#pragma unroll
+  for (int h = 0; h < kU / 32; ++h) {
+    const int slot = 32 * h + lane;  // (its row's group: r)
+    const bool has = words[s * kU + slot] >> query & 1;
+    const uint32_t mine = __ballot_sync(~0u, has) & 0x01010101u << r;
+    if (has) queue[(tail + __popc(mine & ((1u << lane) - 1))) % kQueue] = s * kU + slot;
+    tail += __popc(mine);
+  }
+}
+// A step of kM x 16 rows takes up to 2 kM of each queue, step row 8 j + r the queue's j-th: its
+// mask has bit 8 j + r where queue r had a j-th row (`waiting` of them).
+template <int kM>
+__device__ __forceinline__ uint32_t step_mask(int waiting) {
+  uint32_t mask = 0;
+#pragma unroll
+  for (int j = 0; j < 2 * kM; ++j) mask |= (__ballot_sync(~0u, waiting > j) & 0xffu) << (8 * j);
+  return mask;
+}
+
+// A packed block's ring before the roles part (every thread): its 8 rows of zeros from row kZeroRow
+// (one a bank group, a step's gaps) and the barriers of its kStages stages (full: the kProducers
+// producer warps' lanes; empty: `consumers` warps).
+template <int kZeroRow, int kStages, int kProducers, typename T>
+__device__ __forceinline__ void start_ring(T* ring, uint64_t* full, uint64_t* empty, int consumers) {
+  for (int i = threadIdx.x; i < 8 * kLd / 8; i += blockDim.x) {
+    reinterpret_cast<uint4*>(ring + kZeroRow * kLd)[i] = make_uint4(0, 0, 0, 0);
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(&full[s], 32 * kProducers);
+      sm90::mbar_init(&empty[s], consumers);
+    }
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+}
 
 // A packed block's producer warp `producer` of kProducers (the packed forward's and backward's):
 // its share of each tile i of the block's union (slots base .. base + length of AttnArgs' indices and

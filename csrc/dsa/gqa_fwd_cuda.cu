@@ -254,17 +254,7 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
   const int queries = static_cast<int>(min(int64_t{a.group}, (a.rows_total - first_row) / heads));
   const int length = a.lengths[t * a.Hkv + kvh], tiles = (length + kU - 1) / kU;
   const int64_t base = (t * a.Hkv + kvh) * a.topk;  // the block's union
-  for (int i = threadIdx.x; i < 8 * kLd / 8; i += blockDim.x) {
-    reinterpret_cast<uint4*>(ring + P::kZeroRow * kLd)[i] = make_uint4(0, 0, 0, 0);
-  }
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      sm90::mbar_init(&full[s], 32 * P::kProducers);
-      sm90::mbar_init(&empty[s], queries);
-    }
-    sm90::mbar_init_fence();
-  }
-  __syncthreads();
+  start_ring<P::kZeroRow, kStages, P::kProducers>(ring, full, empty, queries);
 
   if (warp >= P::kQueries) {
     produce_union<kU, kStages, P::kProducers, false>(a, kvh, base, length, warp - P::kQueries, ring, words,
@@ -286,9 +276,7 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
   const auto step = [&](auto m_tiles) {
     constexpr int kM = decltype(m_tiles)::value;
     const int waiting = tail - head;
-    uint32_t mask = 0;  // bit 8 j + r: queue r has a j-th row
-#pragma unroll
-    for (int j = 0; j < 2 * kM; ++j) mask |= (__ballot_sync(~0u, waiting > j) & 0xffu) << (8 * j);
+    const uint32_t mask = step_mask<kM>(waiting);
     StepRows<T> sr[kM];
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
@@ -311,14 +299,7 @@ __global__ void __launch_bounds__(PackedShape::kThreads, 2) gqa_packed_fwd_kerne
   for (int i = 0; i < tiles; ++i) {
     const int s = i % kStages, before = tail;
     sm90::mbar_wait(&full[s], i / kStages & 1);
-#pragma unroll
-    for (int h = 0; h < kU / 32; ++h) {
-      const int slot = 32 * h + lane;  // (its row's group: r)
-      const bool has = words[s * kU + slot] >> warp & 1;
-      const uint32_t mine = __ballot_sync(~0u, has) & 0x01010101u << r;
-      if (has) queue[(tail + __popc(mine & ((1u << lane) - 1))) % P::kQueue] = s * kU + slot;
-      tail += __popc(mine);
-    }
+    queue_tile<kU, P::kQueue>(queue, tail, words, s, warp);
     __syncwarp();
     while (__all_sync(~0u, tail - head >= 4)) take();
     while (__any_sync(~0u, head < before)) take();  // the tile before's rows: it is released now
