@@ -15,8 +15,8 @@
 // The consumers' walk, the rows' prologue and the dkv adds are written out here as in the kernels
 // they follow: as shared functions (the walk's queues an object, the adds and the prologue the
 // dense kernel's helpers) they cost this kernel 5%, the packed forward 1.5% and G 64's SFAG 0.6%
-// (same SASS counts; A/B on the H200, 2026-12-05). The producers' function (gqa_cuda.cuh) leaves
-// both packed kernels' SASS as it was.
+// (same SASS counts; A/B on the H200, 2026-12-05). The functions of gqa_cuda.cuh (the ring's set-up,
+// the producers, the queue push, the step mask) leave both packed kernels' SASS as it was.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "dsa/gqa_cuda.cuh"
