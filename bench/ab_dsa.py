@@ -10,10 +10,10 @@ put around it), or a directory put first on PYTHONPATH (a package of its own). A
 LAYOUT:HEADS[:SETS][:d][:p]: gqa (4 kv heads of 128 / 128) or mla (one kv head of 576 / 512), HEADS
 query heads a kv head; SETS r random (the default), w the 4096 keys before each query, s the same
 with 90% of a packed block's keys in common, c causal random over one sequence (T = Tk = TK), m
---index-sets' first layer (T = Tk its tokens); d:
-the deterministic backward; p (mla only): the portable kernels (the portable_sfa switch). Shapes as bench_dsa.py's (T 4096, Tk 8192, topk 2048, gated, bf16;
---size for others). The last columns: each build's median over the rounds against the first
-build's. (--device cpu runs the CPU kernels, timed with a clock: for the tests.)
+--index-sets' first layer (T = Tk its tokens); d: the deterministic backward; p (mla only): the
+portable kernels (the portable_sfa switch). Shapes as bench_dsa.py's (T 4096, Tk 8192, topk 2048,
+gated, bf16; --size for others). The last columns: each build's median over the rounds against the
+first build's. (--device cpu runs the CPU kernels, timed with a clock: for the tests.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The index sets the DSA benchmarks run on: drawn at random (from all keys, from a window before each
-query, with a share of keys common to a packed block's queries, or causal over one sequence), or recorded from a checkpoint's
-own indexers over a text, and the overlap that decides what packing queries buys (union_share).
+query, with a share of keys common to a packed block's queries, or causal over one sequence), or
+recorded from a checkpoint's own indexers over a text, and the overlap that decides what packing
+queries buys (union_share).
 
     python bench/index_sets.py CHECKPOINT --text FILE [--tokenizer DIR] [--tokens 8192] [--layers N] --out SETS.pt
     python bench/index_sets.py CHECKPOINT --ids FILE ... --out SETS.pt      # token ids, whitespace-separated
@@ -47,8 +48,8 @@ def drawn_sets(T: int, Tk: int, topk: int, window, shared, group: int, device="c
 def causal_sets(T: int, topk: int, device="cuda") -> torch.Tensor:
     """[T, 1, topk] one causal sequence's random sets (T = Tk): query t's min(topk, t + 1) distinct keys
     drawn from keys 0 .. t, -1 for the rest (a training sequence's geometry, as recorded sets have it)."""
-    score = torch.rand(T, T, device=device).masked_fill_(torch.ones(T, T, dtype=torch.bool, device=device).triu_(1), -1)
-    top = score.topk(topk, dim=-1)
+    later = torch.ones(T, T, dtype=torch.bool, device=device).triu_(1)  # keys after the query
+    top = torch.rand(T, T, device=device).masked_fill_(later, -1).topk(topk, dim=-1)
     return torch.where(top.values >= 0, top.indices, -1).int()[:, None]
 
 

@@ -28,22 +28,13 @@ namespace {
 using namespace gqa;
 
 // (One CTA of 10 warps an SM: 168 registers a thread.)
-struct PackedBwdShape {
-  static constexpr int kQueries = 8, kRows = 64;
-  static constexpr int kProducers = 2;
-  static constexpr int kThreads = (kQueries + kProducers) * 32;
-  static constexpr int kU = 64;      // slots of a tile
-  static constexpr int kStages = 3;  // tiles in the ring
-  static constexpr int kQueue = 2 * kU / 8;
-  static constexpr int kList = 8 * kQueue;
-  static constexpr int kZeroRow = kStages * kU;
+struct PackedBwdShape : PackedRing<64, 3, 2> {
+  static constexpr int kRows = 64;               // the block's query rows
   static constexpr int kLdB = kStages * kU + 8;  // P and dS: a row's ring slots (25 16-byte pieces)
-  static constexpr size_t kRing = size_t{kStages * kU + 8} * kLd * 2;
   static constexpr size_t kRowsQA = size_t{2} * kRows * kLd * 2;  // Q and dA, the block's 64 rows
   static constexpr size_t kBufs = size_t{2} * kRows * kLdB * 2;   // P and dS
   static constexpr size_t kSlots = size_t{2} * kStages * kU * 4;  // the slots' member bits and keys
-  static constexpr size_t kLists = size_t{kQueries} * kList * 2;
-  static constexpr size_t kRowStats = size_t{2} * kRows * 4;  // delta, lse (log2 units)
+  static constexpr size_t kRowStats = size_t{2} * kRows * 4;      // delta, lse (log2 units)
   static constexpr size_t kSmem = kRing + kRowsQA + kBufs + kSlots + kLists + kRowStats + 2 * kStages * sizeof(uint64_t);
   static_assert((kRing + kRowsQA + kBufs + kSlots + kLists + kRowStats) % 8 == 0, "the mbarriers' alignment");
   static_assert(kSmem <= kMaxSmem, "shared memory");

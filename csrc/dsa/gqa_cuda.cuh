@@ -56,6 +56,24 @@ struct KvPieces {
   }
 };
 
+// The packed kernels' shape: kQueries consumer warps (one a query), then kProducers producer warps;
+// a ring of kStages tiles of kU slots, and 8 rows of zeros after it (one a bank group, a step's
+// gaps); a warp's waiting rows in 8 queues by bank group (row index % 8), each of up to the rows of
+// two tiles' slots in that group.
+template <int kU_, int kStages_, int kProducers_>
+struct PackedRing {
+  static constexpr int kQueries = 8;
+  static constexpr int kProducers = kProducers_;  // warps, each gathering its share of every tile
+  static constexpr int kThreads = (kQueries + kProducers) * 32;
+  static constexpr int kU = kU_;            // slots of a tile
+  static constexpr int kStages = kStages_;  // tiles in the ring
+  static constexpr int kQueue = 2 * kU / 8;
+  static constexpr int kList = 8 * kQueue;
+  static constexpr int kZeroRow = kStages * kU;
+  static constexpr size_t kRing = size_t{kStages * kU + 8} * kLd * 2;
+  static constexpr size_t kLists = size_t{kQueries} * kList * 2;
+};
+
 // A consumer warp's queues (the packed kernels'): queue r (lanes r, r + 8, .. keep its head and
 // tail) holds the chosen rows of the ring whose index % 8 is r, in arrival order, up to kQueue of
 // them. queue_tile: the rows of the tile in stage s (kU slots; words: their member bits) that have

@@ -214,20 +214,8 @@ struct GqaWarp {
 
 // The packed kernel (8 heads a kv head, 8 queries a block): a consumer warp per query, then the
 // producer warps (20 warps an SM, five a scheduler, 96 registers a thread as with one).
-struct PackedShape {
-  static constexpr int kQueries = 8;
-  static constexpr int kProducers = 2;  // warps, each gathering half of every tile
-  static constexpr int kThreads = (kQueries + kProducers) * 32;
-  static constexpr int kU = 128;      // slots of a tile
-  static constexpr int kStages = 3;   // tiles in the ring
-  // A warp's waiting rows in 8 queues by bank group (row index % 8), each of up to the rows of two
-  // tiles' slots in that group.
-  static constexpr int kQueue = 2 * kU / 8;
-  static constexpr int kList = 8 * kQueue;
-  static constexpr int kZeroRow = kStages * kU;  // 8 rows of zeros, one a bank group (a step's gaps)
-  static constexpr size_t kRing = size_t{kStages * kU + 8} * kLd * 2;
+struct PackedShape : PackedRing<128, 3, 2> {
   static constexpr size_t kWords = size_t{kStages} * kU * 4;  // the slots' member bits
-  static constexpr size_t kLists = size_t{kQueries} * kList * 2;
   static constexpr size_t kSmem = kRing + kWords + kLists + 2 * kStages * sizeof(uint64_t);
   static_assert((kRing + kWords + kLists) % 8 == 0, "the mbarriers' alignment");
 };
